@@ -1,0 +1,55 @@
+"""dask-services: stateful, distributed services inside Dask task graphs.
+
+>>> import dask_services
+>>> class Sum(dask_services.Service):
+...     async def add_key(self, key, data): ...
+
+See the README for a tour, and ``design/architecture.md`` for how it works.
+"""
+
+from __future__ import annotations
+
+from dask_services import config as _config  # noqa: F401  (registers config defaults)
+from dask_services.client import install, install_async, service_task, submit
+from dask_services.service import (
+    Concierge,
+    OutputLostError,
+    PeerHandle,
+    ProduceKeyError,
+    RPCRefused,
+    Service,
+    ServiceError,
+    ServiceGraphError,
+    ServiceId,
+    StaleRunError,
+    TooManyRestarts,
+    rpc,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Concierge",
+    "OutputLostError",
+    "PeerHandle",
+    "ProduceKeyError",
+    "RPCRefused",
+    "Service",
+    "ServiceError",
+    "ServiceGraphError",
+    "ServiceId",
+    "StaleRunError",
+    "TooManyRestarts",
+    "install",
+    "install_async",
+    "rpc",
+    "service_task",
+    "submit",
+]
+
+
+def dask_setup(scheduler) -> None:  # type: ignore[no-untyped-def]
+    """``dask scheduler --preload dask_services`` installs the scheduler plugin."""
+    from dask_services.scheduler import ServiceSchedulerPlugin
+
+    scheduler.add_plugin(ServiceSchedulerPlugin(), idempotent=True)

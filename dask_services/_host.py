@@ -1,0 +1,394 @@
+"""Hosting instances: lifecycle hooks, the concierge, peer handles and ordered peer RPC.
+
+One :class:`ServiceHost` per worker (``worker.py``) or per in-process run (``local.py``).
+The host knows nothing about networks or schedulers: it talks to its environment through
+an :class:`Environment` (report hooks, produce outputs, send RPCs to other hosts).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from dask_services.service import (
+    Concierge,
+    ProduceKeyError,
+    RPCRefused,
+    Service,
+    ServiceId,
+    StaleRunError,
+    is_rpc_method,
+)
+
+logger = logging.getLogger("dask_services")
+Key = Hashable
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """What the scheduler tells one instance about its run."""
+
+    service_key: Key
+    run_id: int
+    id: ServiceId
+    peers: Mapping[ServiceId, str]  # id -> address of the host holding it
+    input_keys: Sequence[Key]
+    output_keys: Sequence[Key]
+    wanted: Sequence[Key]
+    owners: Mapping[Key, ServiceId]
+    leader: ServiceId
+    service_class: type[Service]
+    params: Mapping[str, Any]
+
+
+class Environment(abc.ABC):
+    """What a host needs from the place it lives in."""
+
+    address: str
+    local_directory: str
+    memory_limit: int | None
+
+    @abc.abstractmethod
+    def started(self, spec: InstanceSpec) -> None: ...
+
+    @abc.abstractmethod
+    def failed(self, spec: InstanceSpec, exc: BaseException) -> None: ...
+
+    @abc.abstractmethod
+    def restart(self, spec: InstanceSpec, reason: str) -> None: ...
+
+    @abc.abstractmethod
+    def produced(self, spec: InstanceSpec, key: Key, value: Any) -> None: ...
+
+    @abc.abstractmethod
+    async def send_rpc(
+        self, address: str, target: ServiceId, source: ServiceId, seq: int,
+        method: str, args: tuple, kwargs: dict,
+    ) -> Any: ...
+
+    @abc.abstractmethod
+    async def run_in_executor(self, fn: Callable[..., T], *args: Any) -> T: ...
+
+
+@dataclass(eq=False)
+class Instance:
+    """A live instance and the framework's bookkeeping around it."""
+
+    spec: InstanceSpec
+    service: Service
+    directory: str
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    stopping: bool = False
+    produced: set[Key] = field(default_factory=set)
+    hooks: set[asyncio.Task] = field(default_factory=set)
+    next_seq_out: dict[ServiceId, int] = field(default_factory=dict)
+    next_seq_in: dict[ServiceId, int] = field(default_factory=dict)
+    inbox: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+
+class InstanceConcierge(Concierge):
+    def __init__(self, host: ServiceHost, instance: Instance) -> None:
+        self._host = host
+        self._instance = instance
+
+    @property
+    def run_id(self) -> int:
+        return self._instance.spec.run_id
+
+    @property
+    def local_directory(self) -> str:
+        return self._instance.directory
+
+    @property
+    def memory_limit(self) -> int | None:
+        return self._host.env.memory_limit
+
+    @property
+    def wanted_outputs(self) -> Sequence[Key]:
+        return self._instance.spec.wanted
+
+    def owner(self, output_key: Key) -> ServiceId:
+        try:
+            return self._instance.spec.owners[output_key]
+        except KeyError:
+            raise ProduceKeyError(
+                f"{output_key!r} is not a wanted output of service task "
+                f"{self._instance.spec.service_key!r}"
+            ) from None
+
+    async def produce_key(self, key: Key, value: Any) -> None:
+        inst = self._instance
+        if inst.stopping:
+            raise StaleRunError(
+                f"instance {inst.spec.id} of {inst.spec.service_key!r} is stopped; "
+                "it can no longer produce outputs"
+            )
+        if key not in inst.spec.owners:
+            hint = (
+                "it is an output that is not wanted by this run (culled, or already in memory)"
+                if key in inst.spec.output_keys
+                else f"the outputs are {list(inst.spec.output_keys)[:5]!r}..."
+            )
+            raise ProduceKeyError(
+                f"{key!r} is not a wanted output of service task "
+                f"{inst.spec.service_key!r}; {hint}"
+            )
+        if key in inst.produced:
+            raise ProduceKeyError(f"output {key!r} was already produced by {inst.spec.id}")
+        inst.produced.add(key)
+        self._host.env.produced(inst.spec, key, value)
+
+    def error(self, exc: BaseException) -> None:
+        self._host.env.failed(self._instance.spec, exc)
+
+    def restart(self, reason: str = "restart requested by the service") -> None:
+        self._host.env.restart(self._instance.spec, reason)
+
+    async def run_in_executor(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        if kwargs:
+            return await self._host.env.run_in_executor(lambda: fn(*args, **kwargs))
+        return await self._host.env.run_in_executor(fn, *args)
+
+
+class PeerHandle:
+    """``await handle.method(*args, **kwargs)`` calls ``method`` on instance ``id``."""
+
+    __slots__ = ("_host", "_source", "id")
+
+    def __init__(self, host: ServiceHost, source: Instance, target: ServiceId) -> None:
+        self._host = host
+        self._source = source
+        self.id = target
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name.startswith("_"):
+            raise RPCRefused(
+                f"peer method {name!r} refused: private names cannot be called on peers"
+            )
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            seq = self._source.next_seq_out.get(self.id, 0)
+            self._source.next_seq_out[self.id] = seq + 1
+            return self._host.call_peer(self._source, self.id, seq, name, args, kwargs)
+
+        call.__name__ = name
+        return call
+
+    def __repr__(self) -> str:
+        return f"<PeerHandle {self.id}>"
+
+
+class ServiceHost:
+    """The instances living in one place (a worker, or one in-process run)."""
+
+    def __init__(self, env: Environment) -> None:
+        self.env = env
+        self.instances: dict[ServiceId, Instance] = {}
+        # service key -> the most recent instance started here
+        self.current: dict[Key, Instance] = {}
+
+    # ------------------------------------------------------------- lifecycle
+
+    def create(self, spec: InstanceSpec) -> Instance:
+        """Create the instance at once (so that hand-offs find it); start it later."""
+        directory = tempfile.mkdtemp(
+            prefix=f"{spec.id}-".replace("/", "_"), dir=self.env.local_directory
+        )
+        service = spec.service_class()
+        service.id = spec.id
+        service.key = spec.service_key
+        service.input_keys = tuple(spec.input_keys)
+        service.output_keys = tuple(spec.output_keys)
+        service.leader = spec.leader
+        service.params = dict(spec.params)
+        inst = Instance(spec=spec, service=service, directory=directory)
+        service.concierge = InstanceConcierge(self, inst)
+        service.peers = {sid: PeerHandle(self, inst, sid) for sid in spec.peers}
+        self.instances[spec.id] = inst
+        self.current[spec.service_key] = inst
+        return inst
+
+    async def start(self, inst: Instance) -> None:
+        s = inst.service
+        ok = await self._hook(
+            inst,
+            s.start,
+            s.id, s.key, s.peers, s.input_keys, s.output_keys, s.concierge, s.leader,
+            **inst.spec.params,
+            wait_started=False,
+        )
+        if ok:
+            inst.started.set()
+            self.env.started(inst.spec)
+
+    async def all_started(self, sid: ServiceId) -> None:
+        inst = self.instances.get(sid)
+        if inst is not None:
+            await self._hook(inst, inst.service.all_started)
+
+    async def all_inputs_done(self, sid: ServiceId) -> None:
+        inst = self.instances.get(sid)
+        if inst is not None:
+            await self._hook(inst, inst.service.all_inputs_done)
+
+    async def add_key(self, sid: ServiceId, key: Key, data: Any) -> bool:
+        """Hand one input to instance ``sid``; False if it is gone or the hook failed."""
+        inst = self.instances.get(sid)
+        if inst is None or inst.stopping:
+            return False
+        return await self._hook(inst, inst.service.add_key, key, data)
+
+    async def stop(self, sid: ServiceId) -> None:
+        inst = self.instances.get(sid)
+        if inst is None or inst.stopping:
+            return
+        inst.stopping = True
+        current = asyncio.current_task()
+        pending = [t for t in inst.hooks if t is not current]
+        for t in pending:
+            t.cancel()
+        for t in pending:
+            with contextlib.suppress(BaseException):
+                await t
+        async with inst.inbox:
+            inst.inbox.notify_all()
+        try:
+            await inst.service.stop()
+        except Exception:
+            logger.exception("stop() of %s (%r) raised", sid, inst.spec.service_key)
+        finally:
+            shutil.rmtree(inst.directory, ignore_errors=True)
+            del self.instances[sid]
+            if self.current.get(inst.spec.service_key) is inst:
+                del self.current[inst.spec.service_key]
+
+    async def stop_all(self) -> None:
+        await asyncio.gather(*(self.stop(sid) for sid in list(self.instances)))
+
+    async def _hook(
+        self, inst: Instance, fn: Callable[..., Any], *args: Any,
+        wait_started: bool = True, **kwargs: Any,
+    ) -> bool:
+        """Run one hook; report an exception as the failure of the run."""
+        if inst.stopping:
+            return False
+        task = asyncio.current_task()
+        assert task is not None
+        inst.hooks.add(task)
+        try:
+            if wait_started:
+                await inst.started.wait()
+            await fn(*args, **kwargs)
+            return True
+        except asyncio.CancelledError:
+            if inst.stopping:
+                return False
+            raise
+        except Exception as exc:
+            if not inst.stopping:
+                self.env.failed(inst.spec, exc)
+            return False
+        finally:
+            inst.hooks.discard(task)
+
+    # ------------------------------------------------------------- peer RPC
+
+    async def call_peer(
+        self, source: Instance, target: ServiceId, seq: int, method: str,
+        args: tuple, kwargs: dict,
+    ) -> Any:
+        if source.stopping:
+            raise StaleRunError(f"instance {source.spec.id} is stopped")
+        try:
+            address = source.spec.peers[target]
+        except KeyError:
+            raise StaleRunError(
+                f"{target!r} is not a peer of {source.spec.id} in run "
+                f"{source.spec.run_id} of {source.spec.service_key!r}"
+            ) from None
+        if address == self.env.address:
+            # Loopback: no serialization, same ordering guarantees.
+            return await self.deliver(target, source.spec.id, seq, method, args, kwargs)
+        return await self.env.send_rpc(address, target, source.spec.id, seq, method, args, kwargs)
+
+    async def deliver(
+        self, target: ServiceId, source: ServiceId, seq: int, method: str,
+        args: tuple, kwargs: dict,
+    ) -> Any:
+        """Run ``method`` on instance ``target``, starting calls from one peer in order."""
+        inst = self.instances.get(target)
+        if inst is None or inst.stopping:
+            raise StaleRunError(
+                f"no instance {target} here: the run it belonged to is no longer current"
+            )
+        if source not in inst.spec.peers:
+            raise StaleRunError(f"{source!r} is not a peer of {target} in this run")
+        cls = type(inst.service)
+        if not is_rpc_method(cls, method):
+            raise RPCRefused(
+                f"{cls.__name__}.{method} is not callable by peers: only methods marked "
+                "with @dask_services.rpc are"
+            )
+        async with inst.inbox:
+            await inst.inbox.wait_for(
+                lambda: inst.stopping or inst.next_seq_in.get(source, 0) == seq
+            )
+            if inst.stopping:
+                raise StaleRunError(f"instance {target} stopped")
+            inst.next_seq_in[source] = seq + 1
+            inst.inbox.notify_all()
+        task = asyncio.current_task()
+        assert task is not None
+        inst.hooks.add(task)
+        try:
+            await inst.started.wait()
+            return await getattr(inst.service, method)(*args, **kwargs)
+        finally:
+            inst.hooks.discard(task)
+
+    # ------------------------------------------------------------- memory
+
+    def managed_bytes(self) -> int:
+        return sum(_safe_sizeof(i.service) for i in self.instances.values())
+
+    def spilled_bytes(self) -> int:
+        total = 0
+        for inst in self.instances.values():
+            with contextlib.suppress(Exception):
+                total += int(inst.service.spilled_bytes())
+        return total
+
+    async def evict(self, nbytes: int) -> None:
+        """Ask instances, largest first, to free about ``nbytes`` in total."""
+        by_size = sorted(self.instances.values(), key=lambda i: -_safe_sizeof(i.service))
+        for inst in by_size:
+            if nbytes <= 0:
+                break
+            size = _safe_sizeof(inst.service)
+            if size <= 0 or not inst.started.is_set() or inst.stopping:
+                continue
+            await self._hook(inst, inst.service.please_evict, min(size, nbytes))
+            nbytes -= size
+
+
+def _safe_sizeof(service: Service) -> int:
+    try:
+        return int(service.__sizeof__())
+    except Exception:
+        return 0
+
+
+def make_directory(base: str | None) -> str:
+    base = base or tempfile.gettempdir()
+    path = os.path.join(base, "dask-services")
+    os.makedirs(path, exist_ok=True)
+    return path

@@ -1,0 +1,164 @@
+"""Submitting service tasks: ``submit`` (futures), ``service_task`` (lazy), ``install``."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+from dask.base import is_dask_collection, tokenize
+from dask.core import flatten
+from dask.delayed import Delayed
+from dask.highlevelgraph import HighLevelGraph
+from dask.utils import funcname
+
+from dask_services.graph import ServiceDefinition, build_service_graph
+from dask_services.service import Service, ServiceGraphError
+
+Key = Hashable
+_installed: weakref.WeakSet = weakref.WeakSet()
+
+
+def install(client: Any = None) -> None:
+    """Install the scheduler plugin (and through it the worker extension) on a cluster.
+
+    Harmless to call more than once.  Deployments may instead start the scheduler with
+    ``dask scheduler --preload dask_services``.
+    """
+    from distributed import default_client
+
+    from dask_services.scheduler import ServiceSchedulerPlugin
+
+    client = client or default_client()
+    if client in _installed:
+        return
+    if client.asynchronous:
+        raise TypeError(
+            "install() needs a synchronous Client; in async code use "
+            "`await dask_services.install_async(client)`"
+        )
+    client.register_plugin(ServiceSchedulerPlugin())
+    _installed.add(client)
+
+
+async def install_async(client: Any) -> None:
+    """``install`` for an asynchronous ``Client``."""
+    from dask_services.scheduler import ServiceSchedulerPlugin
+
+    if client in _installed:
+        return
+    await client.register_plugin(ServiceSchedulerPlugin())
+    _installed.add(client)
+
+
+def _check_service_class(service_class: Any) -> None:
+    if not (isinstance(service_class, type) and issubclass(service_class, Service)):
+        raise TypeError(
+            f"expected a subclass of dask_services.Service, got {service_class!r}; "
+            "define `class MyService(dask_services.Service): ...` and pass the class"
+        )
+
+
+def _output_names(outputs: int | Sequence[Key], name: str, token: str) -> tuple[Key, ...]:
+    if isinstance(outputs, bool) or outputs is None:
+        raise TypeError("outputs must be a number of outputs or a list of output keys")
+    if isinstance(outputs, int):
+        if outputs < 0:
+            raise ValueError(f"outputs must be >= 0, got {outputs}")
+        return tuple((f"{name}-output-{token}", i) for i in range(outputs))
+    names = tuple(outputs)
+    for k in names:
+        if not isinstance(k, (str, int, tuple)):
+            raise TypeError(f"output key {k!r} is not a valid dask key (str, int or tuple)")
+    return names
+
+
+def _definition(service_class: type[Service], input_keys: Sequence[Key],
+                outputs: int | Sequence[Key], params: dict, placement: str | None,
+                name: str | None) -> tuple[Key, ServiceDefinition]:
+    _check_service_class(service_class)
+    name = name or funcname(service_class).lower()
+    token = tokenize(service_class, params, tuple(input_keys), outputs, placement)
+    output_keys = _output_names(outputs, name, token)
+    service_key = f"service-{name}-{token}"
+    handoffs = tuple((f"handoff-{name}-{token}", j) for j in range(len(input_keys)))
+    definition = ServiceDefinition(
+        service_class=service_class, params=dict(params), input_keys=tuple(input_keys),
+        handoff_keys=handoffs, output_keys=output_keys, placement=placement, name=name,
+    )
+    return service_key, definition
+
+
+def service_task(service_class: type[Service], inputs: Sequence[Any] | Any, *,
+                 outputs: int | Sequence[Key], placement: str | None = None,
+                 name: str | None = None, **params: Any) -> list[Delayed]:
+    """A lazy service task: one ``Delayed`` per output key.
+
+    ``inputs`` is a list of ``Delayed`` objects and dask collections (every key of a
+    collection, e.g. every partition of a DataFrame, is one input), or one collection.
+    ``outputs`` is the number of outputs or a list of output keys.  ``params`` reach every
+    instance as keyword arguments of ``start`` and as ``self.params``.  Service tasks with
+    the same ``placement`` string agree on which worker produces output *i*.
+
+    The result composes with the rest of dask: compute it with a ``Client`` (the instances
+    then live on the workers) or with a local scheduler (the instances run in-process).
+    """
+    if is_dask_collection(inputs):
+        inputs = [inputs]
+    inputs = list(inputs)
+    input_keys: list[Key] = []
+    for obj in inputs:
+        if not is_dask_collection(obj):
+            raise TypeError(
+                f"service_task() inputs must be dask collections or Delayed objects, got "
+                f"{type(obj).__name__}; wrap plain values with dask.delayed(value)"
+            )
+        input_keys.extend(flatten(obj.__dask_keys__()))
+    if len(set(input_keys)) != len(input_keys):
+        raise ServiceGraphError("the same input key was given twice to service_task()")
+    service_key, definition = _definition(
+        service_class, input_keys, outputs, params, placement, name
+    )
+    layer = build_service_graph(definition, service_key, input_keys)
+    graph = HighLevelGraph.from_collections(service_key, layer, dependencies=inputs)
+    _maybe_install_default_client()
+    return [Delayed(k, graph, layer=service_key) for k in definition.output_keys]
+
+
+def submit(service_class: type[Service], inputs: Sequence[Any], *,
+           outputs: int | Sequence[Key], client: Any = None, placement: str | None = None,
+           name: str | None = None, **params: Any) -> list[Any]:
+    """Run a service task on a cluster now; returns one ``Future`` per output key.
+
+    ``inputs`` is a list of futures (or dask collections / ``Delayed`` objects).
+    """
+    from distributed import Future, default_client
+
+    client = client or default_client()
+    install(client)
+    collections = []
+    for obj in inputs:
+        if isinstance(obj, Future):
+            collections.append(Delayed(obj.key, {obj.key: obj}))
+        else:
+            collections.append(obj)
+    outs = service_task(service_class, collections, outputs=outputs, placement=placement,
+                        name=name, **params)
+    if not outs:
+        return []
+    return client.compute(outs)
+
+
+def _maybe_install_default_client() -> None:
+    try:
+        from distributed import default_client
+
+        client = default_client()
+    except (ImportError, ValueError):
+        return
+    if client.asynchronous or client in _installed:
+        return
+    try:
+        install(client)
+    except Exception:  # pragma: no cover - best effort; the worker raises a clear error
+        pass

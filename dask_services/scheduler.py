@@ -1,0 +1,522 @@
+"""The scheduler side: the leader of every run.
+
+``ServiceSchedulerPlugin`` watches the scheduler's transitions for the three kinds of nodes
+that ``graph.py`` builds, feeds a :class:`ServiceTaskMachine` per service task, and carries
+out the actions it returns: start/stop instances, broadcast the barrier, release produced
+outputs into memory, finish or fail the service task, and reschedule it for a restart.
+
+Scheduler internals it relies on (checked by ``tests/test_hooks.py``): ``TaskState``'s
+``dependencies``/``dependents``/``waiting_on``/``waiters``/``worker_restrictions``/
+``loose_restrictions``, ``Scheduler.transitions``, ``client_desires_keys``,
+``client_releases_keys``, ``stream_comms``, ``stream_handlers`` and ``handlers``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import uuid
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any
+
+import dask
+from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.protocol.serialize import ToPickle
+
+from dask_services import _run_state as rs
+from dask_services._host import InstanceSpec
+from dask_services.graph import (
+    HandOffSpec,
+    OutputClaimSpec,
+    ServiceDefinition,
+    ServiceTaskSpec,
+)
+from dask_services.service import ServiceGraphError, ServiceId
+from dask_services.worker import EXTENSION, ServiceWorkerPlugin, dumps_exception, loads_exception
+
+if TYPE_CHECKING:
+    from distributed.scheduler import Scheduler, TaskState
+
+logger = logging.getLogger("dask_services")
+Key = Hashable
+
+PSEUDO_CLIENT = "dask-services"
+EVENT_TOPIC = "dask_services"
+
+
+class ServiceSchedulerPlugin(SchedulerPlugin):
+    """Scheduler plugin (and extension) that carries out service tasks."""
+
+    name = EXTENSION
+    idempotent = True
+
+    def __init__(self) -> None:
+        self.scheduler: Scheduler | None = None
+        self.machines: dict[Key, rs.ServiceTaskMachine] = {}
+        self.definitions: dict[Key, ServiceDefinition] = {}
+        self.handoff_of: dict[Key, Key] = {}  # hand-off key -> service key
+        self.handoffs_of_input: dict[Key, set[Key]] = {}  # input key -> hand-off keys
+        self.output_of: dict[Key, Key] = {}  # output key -> service key
+        self.cut: dict[Key, str] = {}  # output produced (edge cut) -> producing worker
+        self.placements: dict[str, dict[Key, str]] = {}  # placement group -> index -> worker
+        self._run_ids = itertools.count(1)
+        self._prefix = uuid.uuid4().hex[:6] + "-"
+        self.history: list[dict] = []
+
+    # ------------------------------------------------------------- set-up
+
+    async def start(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        scheduler.extensions[EXTENSION] = self
+        scheduler.stream_handlers.update({
+            "service-started": self._guard(self._on_started),
+            "service-handed-off": self._guard(self._on_handed_off),
+            "service-produced": self._guard(self._on_produced),
+            "service-failed": self._guard(self._on_failed),
+            "service-restart": self._guard(self._on_restart),
+        })
+        scheduler.handlers["service_run_info"] = self.run_info
+        await scheduler.register_worker_plugin(
+            None, ServiceWorkerPlugin(), name=EXTENSION, idempotent=True
+        )
+
+    def heartbeat(self, ws: Any, data: Any) -> None:  # scheduler-extension protocol
+        pass
+
+    def _guard(self, handler: Any) -> Any:
+        def run(**msg: Any) -> None:
+            try:
+                handler(**msg)
+            except Exception:
+                logger.exception("dask_services: %s failed", handler.__name__)
+
+        return run
+
+    @property
+    def max_restarts(self) -> int:
+        return int(dask.config.get("dask_services.restarts", 3))
+
+    # ------------------------------------------------------------- graph intake
+
+    def update_graph(self, scheduler: Scheduler, *, keys: Any, tasks: Any = (),
+                     **kwargs: Any) -> None:
+        tasks_ = scheduler.tasks
+        new_services = []
+        for key in tasks:
+            ts = tasks_.get(key)
+            if ts is None:
+                continue
+            spec = ts.run_spec
+            if isinstance(spec, ServiceTaskSpec) and key not in self.machines:
+                new_services.append(ts)
+        for ts in new_services:
+            self._register(ts)
+        for key in tasks:
+            ts = tasks_.get(key)
+            if ts is not None and isinstance(ts.run_spec, (ServiceTaskSpec, OutputClaimSpec)):
+                self._check_graph_rules(ts, keys)
+        for service_key in {self.output_of[k] for k in tasks if k in self.output_of}:
+            self._restart_for_new_outputs(service_key)
+        for key in tasks:
+            if key in self.handoff_of:
+                self._restrict_handoff(tasks_[key])
+
+    def _register(self, ts: TaskState) -> None:
+        definition: ServiceDefinition = ts.run_spec.definition
+        key = ts.key
+        self.definitions[key] = definition
+        self.machines[key] = rs.ServiceTaskMachine(
+            key, definition.input_keys, definition.output_keys, self.max_restarts
+        )
+        for h, i in zip(definition.handoff_keys, definition.input_keys):
+            self.handoff_of[h] = key
+            self.handoffs_of_input.setdefault(i, set()).add(h)
+        for o in definition.output_keys:
+            self.output_of[o] = key
+
+    def _check_graph_rules(self, ts: TaskState, requested: Any) -> None:
+        problem = None
+        if isinstance(ts.run_spec, ServiceTaskSpec):
+            if ts.key in requested or ts.who_wants:
+                problem = (
+                    f"service task {ts.key!r} was asked for directly; a service task "
+                    "cannot be computed or held by a future, only its outputs can"
+                )
+            for dts in ts.dependents:
+                if dts.key not in self.output_of or self.output_of[dts.key] != ts.key:
+                    problem = (
+                        f"task {dts.key!r} depends on service task {ts.key!r} but is not "
+                        "one of its outputs; depend on the outputs instead"
+                    )
+        elif isinstance(ts.run_spec, OutputClaimSpec) and len(ts.dependencies) > 1:
+            problem = (
+                f"output {ts.key!r} of a service task depends on "
+                f"{sorted(map(str, (d.key for d in ts.dependencies)))}; an output key must "
+                "depend on exactly one service task and nothing else"
+            )
+        if problem is None:
+            return
+        service_key = (
+            ts.key if isinstance(ts.run_spec, ServiceTaskSpec) else ts.run_spec.service_key
+        )
+        logger.error("dask_services: rejected graph: %s", problem)
+        machine = self.machines.get(service_key)
+        if machine is not None:
+            machine.graph_error = ServiceGraphError(problem)
+
+    def _restrict_handoff(self, hts: TaskState) -> None:
+        """Make a hand-off run where its input already lives."""
+        if hts.state not in ("released", "waiting"):
+            return
+        (dep,) = hts.dependencies or (None,)
+        if dep is not None and dep.who_has:
+            hts.worker_restrictions = {ws.address for ws in dep.who_has}
+            hts.loose_restrictions = True
+
+    # ------------------------------------------------------------- transitions
+
+    def transition(self, key: Key, start: str, finish: str, *args: Any,
+                   stimulus_id: str = "", **kwargs: Any) -> None:
+        if key in self.machines:
+            self._service_task_transition(key, start, finish)
+        elif key in self.handoff_of:
+            if finish == "processing":
+                self._run_needed(self.handoff_of[key])
+        elif key in self.output_of:
+            self._output_transition(key, start, finish)
+        if finish == "memory" and key in self.handoffs_of_input:
+            for h in self.handoffs_of_input[key]:
+                hts = self.scheduler.tasks.get(h)
+                if hts is not None:
+                    self._restrict_handoff(hts)
+        if finish == "forgotten":
+            self._forget(key)
+
+    def _service_task_transition(self, key: Key, start: str, finish: str) -> None:
+        machine = self.machines[key]
+        ts = self.scheduler.tasks[key]
+        if finish == "processing":
+            if machine.graph_error is not None:
+                self._notify(key, ts.processing_on.address, machine.graph_error)
+                return
+            if not self.definitions[key].input_keys:
+                self._run_needed(key)
+            self._apply(key, machine.handle(rs.ServiceTaskProcessing(ts.processing_on.address)))
+        elif start == "processing" and finish in ("memory", "erred"):
+            self._apply(key, machine.handle(rs.ServiceTaskDone()))
+        elif start == "processing":
+            worker = machine.task_worker
+            gone = worker is not None and worker not in self.scheduler.workers
+            self._apply(key, machine.handle(rs.ServiceTaskReleased(worker_gone=gone)))
+
+    def _output_transition(self, key: Key, start: str, finish: str) -> None:
+        if key in self.cut and finish == "no-worker":
+            # A produced output lost its worker: it must be produced again by a new run.
+            self._later(self._reattach_lost_outputs, self.output_of[key])
+
+    def _forget(self, key: Key) -> None:
+        if key in self.output_of:
+            worker = self.cut.pop(key, None)
+            if worker is not None and worker in self.scheduler.stream_comms:
+                self.scheduler.stream_comms[worker].send(
+                    {"op": "service-drop-output", "key": key}
+                )
+            service_key = self.output_of[key]
+            sts = self.scheduler.tasks.get(service_key)
+            if sts is not None and sts.who_wants and not self._live_outputs(service_key):
+                self._later(self._release_pinned, service_key)
+        elif key in self.machines:
+            machine = self.machines.pop(key)
+            if machine.live_run is not None:
+                self._apply_stop(machine.live_run, "forgotten")
+            definition = self.definitions.pop(key)
+            for h, i in zip(definition.handoff_keys, definition.input_keys):
+                self.handoff_of.pop(h, None)
+                hs = self.handoffs_of_input.get(i)
+                if hs is not None:
+                    hs.discard(h)
+                    if not hs:
+                        del self.handoffs_of_input[i]
+            for o in definition.output_keys:
+                if o not in self.scheduler.tasks:
+                    self.output_of.pop(o, None)
+                    self.cut.pop(o, None)
+
+    def _live_outputs(self, service_key: Key) -> list[Key]:
+        tasks = self.scheduler.tasks
+        return [
+            o for o in self.definitions[service_key].output_keys
+            if o in tasks and tasks[o].state != "forgotten"
+        ]
+
+    def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
+        for key, machine in list(self.machines.items()):
+            self._apply(key, machine.handle(rs.WorkerLost(worker)))
+
+    def add_worker(self, scheduler: Scheduler, worker: str) -> None:
+        # Service tasks without inputs that could not start for lack of workers.
+        for key, machine in self.machines.items():
+            ts = scheduler.tasks.get(key)
+            if ts is not None and ts.state == "processing" and machine.live_run is None \
+                    and machine.pending_outcome is None and not self.definitions[key].input_keys:
+                self._run_needed(key)
+
+    # ------------------------------------------------------------- runs
+
+    def _participants(self, service_key: Key) -> list[str]:
+        ts = self.scheduler.tasks[service_key]
+        running = {ws.address for ws in self.scheduler.running}
+        if ts.worker_restrictions:
+            restricted = running & set(ts.worker_restrictions)
+            if restricted or not ts.loose_restrictions:
+                running = restricted
+        return sorted(running)
+
+    def _wanted(self, service_key: Key) -> list[Key]:
+        ts = self.scheduler.tasks[service_key]
+        pending = [d for d in ts.dependents if d.state != "memory" and d.key in self.output_of]
+        pending.sort(key=lambda d: d.priority or ())
+        return [d.key for d in pending]
+
+    def _run_needed(self, service_key: Key) -> None:
+        machine = self.machines.get(service_key)
+        if machine is None or machine.graph_error is not None:
+            return
+        if machine.live_run is not None:
+            return
+        participants = self._participants(service_key)
+        placement = None
+        group = self.definitions[service_key].placement
+        if group is not None and participants:
+            placement = self._placement(group, service_key, participants)
+        event = rs.RunNeeded(
+            run_id=next(self._run_ids),
+            id_prefix=self._prefix,
+            participants=participants,
+            wanted=self._wanted(service_key),
+            placement=placement,
+        )
+        self._apply(service_key, machine.handle(event))
+
+    def _placement(self, group: str, service_key: Key, participants: list[str]) -> dict:
+        """Output index -> worker, shared by every service task of one placement group."""
+        by_index = self.placements.setdefault(group, {})
+        outputs = self.definitions[service_key].output_keys
+        result = {}
+        for i, key in enumerate(outputs):
+            worker = by_index.get(i)
+            if worker not in participants:
+                worker = by_index[i] = participants[i % len(participants)]
+            result[key] = worker
+        return result
+
+    def run_info(self, service_key: Key) -> dict | None:
+        machine = self.machines.get(service_key)
+        run = machine.live_run if machine is not None else None
+        if run is None:
+            return None
+        return {"run_id": run.run_id, "peers": {str(sid): w for w, sid in run.ids.items()}}
+
+    # ------------------------------------------------------------- worker messages
+
+    def _on_started(self, service_key: Key, run_id: int, id: str, worker: str = "") -> None:
+        self._event(service_key, rs.InstanceStarted(run_id, ServiceId(id)))
+
+    def _on_handed_off(self, service_key: Key, run_id: int, key: Key, worker: str = "") -> None:
+        self._event(service_key, rs.InputHandedOff(run_id, key))
+
+    def _on_produced(self, service_key: Key, run_id: int, key: Key, worker: str = "") -> None:
+        self._event(service_key, rs.OutputProduced(run_id, key, worker))
+
+    def _on_failed(self, service_key: Key, run_id: int, exception: bytes,
+                   worker: str = "") -> None:
+        self._event(service_key, rs.RunFailed(run_id, loads_exception(exception)))
+
+    def _on_restart(self, service_key: Key, run_id: int, reason: str, worker: str = "") -> None:
+        self._event(service_key, rs.RestartRequested(run_id, reason))
+
+    def _event(self, service_key: Key, event: rs.Event) -> None:
+        machine = self.machines.get(service_key)
+        if machine is not None:
+            self._apply(service_key, machine.handle(event))
+
+    # ------------------------------------------------------------- actions
+
+    def _apply(self, service_key: Key, actions: list[rs.Action]) -> None:
+        for action in actions:
+            if isinstance(action, rs.StartInstances):
+                self._apply_start(service_key, action.run)
+            elif isinstance(action, rs.BroadcastAllStarted):
+                self._broadcast(action.run, "service-all-started")
+            elif isinstance(action, rs.BroadcastInputsDone):
+                self._broadcast(action.run, "service-inputs-done")
+            elif isinstance(action, rs.ReleaseOutput):
+                self._release_output(service_key, action.key, action.worker)
+            elif isinstance(action, rs.StopInstances):
+                self._apply_stop(action.run, action.reason)
+            elif isinstance(action, rs.NotifyServiceTask):
+                self._notify(service_key, action.worker, action.error)
+            elif isinstance(action, rs.RescheduleServiceTask):
+                self._later(self._reschedule, service_key)
+            elif isinstance(action, rs.Log):
+                self._log(service_key, action)
+
+    def _send(self, worker: str, msg: dict) -> None:
+        comm = self.scheduler.stream_comms.get(worker)
+        if comm is not None:
+            comm.send(msg)
+
+    def _apply_start(self, service_key: Key, run: rs.Run) -> None:
+        definition = self.definitions[service_key]
+        peers = {sid: w for w, sid in run.ids.items()}
+        tasks = self.scheduler.tasks
+        inputs = sorted(
+            definition.input_keys,
+            key=lambda k: (tasks[k].priority or ()) if k in tasks else (),
+        )
+        for worker, sid in run.ids.items():
+            spec = InstanceSpec(
+                service_key=service_key, run_id=run.run_id, id=sid, peers=peers,
+                input_keys=tuple(inputs), output_keys=definition.output_keys,
+                wanted=run.wanted, owners=run.owners, leader=run.leader,
+                service_class=definition.service_class, params=definition.params,
+            )
+            self._send(worker, {"op": "service-start", "spec": ToPickle(spec)})
+
+    def _broadcast(self, run: rs.Run, op: str) -> None:
+        for worker, sid in run.ids.items():
+            self._send(worker, {"op": op, "id": str(sid)})
+
+    def _apply_stop(self, run: rs.Run, reason: str) -> None:
+        for worker, sid in run.ids.items():
+            self._send(worker, {"op": "service-stop", "id": str(sid), "reason": reason})
+
+    def _notify(self, service_key: Key, worker: str, error: BaseException | None) -> None:
+        if error is None:
+            # Keep the finished service task (and so the recipe of its inputs) while any
+            # of its outputs exists, so that a lost output can be produced again.
+            self.scheduler.client_desires_keys([service_key], PSEUDO_CLIENT)
+            self._send(worker, {"op": "service-task-outcome", "key": service_key})
+        else:
+            self._send(worker, {"op": "service-task-outcome", "key": service_key,
+                                "error": dumps_exception(error)})
+
+    def _release_output(self, service_key: Key, key: Key, worker: str) -> None:
+        """Cut the edge service task -> output and let the output run on ``worker``."""
+        tasks = self.scheduler.tasks
+        ots = tasks.get(key)
+        sts = tasks.get(service_key)
+        if ots is None or sts is None or ots.state not in ("waiting", "released"):
+            self._send(worker, {"op": "service-drop-output", "key": key})
+            return
+        ots.dependencies.discard(sts)
+        sts.dependents.discard(ots)
+        if ots.waiting_on:
+            ots.waiting_on.discard(sts)
+        if sts.waiters:
+            sts.waiters.discard(ots)
+        ots.worker_restrictions = {worker}
+        ots.loose_restrictions = False
+        self.cut[key] = worker
+        if ots.state == "waiting" and not ots.waiting_on:
+            self.scheduler.transitions({key: "processing"}, stimulus_id=f"service-produced-{key}")
+
+    # ------------------------------------------------------------- restarts
+
+    def _later(self, fn: Any, *args: Any) -> None:
+        """Run ``fn`` soon, outside of the transition engine."""
+
+        def run() -> None:
+            try:
+                fn(*args)
+            except Exception:
+                logger.exception("dask_services: %s failed", getattr(fn, "__name__", fn))
+
+        asyncio.get_running_loop().call_soon(run)
+
+    def _reschedule(self, service_key: Key) -> None:
+        """Release the service task and its hand-offs: a new run receives every input."""
+        tasks = self.scheduler.tasks
+        sts = tasks.get(service_key)
+        definition = self.definitions.get(service_key)
+        if sts is None or definition is None:
+            return
+        recs: dict[Key, str] = {}
+        recs.update(self._reattach(service_key))
+        if sts.state in ("memory", "processing", "queued", "no-worker"):
+            recs[service_key] = "released"
+        for h in definition.handoff_keys:
+            hts = tasks.get(h)
+            if hts is not None and hts.state in ("memory", "processing", "queued", "no-worker"):
+                recs[h] = "released"
+        if recs:
+            stimulus_id = f"service-reschedule-{service_key}"
+            self.scheduler.transitions(recs, stimulus_id=stimulus_id)
+            self.scheduler.stimulus_queue_slots_maybe_opened(stimulus_id=stimulus_id)
+
+    def _reattach(self, service_key: Key) -> dict[Key, str]:
+        """Give lost outputs back their edge to the service task; returns recommendations."""
+        tasks = self.scheduler.tasks
+        sts = tasks[service_key]
+        recs: dict[Key, str] = {}
+        for o in self.definitions[service_key].output_keys:
+            ots = tasks.get(o)
+            if ots is None or o not in self.cut or ots.state not in ("no-worker", "processing"):
+                continue
+            del self.cut[o]
+            ots.dependencies.add(sts)
+            sts.dependents.add(ots)
+            ots.worker_restrictions = None
+            recs[o] = "released"
+        return recs
+
+    def _reattach_lost_outputs(self, service_key: Key) -> None:
+        machine = self.machines.get(service_key)
+        if machine is None:
+            return
+        run = machine.live_run
+        if run is not None:
+            self._apply(service_key, machine.handle(
+                rs.RestartRequested(run.run_id, "a produced output was lost")
+            ))
+        else:
+            self._reschedule(service_key)
+
+    def _restart_for_new_outputs(self, service_key: Key) -> None:
+        """Outputs were (re)submitted that no run will produce: start a run that does."""
+        machine = self.machines.get(service_key)
+        sts = self.scheduler.tasks.get(service_key)
+        if machine is None or sts is None:
+            return
+        wanted = set(self._wanted(service_key))
+        run = machine.live_run
+        if run is not None:
+            if wanted - set(run.wanted):
+                machine.restarts -= 1  # not a failure: the run grows
+                self._apply(service_key, machine.handle(
+                    rs.RestartRequested(run.run_id, "more outputs were asked for")
+                ))
+        elif sts.state == "memory" and wanted:
+            self._reschedule(service_key)
+
+    def _release_pinned(self, service_key: Key) -> None:
+        sts = self.scheduler.tasks.get(service_key)
+        if sts is None or self._live_outputs(service_key):
+            return
+        self.scheduler.client_releases_keys(
+            [service_key], PSEUDO_CLIENT, stimulus_id=f"service-release-{service_key}"
+        )
+
+    # ------------------------------------------------------------- events
+
+    def _log(self, service_key: Key, action: rs.Log) -> None:
+        definition = self.definitions.get(service_key)
+        name = definition.service_class.__name__ if definition else "?"
+        msg = {"action": action.action, "service": name, "key": str(service_key),
+               "run_id": action.run_id, "detail": action.detail}
+        self.history.append(msg)
+        del self.history[:-1000]
+        self.scheduler.log_event(EVENT_TOPIC, msg)
+        logger.info("service %s %r run %d %s %s", name, service_key, action.run_id,
+                    action.action, action.detail)

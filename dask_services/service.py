@@ -1,0 +1,219 @@
+"""The user-facing contract of a service: ``Service``, ``ServiceId``, ``@rpc``, ``Concierge``.
+
+Nothing in this module does I/O.  The hosts (``_host.py``) call these hooks; the scheduler
+plugin decides when.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
+
+Key = Hashable
+T = TypeVar("T")
+
+_RPC_MARK = "__dask_services_rpc__"
+
+
+class ServiceId(str):
+    """Opaque identifier of one instance of one run of a service task.
+
+    Unique per (run, worker) and never reused, even when a worker comes back at the same
+    address: a message addressed to an old id can never reach a newer run.  Compare and
+    hash it, use it as a dict key; do not parse it.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"ServiceId({str.__repr__(self)})"
+
+
+def rpc(method: Callable[..., T]) -> Callable[..., T]:
+    """Mark a method of a :class:`Service` as callable by peers.
+
+    Only marked methods can be reached through ``self.peers[sid].name(...)``; any other name
+    (private attributes, hooks, ``__class__``...) is refused with :class:`RPCRefused`.
+    """
+    setattr(method, _RPC_MARK, True)
+    return method
+
+
+def is_rpc_method(cls: type, name: str) -> bool:
+    """Whether ``name`` is an ``@rpc`` method of ``cls`` (looked up on the class only)."""
+    if not isinstance(name, str) or not name.isidentifier() or name.startswith("_"):
+        return False
+    attr = getattr(cls, name, None)
+    return callable(attr) and getattr(attr, _RPC_MARK, False) is True
+
+
+class PeerHandle(Protocol):
+    """A handle on another instance of the same run: ``await handle.method(*args)``."""
+
+    id: ServiceId
+
+    def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]: ...
+
+
+class Concierge(abc.ABC):
+    """An instance's window onto its worker and the scheduler.
+
+    The framework gives one concierge to every instance in :meth:`Service.start`.
+    """
+
+    @property
+    @abc.abstractmethod
+    def run_id(self) -> int:
+        """Number of the current run of the service task (a restart is a new run)."""
+
+    @property
+    @abc.abstractmethod
+    def local_directory(self) -> str:
+        """A directory private to this instance, removed after :meth:`Service.stop`."""
+
+    @property
+    @abc.abstractmethod
+    def memory_limit(self) -> int | None:
+        """The worker's memory limit in bytes, or None when it has none."""
+
+    @property
+    @abc.abstractmethod
+    def wanted_outputs(self) -> Sequence[Key]:
+        """The output keys this run must produce, in priority order.
+
+        A subset of ``output_keys``: outputs culled from the graph or already in memory are
+        not wanted.  The run finishes once every wanted output has been produced.
+        """
+
+    @abc.abstractmethod
+    def owner(self, output_key: Key) -> ServiceId:
+        """The instance that should produce ``output_key`` (the default placement).
+
+        Deterministic for the run; two service tasks submitted with the same ``placement``
+        parameter agree on it, so partition *i* of both ends up on the same worker.
+        """
+
+    @abc.abstractmethod
+    async def produce_key(self, key: Key, value: Any) -> None:
+        """Hand ``value`` back to the graph as the result of output ``key``.
+
+        The key reaches memory on this instance's worker; its dependents may start while
+        the service still runs.  Each output may be produced once per run, by any instance.
+        Raises :class:`ProduceKeyError` for a key that is not a wanted output of the run or
+        that was already produced.
+        """
+
+    @abc.abstractmethod
+    def error(self, exc: BaseException) -> None:
+        """Fail the whole service task with ``exc``; every instance then gets ``stop``."""
+
+    def fail(self, exc: BaseException) -> None:
+        """Alias of :meth:`error`."""
+        self.error(exc)
+
+    @abc.abstractmethod
+    def restart(self, reason: str = "restart requested by the service") -> None:
+        """Restart the service task: a new run, with new ids, after every instance stopped."""
+
+    @abc.abstractmethod
+    async def run_in_executor(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run CPU-heavy ``fn`` in one of the worker's task threads and await its result."""
+
+
+class Service(abc.ABC):
+    """A stateful, distributed subsystem whose instances live on Dask workers.
+
+    One instance per participating worker carries out a *run* of a *service task*.  The
+    framework calls the hooks below, in this order, on the worker's event loop:
+
+    ``start`` once; ``all_started`` once every instance has started; ``add_key`` once per
+    input key, on a worker that holds it; ``all_inputs_done`` once ``add_key`` has returned
+    for every input everywhere; and ``stop`` exactly once, on success, error, restart or
+    cancellation.  Hand results back with ``await self.concierge.produce_key(key, value)``.
+
+    Instances are created with no arguments.  Before ``start`` is called the framework sets
+    ``self.id``, ``self.key``, ``self.peers``, ``self.input_keys``, ``self.output_keys``,
+    ``self.concierge``, ``self.leader`` and ``self.params``, so a service that only needs
+    those does not have to override ``start`` at all.
+    """
+
+    id: ServiceId
+    key: Key
+    peers: Mapping[ServiceId, PeerHandle]
+    input_keys: Sequence[Key]
+    output_keys: Sequence[Key]
+    concierge: Concierge
+    leader: ServiceId
+    params: dict[str, Any]
+
+    async def start(
+        self,
+        id: ServiceId,
+        key: Key,
+        peers: Mapping[ServiceId, PeerHandle],
+        input_keys: Sequence[Key],
+        output_keys: Sequence[Key],
+        concierge: Concierge,
+        leader: ServiceId,
+        **kwargs: Any,
+    ) -> None:
+        """Called once per instance before anything else; must not wait for peers."""
+
+    async def all_started(self) -> None:
+        """Called once every instance of the run has returned from ``start``."""
+
+    async def add_key(self, key: Key, data: Any) -> None:
+        """Receive one input; the instance owns ``data`` afterwards."""
+        raise NotImplementedError(
+            f"{type(self).__name__} received input {key!r} but does not define add_key(); "
+            "define `async def add_key(self, key, data)` to accept inputs"
+        )
+
+    async def all_inputs_done(self) -> None:
+        """Called once ``add_key`` has returned for every input of the run, everywhere."""
+
+    async def stop(self) -> None:
+        """Called exactly once; release everything the instance holds before returning."""
+
+    def __sizeof__(self) -> int:
+        """Bytes of memory the instance holds (counted by the worker as managed memory)."""
+        return object.__sizeof__(self)
+
+    def spilled_bytes(self) -> int:
+        """Bytes the instance keeps on disk."""
+        return 0
+
+    async def please_evict(self, nbytes: int) -> None:
+        """The worker is under memory pressure: free about ``nbytes`` if you can."""
+
+
+class ServiceError(Exception):
+    """Base class of the errors raised by dask-services itself."""
+
+
+class RPCRefused(ServiceError):
+    """A peer asked for a method that is not marked with ``@dask_services.rpc``."""
+
+
+class StaleRunError(ServiceError):
+    """A message was addressed to an instance of a run that is no longer current."""
+
+
+class ProduceKeyError(ServiceError, KeyError):
+    """``produce_key`` was called with a key that is not a wanted output, or twice."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class ServiceGraphError(ServiceError, ValueError):
+    """A graph breaks a rule of service tasks (see the message for the key and the fix)."""
+
+
+class TooManyRestarts(ServiceError):
+    """A service task was restarted more often than ``dask_services.restarts`` allows."""
+
+
+class OutputLostError(ServiceError):
+    """A produced output was asked for on a worker that does not hold it."""

@@ -1,0 +1,324 @@
+"""The worker side: hosts instances, routes peer RPCs, holds produced outputs.
+
+Registered on every worker by the scheduler plugin as ``worker.extensions["dask_services"]``.
+Messages from the scheduler arrive on the worker's batched stream (so they are ordered with
+the ``compute-task`` messages of hand-offs); peer RPCs use ordinary worker handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import pickle
+import shutil
+import traceback
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.protocol.serialize import Serialize, ToPickle, to_serialize
+from distributed.utils import sync
+from tornado.ioloop import PeriodicCallback
+
+from dask_services._host import Environment, InstanceSpec, ServiceHost, make_directory
+from dask_services.service import OutputLostError, ServiceId
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+logger = logging.getLogger("dask_services")
+Key = Hashable
+T = TypeVar("T")
+
+EXTENSION = "dask_services"
+_STREAM_OPS = (
+    "service-start",
+    "service-all-started",
+    "service-inputs-done",
+    "service-stop",
+    "service-task-outcome",
+    "service-drop-output",
+)
+_RPC_OPS = ("service_rpc", "service_add_key")
+
+
+def _unwrap(obj: Any) -> Any:
+    while isinstance(obj, (Serialize, ToPickle)):
+        obj = obj.data
+    return obj
+
+
+def dumps_exception(exc: BaseException) -> bytes:
+    """Pickle an exception with its traceback text attached as a note."""
+    text = "".join(traceback.format_exception(exc))
+    try:
+        payload = pickle.dumps(exc)
+        pickle.loads(payload)
+    except Exception:
+        payload = pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
+    return pickle.dumps((payload, text))
+
+
+def loads_exception(blob: bytes) -> BaseException:
+    payload, text = pickle.loads(blob)
+    exc = pickle.loads(payload)
+    with contextlib.suppress(Exception):
+        exc.add_note("Raised by a service instance:\n" + text)
+    return exc
+
+
+class WorkerEnvironment(Environment):
+    def __init__(self, ext: ServiceWorkerPlugin) -> None:
+        self.ext = ext
+        worker = ext.worker
+        self.address = worker.address
+        self.local_directory = make_directory(worker.local_directory)
+        self.memory_limit = worker.memory_manager.memory_limit or None
+
+    def _send(self, msg: dict) -> None:
+        self.ext.worker.batched_stream.send(msg)
+
+    def started(self, spec: InstanceSpec) -> None:
+        self._send({"op": "service-started", "service_key": spec.service_key,
+                    "run_id": spec.run_id, "id": str(spec.id)})
+
+    def failed(self, spec: InstanceSpec, exc: BaseException) -> None:
+        logger.info("instance %s of %r failed: %r", spec.id, spec.service_key, exc)
+        self._send({"op": "service-failed", "service_key": spec.service_key,
+                    "run_id": spec.run_id, "exception": dumps_exception(exc)})
+
+    def restart(self, spec: InstanceSpec, reason: str) -> None:
+        self._send({"op": "service-restart", "service_key": spec.service_key,
+                    "run_id": spec.run_id, "reason": str(reason)})
+
+    def produced(self, spec: InstanceSpec, key: Key, value: Any) -> None:
+        self.ext.produced[key] = value
+        self._send({"op": "service-produced", "service_key": spec.service_key,
+                    "run_id": spec.run_id, "key": key})
+
+    async def send_rpc(self, address: str, target: ServiceId, source: ServiceId,
+                       seq: int, method: str, args: tuple, kwargs: dict) -> Any:
+        response = await self.ext.worker.rpc(address).service_rpc(
+            target=str(target), source=str(source), seq=seq, method=method,
+            payload=to_serialize((args, kwargs)),
+        )
+        return _unwrap(response)
+
+    async def run_in_executor(self, fn: Callable[..., T], *args: Any) -> T:
+        executor = self.ext.worker.executors["default"]
+        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+
+class ServiceWorkerPlugin(WorkerPlugin):
+    """Worker extension carrying out service tasks; see ``design/architecture.md``."""
+
+    name = EXTENSION
+    idempotent = True
+
+    def setup(self, worker: Worker) -> None:
+        self.worker = worker
+        self.host = ServiceHost(WorkerEnvironment(self))
+        self.produced: dict[Key, Any] = {}
+        self.outcomes: dict[Key, asyncio.Future] = {}
+        self._background: set[asyncio.Task] = set()
+        for op in _STREAM_OPS:
+            worker.stream_handlers[op] = self._guarded(getattr(self, "_" + op.replace("-", "_")))
+        worker.handlers["service_rpc"] = self.service_rpc
+        worker.handlers["service_add_key"] = self.service_add_key
+        worker.extensions[EXTENSION] = self
+        worker.metrics["dask_services_managed_bytes"] = lambda w: self.host.managed_bytes()
+        worker.metrics["dask_services_spilled_bytes"] = lambda w: self.host.spilled_bytes()
+        self._evicting = False
+        self._memory_check = PeriodicCallback(self._check_memory, 500)
+        self._memory_check.start()
+
+    async def teardown(self, worker: Worker) -> None:
+        self._memory_check.stop()
+        await self.host.stop_all()
+        for fut in self.outcomes.values():
+            if not fut.done():
+                fut.set_result(("cancelled", None))
+        self.outcomes.clear()
+        self.produced.clear()
+        for op in _STREAM_OPS:
+            worker.stream_handlers.pop(op, None)
+        for op in _RPC_OPS:
+            worker.handlers.pop(op, None)
+        worker.metrics.pop("dask_services_managed_bytes", None)
+        worker.metrics.pop("dask_services_spilled_bytes", None)
+        worker.extensions.pop(EXTENSION, None)
+        shutil.rmtree(self.host.env.local_directory, ignore_errors=True)
+
+    # ------------------------------------------------------------- helpers
+
+    def _guarded(self, handler: Callable[..., Any]) -> Callable[..., None]:
+        """Stream handlers must never raise: an exception would close the stream."""
+
+        def run(**msg: Any) -> None:
+            try:
+                handler(**msg)
+            except Exception:
+                logger.exception("dask_services: handling %s failed", handler.__name__)
+
+        return run
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ------------------------------------------------------------- scheduler -> worker
+
+    def _service_start(self, spec: Any, **_: Any) -> None:
+        spec = _unwrap(spec)
+        assert isinstance(spec, InstanceSpec)
+        inst = self.host.create(spec)
+        self._spawn(self.host.start(inst))
+
+    def _service_all_started(self, id: str, **_: Any) -> None:
+        self._spawn(self.host.all_started(ServiceId(id)))
+
+    def _service_inputs_done(self, id: str, **_: Any) -> None:
+        self._spawn(self.host.all_inputs_done(ServiceId(id)))
+
+    def _service_stop(self, id: str, **_: Any) -> None:
+        self._spawn(self.host.stop(ServiceId(id)))
+
+    def _service_task_outcome(self, key: Key, error: bytes | None = None, **_: Any) -> None:
+        fut = self._outcome(key)
+        if not fut.done():
+            fut.set_result(("error", error) if error is not None else ("done", None))
+
+    def _service_drop_output(self, key: Key, **_: Any) -> None:
+        self.produced.pop(key, None)
+
+    def _outcome(self, key: Key) -> asyncio.Future:
+        fut = self.outcomes.get(key)
+        if fut is None:
+            fut = self.outcomes[key] = asyncio.get_running_loop().create_future()
+        return fut
+
+    def transition(self, key: Key, start: str, finish: str, **kwargs: Any) -> None:
+        # A waiting service task that gets cancelled must stop waiting.
+        if key in self.outcomes and finish not in ("executing", "long-running", "memory"):
+            fut = self.outcomes.pop(key)
+            if not fut.done():
+                fut.set_result(("cancelled", None))
+
+    # ------------------------------------------------------------- peer -> worker
+
+    async def service_rpc(self, comm: Any, target: str, source: str, seq: int,
+                          method: str, payload: Any) -> Any:
+        args, kwargs = _unwrap(payload)
+        result = await self.host.deliver(ServiceId(target), ServiceId(source), seq, method,
+                                         args, kwargs)
+        return to_serialize(result)
+
+    async def service_add_key(self, comm: Any, target: str, key: Key, payload: Any) -> bool:
+        sid = ServiceId(target)
+        inst = self.host.instances.get(sid)
+        if inst is None:
+            return False
+        ok = await self.host.add_key(sid, key, _unwrap(payload))
+        if ok:
+            self._report_handed_off(inst.spec, key)
+        return ok
+
+    def _report_handed_off(self, spec: InstanceSpec, key: Key) -> None:
+        self.worker.batched_stream.send({"op": "service-handed-off",
+                                         "service_key": spec.service_key,
+                                         "run_id": spec.run_id, "key": key})
+
+    # ------------------------------------------------------------- called by tasks
+
+    async def hand_off(self, service_key: Key, input_key: Key, value: Any) -> int | None:
+        inst = self.host.current.get(service_key)
+        if inst is not None and not inst.stopping:
+            if await self.host.add_key(inst.spec.id, input_key, value):
+                self._report_handed_off(inst.spec, input_key)
+            return inst.spec.run_id
+        # This worker takes no part in the current run: push the input to a participant.
+        info = await self.worker.scheduler.service_run_info(service_key=service_key)
+        if not info:
+            return None  # no live run: a new run will ask for this input again
+        peers = sorted(info["peers"].items())
+        target, address = peers[hash(str(input_key)) % len(peers)]
+        await self.worker.rpc(address).service_add_key(
+            target=target, key=input_key, payload=to_serialize(value)
+        )
+        return info["run_id"]
+
+    async def wait_outcome(self, service_key: Key) -> tuple[str, bytes | None]:
+        fut = self._outcome(service_key)
+        try:
+            return await fut
+        finally:
+            if self.outcomes.get(service_key) is fut:
+                del self.outcomes[service_key]
+
+    # ------------------------------------------------------------- memory
+
+    async def _check_memory(self) -> None:
+        if self._evicting or not self.host.instances:
+            return
+        mm = self.worker.memory_manager
+        limit = mm.memory_limit
+        target = mm.memory_target_fraction or mm.memory_spill_fraction
+        if not limit or not target:
+            return
+        process = self.worker.monitor.get_process_memory()
+        excess = process - int(limit * target)
+        if excess <= 0:
+            return
+        self._evicting = True
+        try:
+            await self.host.evict(excess)
+        finally:
+            self._evicting = False
+
+
+def _worker_extension() -> tuple[Worker, ServiceWorkerPlugin]:
+    from distributed.worker import get_worker
+
+    worker = get_worker()
+    ext = worker.extensions.get(EXTENSION)
+    if ext is None:
+        raise RuntimeError(
+            "dask_services is not installed on this worker; call "
+            "dask_services.install(client) or start the scheduler with "
+            "`--preload dask_services`"
+        )
+    return worker, ext
+
+
+def hand_off_on_worker(service_key: Key, input_key: Key, value: Any) -> int | None:
+    """Body of a hand-off task on a worker (runs in a worker thread)."""
+    worker, ext = _worker_extension()
+    return sync(worker.loop, ext.hand_off, service_key, input_key, value)
+
+
+def wait_for_service_task(service_key: Key) -> None:
+    """Body of a service task on a worker: wait, without a thread slot, for the run."""
+    from distributed import secede
+
+    worker, ext = _worker_extension()
+    secede()
+    status, error = sync(worker.loop, ext.wait_outcome, service_key)
+    if status == "error":
+        from dask_services.worker import loads_exception
+
+        assert error is not None
+        raise loads_exception(error)
+
+
+def claim_output_on_worker(key: Key) -> Any:
+    """Body of a virtual output on the worker whose instance produced it."""
+    _, ext = _worker_extension()
+    try:
+        return ext.produced.pop(key)
+    except KeyError:
+        raise OutputLostError(
+            f"output {key!r} is not held on this worker; it must be produced again by a "
+            "new run of its service task"
+        ) from None
