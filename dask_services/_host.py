@@ -87,6 +87,7 @@ class Instance:
     service: Service
     directory: str
     started: asyncio.Event = field(default_factory=asyncio.Event)
+    all_started_returned: asyncio.Event = field(default_factory=asyncio.Event)
     stopping: bool = False
     produced: set[Key] = field(default_factory=set)
     hooks: set[asyncio.Task] = field(default_factory=set)
@@ -103,6 +104,10 @@ class InstanceConcierge(Concierge):
     @property
     def run_id(self) -> int:
         return self._instance.spec.run_id
+
+    @property
+    def address(self) -> str:
+        return self._host.env.address
 
     @property
     def local_directory(self) -> str:
@@ -233,12 +238,18 @@ class ServiceHost:
     async def all_started(self, sid: ServiceId) -> None:
         inst = self.instances.get(sid)
         if inst is not None:
-            await self._hook(inst, inst.service.all_started)
+            if await self._hook(inst, inst.service.all_started):
+                inst.all_started_returned.set()
 
     async def all_inputs_done(self, sid: ServiceId) -> None:
+        """Runs after ``all_started`` has returned on this instance."""
         inst = self.instances.get(sid)
         if inst is not None:
-            await self._hook(inst, inst.service.all_inputs_done)
+            await self._hook(inst, self._all_inputs_done, inst)
+
+    async def _all_inputs_done(self, inst: Instance) -> None:
+        await inst.all_started_returned.wait()
+        await inst.service.all_inputs_done()
 
     async def add_key(self, sid: ServiceId, key: Key, data: Any) -> bool:
         """Hand one input to instance ``sid``; False if it is gone or the hook failed."""

@@ -53,6 +53,8 @@ class Run:
     started: set[ServiceId] = field(default_factory=set)
     handed_off: set[Key] = field(default_factory=set)
     produced: dict[Key, str] = field(default_factory=dict)
+    landed: set[Key] = field(default_factory=set)  # produced and in memory (or gone)
+    concluded: bool = False
 
     @property
     def live(self) -> bool:
@@ -94,6 +96,13 @@ class OutputProduced:
     run_id: int
     key: Key
     worker: str
+
+
+@dataclass(frozen=True)
+class OutputLanded:
+    """A produced output reached memory (or was forgotten before it could)."""
+
+    key: Key
 
 
 @dataclass(frozen=True)
@@ -141,6 +150,7 @@ Event = (
     | InstanceStarted
     | InputHandedOff
     | OutputProduced
+    | OutputLanded
     | RunFailed
     | RestartRequested
     | WorkerLost
@@ -272,8 +282,16 @@ class ServiceTaskMachine:
         return [
             StopInstances(run, "finished"),
             Log("finished", run.run_id, f"{len(run.produced)} outputs produced"),
-            *self._conclude(None),
+            *self._maybe_conclude(run),
         ]
+
+    def _maybe_conclude(self, run: Run) -> list[Action]:
+        """The service task finishes once every produced output has landed in memory, so
+        that each output is attached to it again (and can be recomputed through it)."""
+        if run.phase is Phase.FINISHED and not run.concluded and run.landed >= set(run.produced):
+            run.concluded = True
+            return self._conclude(None)
+        return []
 
     def _fail(self, run: Run | None, error: BaseException) -> list[Action]:
         actions: list[Action] = []
@@ -381,6 +399,13 @@ class ServiceTaskMachine:
             )
         run.produced[ev.key] = ev.worker
         return [ReleaseOutput(ev.key, ev.worker), *self._maybe_finished(run)]
+
+    def _on_OutputLanded(self, ev: OutputLanded) -> list[Action]:
+        run = self.run
+        if run is None or ev.key not in run.produced:
+            return []
+        run.landed.add(ev.key)
+        return self._maybe_conclude(run)
 
     def _on_RunFailed(self, ev: RunFailed) -> list[Action]:
         run = self._current(ev.run_id)

@@ -7,8 +7,8 @@ outputs into memory, finish or fail the service task, and reschedule it for a re
 
 Scheduler internals it relies on (checked by ``tests/test_hooks.py``): ``TaskState``'s
 ``dependencies``/``dependents``/``waiting_on``/``waiters``/``worker_restrictions``/
-``loose_restrictions``, ``Scheduler.transitions``, ``client_desires_keys``,
-``client_releases_keys``, ``stream_comms``, ``stream_handlers`` and ``handlers``.
+``loose_restrictions``, ``Scheduler.transitions``, ``stream_comms``, ``stream_handlers``
+and ``handlers``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("dask_services")
 Key = Hashable
 
-PSEUDO_CLIENT = "dask-services"
 EVENT_TOPIC = "dask_services"
 
 
@@ -58,7 +57,8 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         self.handoff_of: dict[Key, Key] = {}  # hand-off key -> service key
         self.handoffs_of_input: dict[Key, set[Key]] = {}  # input key -> hand-off keys
         self.output_of: dict[Key, Key] = {}  # output key -> service key
-        self.cut: dict[Key, str] = {}  # output produced (edge cut) -> producing worker
+        self.cut: dict[Key, str] = {}  # produced output not yet in memory -> its worker
+        self.produced_at: dict[Key, str] = {}  # produced output -> worker that may hold it
         self.placements: dict[str, dict[Key, str]] = {}  # placement group -> index -> worker
         self._run_ids = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:6] + "-"
@@ -211,21 +211,32 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             self._apply(key, machine.handle(rs.ServiceTaskReleased(worker_gone=gone)))
 
     def _output_transition(self, key: Key, start: str, finish: str) -> None:
-        if key in self.cut and finish == "no-worker":
-            # A produced output lost its worker: it must be produced again by a new run.
-            self._later(self._reattach_lost_outputs, self.output_of[key])
+        service_key = self.output_of[key]
+        if key in self.cut:
+            if finish == "memory":
+                # Landed: attach it to its service task again, so that if it is ever lost
+                # the scheduler recomputes it through a new run of the service task.
+                del self.cut[key]
+                tasks = self.scheduler.tasks
+                ots, sts = tasks[key], tasks.get(service_key)
+                if sts is not None:
+                    ots.dependencies.add(sts)
+                    sts.dependents.add(ots)
+                self._event(service_key, rs.OutputLanded(key))
+            elif finish in ("erred", "forgotten"):
+                del self.cut[key]
+                self._event(service_key, rs.OutputLanded(key))
+            elif finish == "no-worker":
+                # The producing worker died before the output landed.
+                self._later(self._reattach_lost_outputs, service_key)
+        elif finish == "processing":
+            # An output that no run produced is about to run: its value does not exist.
+            # Take it back (before the worker can answer) and give it a new run.
+            self._later(self._reschedule, service_key)
 
     def _forget(self, key: Key) -> None:
-        if key in self.output_of:
-            worker = self.cut.pop(key, None)
-            if worker is not None and worker in self.scheduler.stream_comms:
-                self.scheduler.stream_comms[worker].send(
-                    {"op": "service-drop-output", "key": key}
-                )
-            service_key = self.output_of[key]
-            sts = self.scheduler.tasks.get(service_key)
-            if sts is not None and sts.who_wants and not self._live_outputs(service_key):
-                self._later(self._release_pinned, service_key)
+        if key in self.output_of and key in self.produced_at:
+            self._send(self.produced_at.pop(key), {"op": "service-drop-output", "key": key})
         elif key in self.machines:
             machine = self.machines.pop(key)
             if machine.live_run is not None:
@@ -242,13 +253,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                 if o not in self.scheduler.tasks:
                     self.output_of.pop(o, None)
                     self.cut.pop(o, None)
-
-    def _live_outputs(self, service_key: Key) -> list[Key]:
-        tasks = self.scheduler.tasks
-        return [
-            o for o in self.definitions[service_key].output_keys
-            if o in tasks and tasks[o].state != "forgotten"
-        ]
+                    self.produced_at.pop(o, None)
 
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
         for key, machine in list(self.machines.items()):
@@ -394,9 +399,6 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
 
     def _notify(self, service_key: Key, worker: str, error: BaseException | None) -> None:
         if error is None:
-            # Keep the finished service task (and so the recipe of its inputs) while any
-            # of its outputs exists, so that a lost output can be produced again.
-            self.scheduler.client_desires_keys([service_key], PSEUDO_CLIENT)
             self._send(worker, {"op": "service-task-outcome", "key": service_key})
         else:
             self._send(worker, {"op": "service-task-outcome", "key": service_key,
@@ -409,6 +411,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         sts = tasks.get(service_key)
         if ots is None or sts is None or ots.state not in ("waiting", "released"):
             self._send(worker, {"op": "service-drop-output", "key": key})
+            self._event(service_key, rs.OutputLanded(key))  # nobody wants it any more
             return
         ots.dependencies.discard(sts)
         sts.dependents.discard(ots)
@@ -419,6 +422,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         ots.worker_restrictions = {worker}
         ots.loose_restrictions = False
         self.cut[key] = worker
+        self.produced_at[key] = worker
         if ots.state == "waiting" and not ots.waiting_on:
             self.scheduler.transitions({key: "processing"}, stimulus_id=f"service-produced-{key}")
 
@@ -497,16 +501,6 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                 self._apply(service_key, machine.handle(
                     rs.RestartRequested(run.run_id, "more outputs were asked for")
                 ))
-        elif sts.state == "memory" and wanted:
-            self._reschedule(service_key)
-
-    def _release_pinned(self, service_key: Key) -> None:
-        sts = self.scheduler.tasks.get(service_key)
-        if sts is None or self._live_outputs(service_key):
-            return
-        self.scheduler.client_releases_keys(
-            [service_key], PSEUDO_CLIENT, stimulus_id=f"service-release-{service_key}"
-        )
 
     # ------------------------------------------------------------- events
 

@@ -69,6 +69,11 @@ class Concierge(abc.ABC):
 
     @property
     @abc.abstractmethod
+    def address(self) -> str:
+        """Address of the worker hosting this instance."""
+
+    @property
+    @abc.abstractmethod
     def local_directory(self) -> str:
         """A directory private to this instance, removed after :meth:`Service.stop`."""
 

@@ -1,0 +1,188 @@
+"""Services used by the tests (importable by worker processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections import defaultdict
+from typing import Any
+
+from dask_services import Service, rpc
+from dask_services.examples import AllReduce
+
+
+class Recorder(AllReduce):
+    """An all-reduce that records every hook call and can fail or restart on demand.
+
+    Records live in the class (so only in-process workers share them with the test).
+    Parameters: ``fail_in`` (hook name) raises ``ValueError`` there; ``restart_runs``
+    restarts from ``all_inputs_done`` that many times; ``gate`` waits for
+    ``Recorder.gates[gate]`` before exchanging partials.
+    """
+
+    events: list[tuple] = []
+    gates: dict[str, asyncio.Event] = {}
+    restarts_done: defaultdict[str, int] = defaultdict(int)
+
+    async def start(self, id, key, peers, input_keys, output_keys, concierge, leader,
+                    fail_in: str | None = None, restart_runs: int = 0,
+                    gate: str | None = None, **kwargs: Any) -> None:
+        self.fail_in = fail_in
+        self.restart_runs = restart_runs
+        self.gate = gate
+        self.events.append(("start", id, key, concierge.address, dict(
+            peers=sorted(peers), input_keys=list(input_keys), output_keys=list(output_keys),
+            leader=leader, run_id=concierge.run_id, wanted=list(concierge.wanted_outputs),
+            kwargs=dict(kwargs, fail_in=fail_in), directory=concierge.local_directory,
+        )))
+        self._maybe_fail("start")
+        await super().start(id, key, peers, input_keys, output_keys, concierge, leader,
+                            **kwargs)
+
+    def _maybe_fail(self, hook: str) -> None:
+        if self.fail_in == hook:
+            raise ValueError(f"boom in {hook}")
+
+    async def all_started(self) -> None:
+        self.events.append(("all_started", self.id))
+        self._maybe_fail("all_started")
+
+    async def add_key(self, key, data) -> None:
+        self.events.append(("add_key", self.id, key, self.concierge.address))
+        self._maybe_fail("add_key")
+        if self.fail_in == "concierge.error":
+            self.concierge.error(KeyError("refused by the service"))
+        await super().add_key(key, data)
+
+    async def all_inputs_done(self) -> None:
+        self.events.append(("all_inputs_done", self.id))
+        self._maybe_fail("all_inputs_done")
+        key = str(self.key)
+        if self.restarts_done[key] < self.restart_runs and self.id == self.leader:
+            self.restarts_done[key] += 1
+            self.concierge.restart("asked by the test")
+            return
+        if self.gate is not None:
+            await self.gates.setdefault(self.gate, asyncio.Event()).wait()
+        await super().all_inputs_done()
+
+    async def stop(self) -> None:
+        self.events.append(("stop", self.id))
+        await super().stop()
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.events.clear()
+        cls.gates.clear()
+        cls.restarts_done.clear()
+
+
+class Streamer(Service):
+    """Produces output i as soon as input ``xi`` arrives, before all inputs are in."""
+
+    async def add_key(self, key, data) -> None:
+        i = int(key[1:])
+        out = self.output_keys[i]
+        if out in self.concierge.wanted_outputs:
+            await self.peers[self.concierge.owner(out)].produce(out, data * 10)
+
+    @rpc
+    async def produce(self, key, value) -> None:
+        await self.concierge.produce_key(key, value)
+
+
+class Chatty(Service):
+    """Peer RPC behaviour: ordering, loopback identity, refused names."""
+
+    received: list[tuple] = []
+
+    async def start(self, id, key, peers, input_keys, output_keys, concierge, leader,
+                    **kwargs: Any) -> None:
+        self.log: list[Any] = []
+
+    async def all_started(self) -> None:
+        results: dict[str, Any] = {}
+        others = [sid for sid in self.peers if sid != self.id]
+        target = self.peers[others[0]] if others else self.peers[self.id]
+        # 1. ordering: 50 calls started without awaiting one another
+        await asyncio.gather(*(target.record(self.id, i) for i in range(50)))
+        # 2. loopback skips serialization: the very same object arrives
+        marker = object()
+        results["loopback_identity"] = (await self.peers[self.id].echo(marker)) is marker
+        if others:
+            remote = await self.peers[others[0]].echo(marker)
+            results["remote_identity"] = remote is marker
+        # 3. refused names
+        refused = {}
+        for name in ("_private", "__class__", "not_marked", "stop", "start", "nope"):
+            try:
+                await getattr(target, name)()
+            except Exception as e:
+                refused[name] = (type(e).__name__, str(e))
+            else:
+                refused[name] = None
+        results["refused"] = refused
+        self.results = results
+
+    async def all_inputs_done(self) -> None:
+        for out in self.concierge.wanted_outputs:
+            if self.concierge.owner(out) == self.id:
+                await self.concierge.produce_key(out, (self.results, self.log))
+
+    @rpc
+    async def record(self, source, i) -> None:
+        self.log.append((str(source), i))  # calls start in the order they were sent
+        if i % 7 == 0:
+            await asyncio.sleep(0)  # even when handlers yield
+
+    @rpc
+    async def echo(self, obj) -> Any:
+        return obj
+
+    async def not_marked(self) -> None:
+        pass
+
+
+class SlowSum(AllReduce):
+    """An all-reduce that lingers before exchanging partials (for kill tests)."""
+
+    async def all_inputs_done(self) -> None:
+        await asyncio.sleep(float(self.params.get("delay", 1.0)))
+        await super().all_inputs_done()
+
+
+class PidReporter(Service):
+    """Produces, as every output it owns, the pid of its worker process."""
+
+    async def all_inputs_done(self) -> None:
+        for out in self.concierge.wanted_outputs:
+            if self.concierge.owner(out) == self.id:
+                await self.concierge.produce_key(out, os.getpid())
+
+
+class Hog(Service):
+    """Claims to hold a lot of memory; records please_evict calls."""
+
+    evicted: list[int] = []
+
+    async def start(self, *args: Any, **kwargs: Any) -> None:
+        self.held = 50_000_000
+        self.freed = asyncio.Event()
+
+    def __sizeof__(self) -> int:
+        return self.held
+
+    def spilled_bytes(self) -> int:
+        return 1234
+
+    async def please_evict(self, nbytes: int) -> None:
+        self.evicted.append(nbytes)
+        self.held = max(0, self.held - nbytes)
+        if not self.held:
+            self.freed.set()
+
+    async def all_inputs_done(self) -> None:
+        await self.freed.wait()
+        for out in self.concierge.wanted_outputs:
+            if self.concierge.owner(out) == self.id:
+                await self.concierge.produce_key(out, "evicted")
