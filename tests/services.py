@@ -99,6 +99,7 @@ class Chatty(Service):
     async def start(self, id, key, peers, input_keys, output_keys, concierge, leader,
                     **kwargs: Any) -> None:
         self.log: list[Any] = []
+        self._me = peers[id]._source
 
     async def all_started(self) -> None:
         results: dict[str, Any] = {}
@@ -114,9 +115,16 @@ class Chatty(Service):
             results["remote_identity"] = remote is marker
         # 3. refused names
         refused = {}
-        for name in ("_private", "__class__", "not_marked", "stop", "start", "nope"):
+        for name in ("_private", "__class__", "__init__", "not_marked", "stop", "start",
+                     "nope"):
             try:
-                await getattr(target, name)()
+                if name.startswith("__"):
+                    # Dunder lookups on the handle are the handle's own; send the raw
+                    # request the way a misbehaving peer would.
+                    await target._host.call_peer(self._me, target.id, _next_seq(self, target),
+                                                 name, (), {})
+                else:
+                    await getattr(target, name)()
             except Exception as e:
                 refused[name] = (type(e).__name__, str(e))
             else:
@@ -141,6 +149,12 @@ class Chatty(Service):
 
     async def not_marked(self) -> None:
         pass
+
+
+def _next_seq(chatty: Chatty, target: Any) -> int:
+    seq = chatty._me.next_seq_out.get(target.id, 0)
+    chatty._me.next_seq_out[target.id] = seq + 1
+    return seq
 
 
 class SlowSum(AllReduce):
