@@ -186,6 +186,14 @@ class ReleaseOutput:
 
 
 @dataclass(frozen=True)
+class DropOutput:
+    """A value produced on ``worker`` will never be used (stale run, duplicate): drop it."""
+
+    key: Key
+    worker: str
+
+
+@dataclass(frozen=True)
 class StopInstances:
     run: Run
     reason: str
@@ -218,6 +226,7 @@ Action = (
     | BroadcastAllStarted
     | BroadcastInputsDone
     | ReleaseOutput
+    | DropOutput
     | StopInstances
     | NotifyServiceTask
     | RescheduleServiceTask
@@ -380,7 +389,13 @@ class ServiceTaskMachine:
     def _on_OutputProduced(self, ev: OutputProduced) -> list[Action]:
         run = self._current(ev.run_id)
         if run is None:
-            return []
+            return [DropOutput(ev.key, ev.worker)]
+        if ev.key not in run.wanted or ev.key in run.produced:
+            return [DropOutput(ev.key, ev.worker), *self._reject_produced(run, ev)]
+        run.produced[ev.key] = ev.worker
+        return [ReleaseOutput(ev.key, ev.worker), *self._maybe_finished(run)]
+
+    def _reject_produced(self, run: Run, ev: OutputProduced) -> list[Action]:
         if ev.key not in run.wanted:
             return self._fail(
                 run,
@@ -388,17 +403,14 @@ class ServiceTaskMachine:
                     f"{ev.key!r} is not a wanted output of service task {self.key!r}"
                 ),
             )
-        if ev.key in run.produced:
-            return self._fail(
-                run,
-                ProduceKeyError(
-                    f"output {ev.key!r} of service task {self.key!r} was produced twice "
-                    f"(on {run.produced[ev.key]} and on {ev.worker}); produce each "
-                    "output once, e.g. only on `concierge.owner(key)`"
-                ),
-            )
-        run.produced[ev.key] = ev.worker
-        return [ReleaseOutput(ev.key, ev.worker), *self._maybe_finished(run)]
+        return self._fail(
+            run,
+            ProduceKeyError(
+                f"output {ev.key!r} of service task {self.key!r} was produced twice "
+                f"(on {run.produced[ev.key]} and on {ev.worker}); produce each "
+                "output once, e.g. only on `concierge.owner(key)`"
+            ),
+        )
 
     def _on_OutputLanded(self, ev: OutputLanded) -> list[Action]:
         run = self.run

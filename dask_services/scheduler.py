@@ -358,10 +358,14 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                 self._broadcast(action.run, "service-inputs-done")
             elif isinstance(action, rs.ReleaseOutput):
                 self._release_output(service_key, action.key, action.worker)
+            elif isinstance(action, rs.DropOutput):
+                self._send(action.worker, {"op": "service-drop-output", "key": action.key})
             elif isinstance(action, rs.StopInstances):
                 self._apply_stop(action.run, action.reason)
             elif isinstance(action, rs.NotifyServiceTask):
-                self._notify(service_key, action.worker, action.error)
+                # After the current transitions, so that the worker has the service task
+                # (its compute-task message) before it hears the outcome.
+                self._later(self._notify, service_key, action.worker, action.error)
             elif isinstance(action, rs.RescheduleServiceTask):
                 self._later(self._reschedule, service_key)
             elif isinstance(action, rs.Log):
@@ -398,6 +402,18 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             self._send(worker, {"op": "service-stop", "id": str(sid), "reason": reason})
 
     def _notify(self, service_key: Key, worker: str, error: BaseException | None) -> None:
+        ts = self.scheduler.tasks.get(service_key)
+        machine = self.machines.get(service_key)
+        if ts is None or machine is None:
+            return
+        if ts.processing_on is None or ts.processing_on.address != worker:
+            # It moved meanwhile; deliver the outcome wherever it runs next.
+            machine.pending_outcome = (error,)
+            if ts.processing_on is not None:
+                self._apply(service_key, machine.handle(
+                    rs.ServiceTaskProcessing(ts.processing_on.address)
+                ))
+            return
         if error is None:
             self._send(worker, {"op": "service-task-outcome", "key": service_key})
         else:

@@ -41,6 +41,8 @@ _STREAM_OPS = (
     "service-drop-output",
 )
 _RPC_OPS = ("service_rpc", "service_add_key")
+# Worker task states in which a service task cannot be waiting for its outcome.
+_NOT_RUNNING = frozenset({"cancelled", "released", "forgotten", "memory", "error"})
 
 
 def _unwrap(obj: Any) -> Any:
@@ -186,6 +188,9 @@ class ServiceWorkerPlugin(WorkerPlugin):
         self._spawn(self.host.stop(ServiceId(id)))
 
     def _service_task_outcome(self, key: Key, error: bytes | None = None, **_: Any) -> None:
+        ts = self.worker.state.tasks.get(key)
+        if ts is None or ts.state in _NOT_RUNNING:
+            return  # the service task is no longer (or not yet) executing here
         fut = self._outcome(key)
         if not fut.done():
             fut.set_result(("error", error) if error is not None else ("done", None))
@@ -200,8 +205,8 @@ class ServiceWorkerPlugin(WorkerPlugin):
         return fut
 
     def transition(self, key: Key, start: str, finish: str, **kwargs: Any) -> None:
-        # A waiting service task that gets cancelled must stop waiting.
-        if key in self.outcomes and finish not in ("executing", "long-running", "memory"):
+        # A waiting service task that is cancelled must stop waiting.
+        if key in self.outcomes and finish in _NOT_RUNNING:
             fut = self.outcomes.pop(key)
             if not fut.done():
                 fut.set_result(("cancelled", None))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import gc
 import os
 
 from distributed.utils_test import async_poll_for, gen_cluster
@@ -18,16 +20,14 @@ def service_cluster(**kwargs):
     kwargs.setdefault("timeout", 60)
 
     def decorator(fn):
-        async def body(c, s, *workers):
+        @functools.wraps(fn)  # keeps the signature, so pytest parametrization works
+        async def body(c, s, *workers, **params):
             await dask_services.install_async(c)
-            await fn(c, s, *workers)
+            await fn(c, s, *workers, **params)
             s.validate_state()
             for w in workers:
                 w.validate_state()
 
-        body.__name__ = fn.__name__
-        body.__qualname__ = fn.__qualname__
-        body.__module__ = fn.__module__
         return gen_cluster(**kwargs)(body)
 
     return decorator
@@ -35,28 +35,33 @@ def service_cluster(**kwargs):
 
 async def assert_nothing_left(s, workers, timeout: float = 10) -> None:
     """No instance, produced value, waiting outcome, directory or scheduler state remains."""
+    gc.collect()  # futures kept alive by tracebacks of caught errors (reference cycles)
 
-    def clean() -> bool:
+    def leftovers() -> list[str]:
+        left = []
         for w in workers:
             ext = w.extensions["dask_services"]
-            if ext.host.instances or ext.produced or ext.outcomes:
-                return False
+            for name in ("instances", "current"):
+                if getattr(ext.host, name):
+                    left.append(f"{w.address} host.{name}: {getattr(ext.host, name)}")
+            if ext.produced:
+                left.append(f"{w.address} produced: {list(ext.produced)}")
+            if ext.outcomes:
+                left.append(f"{w.address} outcomes: {list(ext.outcomes)}")
             base = ext.host.env.local_directory
             if os.path.isdir(base) and os.listdir(base):
-                return False
+                left.append(f"{w.address} files: {os.listdir(base)}")
         plugin = s.extensions["dask_services"]
-        return not (plugin.machines or plugin.cut or plugin.produced_at or plugin.handoff_of)
+        for name in ("machines", "cut", "produced_at", "handoff_of", "output_of"):
+            if getattr(plugin, name):
+                left.append(f"scheduler {name}: {list(getattr(plugin, name))[:3]}")
+        return left
 
     try:
-        await async_poll_for(clean, timeout=timeout)
+        await async_poll_for(lambda: not leftovers(), timeout=timeout)
     except BaseException:
-        plugin = s.extensions["dask_services"]
-        for w in workers:
-            ext = w.extensions["dask_services"]
-            print(w.address, ext.host.instances, ext.produced, ext.outcomes,
-                  os.listdir(ext.host.env.local_directory))
-        print("machines", plugin.machines, "cut", plugin.cut, "handoffs", plugin.handoff_of)
-        print({k: ts.state for k, ts in s.tasks.items()})
+        print("LEFT BEHIND:", leftovers())
+        print({k: (ts.state, ts.who_wants) for k, ts in s.tasks.items()})
         raise
 
 
@@ -64,3 +69,15 @@ def events_of(kind: str) -> list[tuple]:
     from services import Recorder
 
     return [e for e in Recorder.events if e[0] == kind]
+
+
+async def assert_errs(future, exc_type: type, match: str) -> BaseException:
+    """The future erred with ``exc_type`` whose message contains ``match``.
+
+    Uses ``Future.exception()`` rather than ``await future``: a raised exception's
+    traceback holds the future itself, which would keep its key alive on the cluster.
+    """
+    exc = await future.exception()
+    assert isinstance(exc, exc_type), repr(exc)
+    assert match in str(exc), (match, str(exc))
+    return exc

@@ -29,6 +29,10 @@ OPS: dict[str, Callable[[Any, Any], Any]] = {
 class AllReduce(Service):
     """Reduce all inputs with ``op`` (a name in ``OPS`` or a binary function)."""
 
+    def __init__(self) -> None:
+        self.partial: list[Any] = []  # [] or [value]
+        self.received: dict[ServiceId, list[Any]] = {}
+
     async def start(self, id, key, peers, input_keys, output_keys, concierge, leader,
                     op: str | Callable[[Any, Any], Any] = "sum", **kwargs: Any) -> None:
         if isinstance(op, str):
@@ -36,8 +40,6 @@ class AllReduce(Service):
                 raise ValueError(f"unknown op {op!r}; use one of {sorted(OPS)} or a function")
             op = OPS[op]
         self.op = op
-        self.partial: list[Any] = []  # [] or [value]
-        self.received: dict[ServiceId, list[Any]] = {}
 
     async def add_key(self, key, data) -> None:
         self.partial = [self.op(self.partial[0], data) if self.partial else data]

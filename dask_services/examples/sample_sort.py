@@ -22,12 +22,14 @@ from dask_services.service import Service, ServiceId, rpc
 class SampleSort(Service):
     """Sort numbers across workers; ``samples_per_instance`` tunes splitter quality."""
 
-    async def start(self, id, key, peers, input_keys, output_keys, concierge, leader,
-                    samples_per_instance: int = 64, **kwargs: Any) -> None:
-        self.samples_per_instance = samples_per_instance
+    def __init__(self) -> None:
         self.values: list[Any] = []
         self.samples: dict[ServiceId, list[Any]] = {}
         self.incoming: dict[ServiceId, dict[Any, list[Any]]] = {}
+
+    async def start(self, id, key, peers, input_keys, output_keys, concierge, leader,
+                    samples_per_instance: int = 64, **kwargs: Any) -> None:
+        self.samples_per_instance = samples_per_instance
 
     async def add_key(self, key, data) -> None:
         if np.ndim(data) == 0:

@@ -1,0 +1,111 @@
+"""Errors, restarts and cancellation of service tasks (in-process cluster, validation on)."""
+
+from __future__ import annotations
+
+import dask
+import pytest
+from distributed.utils_test import async_poll_for
+from services import Recorder
+from utils import assert_errs, assert_nothing_left, events_of, service_cluster
+
+import dask_services
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def inc(x):
+    return x + 1
+
+
+@pytest.mark.parametrize(
+    "hook", ["start", "all_started", "add_key", "all_inputs_done"]
+)
+@service_cluster()
+async def test_hook_raising_errs_every_output(c, s, a, b, hook):
+    xs = [dask.delayed(inc)(i) for i in range(4)]
+    outs = c.compute(dask_services.service_task(Recorder, xs, outputs=3, fail_in=hook))
+    for fut in outs:
+        await assert_errs(fut, ValueError, f"boom in {hook}")
+    started = {e[1] for e in events_of("start")}
+    await async_poll_for(lambda: {e[1] for e in events_of("stop")} == started, timeout=5)
+    assert len(events_of("stop")) == len(started)  # exactly once each
+    del outs, fut
+    await assert_nothing_left(s, [a, b])
+
+
+@service_cluster()
+async def test_concierge_error_keeps_type_and_message(c, s, a, b):
+    xs = [dask.delayed(inc)(i) for i in range(4)]
+    outs = c.compute(
+        dask_services.service_task(Recorder, xs, outputs=2, fail_in="concierge.error")
+    )
+    await assert_errs(outs[0], KeyError, "refused by the service")
+    del outs
+    await assert_nothing_left(s, [a, b])
+
+
+@service_cluster()
+async def test_concierge_restart_gives_new_run_and_ids(c, s, a, b):
+    xs = [dask.delayed(inc)(i) for i in range(4)]
+    outs = dask_services.service_task(Recorder, xs, outputs=2, restart_runs=2)
+    assert await c.gather(c.compute(outs)) == [10, 10]
+    runs = {e[4]["run_id"] for e in events_of("start")}
+    assert len(runs) == 3
+    ids = [e[1] for e in events_of("start")]
+    assert len(ids) == len(set(ids)) == 6
+    restarted = [e for e in s.get_events("dask_services") if e[1]["action"] == "restarted"]
+    assert len(restarted) == 2 and "asked by the test" in restarted[0][1]["detail"]
+    await assert_nothing_left(s, [a, b])
+
+
+@service_cluster(config={"dask_services.restarts": 1})
+async def test_too_many_restarts_is_a_clear_error(c, s, a, b):
+    xs = [dask.delayed(inc)(i) for i in range(4)]
+    outs = c.compute(dask_services.service_task(Recorder, xs, outputs=2, restart_runs=5))
+    exc = await assert_errs(outs[0], dask_services.TooManyRestarts, "asked by the test")
+    assert "dask_services.restarts=1" in str(exc)
+    del outs
+    await assert_nothing_left(s, [a, b])
+
+
+@service_cluster()
+async def test_cancel_mid_run_stops_every_instance(c, s, a, b):
+    xs = [dask.delayed(inc)(i) for i in range(4)]
+    outs = c.compute(dask_services.service_task(Recorder, xs, outputs=2, gate="never"))
+    await async_poll_for(lambda: len(events_of("all_inputs_done")) == 2, timeout=10)
+    await c.cancel(outs)
+    del outs
+    await async_poll_for(lambda: len(events_of("stop")) == 2, timeout=10)
+    cancelled = [e for e in s.get_events("dask_services") if e[1]["action"] == "cancelled"]
+    assert cancelled
+    await assert_nothing_left(s, [a, b])
+
+
+@service_cluster()
+async def test_producing_unknown_or_duplicate_keys_is_refused(c, s, a, b):
+    class Bad(dask_services.Service):
+        async def all_inputs_done(self):
+            if self.id != self.leader:
+                return
+            with pytest.raises(dask_services.ProduceKeyError, match="not a wanted output"):
+                await self.concierge.produce_key("nope", 1)
+            for out in self.output_keys:
+                await self.concierge.produce_key(out, 1)
+            with pytest.raises(dask_services.ProduceKeyError, match="already produced"):
+                await self.concierge.produce_key(self.output_keys[0], 2)
+
+    outs = dask_services.service_task(Bad, [], outputs=2)
+    assert await c.gather(c.compute(outs)) == [1, 1]
+    await assert_nothing_left(s, [a, b])
+
+
+@service_cluster()
+async def test_output_produced_by_two_instances_fails_the_task(c, s, a, b):
+    class Twice(dask_services.Service):
+        async def all_inputs_done(self):
+            await self.concierge.produce_key(self.output_keys[0], str(self.id))
+
+    outs = c.compute(dask_services.service_task(Twice, [], outputs=2))
+    await assert_errs(outs[1], dask_services.ProduceKeyError, "produced twice")
+    del outs
+    await assert_nothing_left(s, [a, b])
