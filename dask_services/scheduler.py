@@ -198,7 +198,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         ts = self.scheduler.tasks[key]
         if finish == "processing":
             if machine.graph_error is not None:
-                self._notify(key, ts.processing_on.address, machine.graph_error)
+                self._later(self._notify, key, ts.processing_on.address, machine.graph_error)
                 return
             if not self.definitions[key].input_keys:
                 self._run_needed(key)
