@@ -1,0 +1,177 @@
+"""The run lifecycle as a pure state machine: no cluster involved."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dask_services import _run_state as rs
+from dask_services.service import ProduceKeyError, ServiceId, TooManyRestarts
+
+pytestmark = pytest.mark.timeout(60)
+
+WORKERS = ["tcp://a:1", "tcp://b:1"]
+INPUTS = ["i0", "i1", "i2"]
+OUTPUTS = ["o0", "o1"]
+
+
+def machine(max_restarts: int = 2) -> rs.ServiceTaskMachine:
+    return rs.ServiceTaskMachine("svc", INPUTS, OUTPUTS, max_restarts)
+
+
+def need(m: rs.ServiceTaskMachine, run_id: int = 1, wanted=OUTPUTS, workers=WORKERS):
+    return m.handle(rs.RunNeeded(run_id, "p-", workers, wanted))
+
+
+def kinds(actions) -> list[str]:
+    return [type(a).__name__ for a in actions]
+
+
+def start_all(m, run_id=1):
+    out = []
+    for sid in m.run.ids.values():
+        out += m.handle(rs.InstanceStarted(run_id, sid))
+    return out
+
+
+def test_happy_path():
+    m = machine()
+    actions = need(m)
+    assert kinds(actions) == ["StartInstances", "Log"]
+    run = actions[0].run
+    assert set(run.ids) == set(WORKERS) and run.leader == run.ids[WORKERS[0]]
+    assert run.owners == {"o0": run.ids[WORKERS[0]], "o1": run.ids[WORKERS[1]]}
+    assert need(m, run_id=2) == []  # one live run at a time
+    assert kinds(start_all(m)) == ["BroadcastAllStarted"]
+    assert m.handle(rs.InputHandedOff(1, "i0")) == []
+    assert m.handle(rs.InputHandedOff(1, "i1")) == []
+    assert kinds(m.handle(rs.InputHandedOff(1, "i2"))) == ["BroadcastInputsDone"]
+    assert kinds(m.handle(rs.OutputProduced(1, "o0", WORKERS[0]))) == ["ReleaseOutput"]
+    assert kinds(m.handle(rs.OutputProduced(1, "o1", WORKERS[1]))) == [
+        "ReleaseOutput", "StopInstances", "Log",
+    ]
+    # the task finishes once the outputs are in memory, and it is processing somewhere
+    assert m.handle(rs.OutputLanded("o0")) == []
+    assert m.handle(rs.OutputLanded("o1")) == []
+    assert kinds(m.handle(rs.ServiceTaskProcessing(WORKERS[1]))) == ["NotifyServiceTask"]
+
+
+def test_barrier_waits_for_all_started():
+    m = machine()
+    need(m)
+    for k in INPUTS:
+        assert m.handle(rs.InputHandedOff(1, k)) == []
+    assert kinds(start_all(m)) == ["BroadcastAllStarted", "BroadcastInputsDone"]
+
+
+def test_stale_events_are_ignored_and_stale_outputs_dropped():
+    m = machine()
+    need(m)
+    assert m.handle(rs.InputHandedOff(7, "i0")) == []
+    assert m.handle(rs.InstanceStarted(7, ServiceId("x"))) == []
+    assert m.handle(rs.RunFailed(7, ValueError())) == []
+    assert kinds(m.handle(rs.OutputProduced(7, "o0", "w"))) == ["DropOutput"]
+
+
+def test_duplicate_and_unknown_outputs_fail_the_run():
+    m = machine()
+    need(m)
+    m.handle(rs.ServiceTaskProcessing(WORKERS[0]))
+    m.handle(rs.OutputProduced(1, "o0", WORKERS[0]))
+    actions = m.handle(rs.OutputProduced(1, "o0", WORKERS[1]))
+    assert kinds(actions) == ["DropOutput", "StopInstances", "Log", "NotifyServiceTask"]
+    assert isinstance(actions[-1].error, ProduceKeyError)
+    m2 = machine()
+    need(m2, wanted=["o1"])
+    actions = m2.handle(rs.OutputProduced(1, "o0", WORKERS[0]))
+    assert kinds(actions) == ["DropOutput", "StopInstances", "Log"]
+    assert "not a wanted output" in str(m2.pending_outcome[0])
+
+
+def test_restarts_then_too_many():
+    m = machine(max_restarts=1)
+    need(m)
+    actions = m.handle(rs.WorkerLost(WORKERS[1]))
+    assert kinds(actions) == ["StopInstances", "Log", "RescheduleServiceTask"]
+    assert "left the cluster" in actions[-1].reason
+    assert m.run is None
+    assert kinds(need(m, run_id=2, workers=WORKERS[:1])) == ["StartInstances", "Log"]
+    assert m.run.ids[WORKERS[0]] != actions[0].run.ids[WORKERS[0]]  # new ids
+    actions = m.handle(rs.RestartRequested(2, "asked"))
+    assert kinds(actions) == ["StopInstances", "Log"]  # outcome waits for the task
+    assert isinstance(m.pending_outcome[0], TooManyRestarts)
+    assert "asked" in str(m.pending_outcome[0])
+    assert kinds(m.handle(rs.ServiceTaskProcessing(WORKERS[0]))) == ["NotifyServiceTask"]
+
+
+def test_worker_not_participating_does_not_restart():
+    m = machine()
+    need(m)
+    assert m.handle(rs.WorkerLost("tcp://other:1")) == []
+
+
+def test_cancel_and_task_worker_lost():
+    m = machine()
+    need(m)
+    m.handle(rs.ServiceTaskProcessing(WORKERS[0]))
+    assert kinds(m.handle(rs.ServiceTaskReleased())) == ["StopInstances", "Log"]
+    assert m.run is None and m.restarts == 0
+    need(m, run_id=2)
+    m.handle(rs.ServiceTaskProcessing(WORKERS[0]))
+    actions = m.handle(rs.ServiceTaskReleased(worker_gone=True))
+    assert kinds(actions) == ["StopInstances", "Log", "RescheduleServiceTask"]
+    assert m.restarts == 1
+
+
+def test_no_run_without_workers_or_with_graph_error():
+    m = machine()
+    assert need(m, workers=[]) == []
+    m.graph_error = ValueError("bad graph")
+    assert need(m) == []
+
+
+EVENTS = st.one_of(
+    st.builds(rs.InstanceStarted, st.integers(1, 3), st.sampled_from(
+        [ServiceId(f"p-{r}.{i}") for r in range(1, 4) for i in range(2)])),
+    st.builds(rs.InputHandedOff, st.integers(1, 3), st.sampled_from(INPUTS)),
+    st.builds(rs.OutputProduced, st.integers(1, 3), st.sampled_from(OUTPUTS + ["zz"]),
+              st.sampled_from(WORKERS)),
+    st.builds(rs.OutputLanded, st.sampled_from(OUTPUTS)),
+    st.builds(rs.RunFailed, st.integers(1, 3), st.just(ValueError("x"))),
+    st.builds(rs.RestartRequested, st.integers(1, 3), st.just("r")),
+    st.builds(rs.WorkerLost, st.sampled_from(WORKERS)),
+    st.builds(rs.ServiceTaskProcessing, st.sampled_from(WORKERS)),
+    st.builds(rs.ServiceTaskReleased, st.booleans()),
+    st.just("need"),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(EVENTS, max_size=40))
+def test_invariants_under_any_event_order(events):
+    """Every started run is stopped at most once; outcomes go out at most once per run."""
+    m = machine()
+    run_id = 0
+    starts, stops, notified = set(), [], []
+    for ev in events:
+        if ev == "need":
+            run_id += 1
+            actions = need(m, run_id=run_id)
+        else:
+            actions = m.handle(ev)
+        for a in actions:
+            if isinstance(a, rs.StartInstances):
+                assert a.run.run_id not in starts
+                starts.add(a.run.run_id)
+            elif isinstance(a, rs.StopInstances):
+                stops.append(a.run.run_id)
+            elif isinstance(a, rs.NotifyServiceTask):
+                notified.append(a)
+        assert len(stops) == len(set(stops)), "a run was stopped twice"
+        assert set(stops) <= starts
+        live = m.live_run
+        if live is not None:
+            assert live.run_id not in stops
+            assert set(live.produced) <= set(live.wanted)
+    assert m.restarts <= m.max_restarts + 1
