@@ -59,6 +59,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         self.output_of: dict[Key, Key] = {}  # output key -> service key
         self.cut: dict[Key, str] = {}  # produced output not yet in memory -> its worker
         self.produced_at: dict[Key, str] = {}  # produced output -> worker that may hold it
+        self.restrictions: dict[Key, tuple] = {}  # output -> its own restrictions while cut
         self.placements: dict[str, dict[Key, str]] = {}  # placement group -> index -> worker
         self._run_ids = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:6] + "-"
@@ -219,6 +220,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                 del self.cut[key]
                 tasks = self.scheduler.tasks
                 ots, sts = tasks[key], tasks.get(service_key)
+                self._restore_restrictions(ots)
                 if sts is not None:
                     ots.dependencies.add(sts)
                     sts.dependents.add(ots)
@@ -229,10 +231,16 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             elif finish == "no-worker":
                 # The producing worker died before the output landed.
                 self._later(self._reattach_lost_outputs, service_key)
-        elif finish == "processing":
+        elif finish in ("processing", "no-worker"):
             # An output that no run produced is about to run: its value does not exist.
             # Take it back (before the worker can answer) and give it a new run.
             self._later(self._reschedule, service_key)
+        elif finish == "waiting":
+            machine = self.machines.get(service_key)
+            run = machine.live_run if machine is not None else None
+            if run is not None and key not in run.wanted:
+                # e.g. lost while a run that does not know it is under way
+                self._later(self._restart_for_new_outputs, service_key)
 
     def _forget(self, key: Key) -> None:
         if key in self.output_of and key in self.produced_at:
@@ -254,6 +262,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                     self.output_of.pop(o, None)
                     self.cut.pop(o, None)
                     self.produced_at.pop(o, None)
+                    self.restrictions.pop(o, None)
 
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
         for key, machine in list(self.machines.items()):
@@ -435,6 +444,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             ots.waiting_on.discard(sts)
         if sts.waiters:
             sts.waiters.discard(ots)
+        self.restrictions.setdefault(key, (ots.worker_restrictions, ots.loose_restrictions))
         ots.worker_restrictions = {worker}
         ots.loose_restrictions = False
         self.cut[key] = worker
@@ -487,9 +497,14 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             del self.cut[o]
             ots.dependencies.add(sts)
             sts.dependents.add(ots)
-            ots.worker_restrictions = None
+            self._restore_restrictions(ots)
             recs[o] = "released"
         return recs
+
+    def _restore_restrictions(self, ots: TaskState) -> None:
+        saved = self.restrictions.pop(ots.key, None)
+        if saved is not None:
+            ots.worker_restrictions, ots.loose_restrictions = saved
 
     def _reattach_lost_outputs(self, service_key: Key) -> None:
         machine = self.machines.get(service_key)
