@@ -85,7 +85,9 @@ def _run_service_task(definition: ServiceDefinition, service_key: Key, *inputs: 
         return None
     from dask_services.local import run_in_process
 
-    return run_in_process(definition, service_key, dict(zip(definition.input_keys, inputs)))
+    return run_in_process(
+        definition, service_key, dict(zip(definition.input_keys, inputs, strict=True))
+    )
 
 
 def _claim_output(produced: dict | None, key: Key) -> Any:
@@ -157,7 +159,7 @@ def build_service_graph(
             f"{service_key!r}; give the outputs other names"
         )
     dsk: dict[Key, Task] = {}
-    for handoff_key, input_key in zip(definition.handoff_keys, input_keys):
+    for handoff_key, input_key in zip(definition.handoff_keys, input_keys, strict=True):
         dsk[handoff_key] = HandOffSpec(
             handoff_key, _hand_off, handoff_key, service_key, input_key, TaskRef(input_key)
         )

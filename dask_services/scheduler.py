@@ -27,7 +27,6 @@ from distributed.protocol.serialize import ToPickle
 from dask_services import _run_state as rs
 from dask_services._host import InstanceSpec
 from dask_services.graph import (
-    HandOffSpec,
     OutputClaimSpec,
     ServiceDefinition,
     ServiceTaskSpec,
@@ -130,7 +129,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         self.machines[key] = rs.ServiceTaskMachine(
             key, definition.input_keys, definition.output_keys, self.max_restarts
         )
-        for h, i in zip(definition.handoff_keys, definition.input_keys):
+        for h, i in zip(definition.handoff_keys, definition.input_keys, strict=True):
             self.handoff_of[h] = key
             self.handoffs_of_input.setdefault(i, set()).add(h)
         for o in definition.output_keys:
@@ -250,7 +249,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             if machine.live_run is not None:
                 self._apply_stop(machine.live_run, "forgotten")
             definition = self.definitions.pop(key)
-            for h, i in zip(definition.handoff_keys, definition.input_keys):
+            for h, i in zip(definition.handoff_keys, definition.input_keys, strict=True):
                 self.handoff_of.pop(h, None)
                 hs = self.handoffs_of_input.get(i)
                 if hs is not None:

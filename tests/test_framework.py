@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import dask
 import pytest
 from distributed import Event, Future, wait
@@ -44,7 +42,7 @@ async def test_hooks_order_arguments_and_placement(c, s, a, b):
     ids = sorted(e[1] for e in starts)
     assert all(isinstance(i, dask_services.ServiceId) for i in ids)
     assert {e[3] for e in starts} == {a.address, b.address}
-    for _, sid, key, _, info in starts:
+    for _, _sid, key, _, info in starts:
         assert info["peers"] == ids  # every peer, itself included
         assert info["input_keys"] == [f.key for f in futs]  # priority order
         assert info["output_keys"] == [o.key for o in outs]

@@ -1,0 +1,156 @@
+"""``dask-services demo`` and ``dask-services bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def _local_cluster(workers: int, threads: int, processes: bool) -> Any:
+    from distributed import LocalCluster
+
+    return LocalCluster(
+        n_workers=workers, threads_per_worker=threads, processes=processes,
+        dashboard_address=":0",
+    )
+
+
+def _progress(iterable: Sequence[Any], label: str, enabled: bool) -> Any:
+    """A minimal progress bar on stderr (no extra dependency)."""
+    total = len(iterable)
+    for i, item in enumerate(iterable, 1):
+        yield item
+        if enabled:
+            filled = int(30 * i / total)
+            print(f"\r{label} [{'#' * filled}{'.' * (30 - filled)}] {i}/{total}",
+                  end="" if i < total else "\n", file=sys.stderr, flush=True)
+
+
+def demo(args: argparse.Namespace) -> int:
+    import dask
+    from distributed import Client
+
+    import dask_services
+    from dask_services.demo_services import Histogram
+    from dask_services.examples import AllReduce, SampleSort
+
+    print(f"Starting a LocalCluster with {args.workers} worker processes ...")
+    with _local_cluster(args.workers, 1, True) as cluster, Client(cluster) as client:
+        print(f"  dashboard: {client.dashboard_link}")
+        dask_services.install(client)
+
+        def timed(label: str, fn: Callable[[], Any]) -> Any:
+            start = time.perf_counter()
+            result = fn()
+            print(f"  {label:<48} {time.perf_counter() - start:8.3f} s")
+            return result
+
+        rng = dask.delayed(lambda seed, n: __import__("numpy").random.default_rng(seed)
+                           .integers(0, 1000, n))
+        chunks = [rng(seed, 10_000) for seed in range(16)]
+
+        print("\n1. A user-defined service (dask_services.demo_services.Histogram):")
+        print("   each instance bins its inputs, peers exchange counts over RPC,")
+        print("   and every output is the histogram of one range of values.")
+        hist = dask_services.service_task(Histogram, chunks, outputs=4, bins=10, high=1000)
+        parts = timed("histogram of 160,000 values (4 outputs)", lambda: dask.compute(*hist))
+        for i, part in enumerate(parts):
+            print(f"     output {i}: {part}")
+        total = sum(sum(p.values()) for p in parts)
+        print(f"     total count: {total:,} (expected 160,000)")
+
+        print("\n2. Built-in example services:")
+        sums = dask_services.service_task(AllReduce, chunks, outputs=2, op="sum")
+        s = timed("all-reduce (element-wise sum of 16 arrays)", lambda: dask.compute(*sums))
+        print(f"     first elements of the sum: {s[0][:5].tolist()}")
+        sorted_parts = dask_services.service_task(SampleSort, chunks[:4], outputs=4)
+        out = timed("sample sort of 40,000 numbers into 4 partitions",
+                    lambda: dask.compute(*sorted_parts))
+        flat = [v for p in out for v in p]
+        print(f"     partition sizes: {[len(p) for p in out]}; sorted: {flat == sorted(flat)}")
+
+        print("\n3. Without a cluster (dask's local scheduler runs the instances in-process):")
+        local = timed("all-reduce with scheduler='sync'",
+                      lambda: dask.compute(*sums, scheduler="sync"))
+        print(f"     same result as on the cluster: {bool((local[0] == s[0]).all())}")
+        print("\nDone. See README.md for writing your own service.")
+    return 0
+
+
+def bench(args: argparse.Namespace) -> int:
+    import distributed
+    from distributed import Client
+
+    import dask_services
+    from dask_services.examples import AllReduce
+
+    if args.what != "overhead":
+        print(f"unknown benchmark {args.what!r}; available: overhead", file=sys.stderr)
+        return 2
+    results: dict[str, Any] = {"benchmark": "overhead", "workers": args.workers,
+                               "repeat": args.repeat}
+    with _local_cluster(args.workers, 1, True) as cluster, Client(cluster) as client:
+        dask_services.install(client)
+
+        def one_submit() -> None:
+            client.submit(int, time.perf_counter_ns()).result()
+
+        def one_service() -> None:
+            inputs = [client.submit(int, i, key=f"in-{time.perf_counter_ns()}-{i}")
+                      for i in range(10)]
+            distributed.wait(inputs)
+            start = time.perf_counter()
+            outs = dask_services.submit(AllReduce, inputs, outputs=10, client=client)
+            client.gather(outs)
+            return time.perf_counter() - start
+
+        def measure(fn: Callable[[], Any], label: str) -> list[float]:
+            times = []
+            for _ in _progress(range(args.repeat), label, not args.json):
+                start = time.perf_counter()
+                inner = fn()
+                times.append(inner if isinstance(inner, float) else
+                             time.perf_counter() - start)
+            return times
+
+        measure(one_submit, "warm-up")
+        submit_times = measure(one_submit, "client.submit")
+        service_times = measure(one_service, "service task")
+    results["client_submit_median_s"] = statistics.median(submit_times)
+    results["service_task_median_s"] = statistics.median(service_times)
+    results["ratio"] = results["service_task_median_s"] / results["client_submit_median_s"]
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        print(f"{'what':<44}{'median':>12}")
+        print(f"{'client.submit(...).result() of one task':<44}"
+              f"{results['client_submit_median_s'] * 1e3:>9.2f} ms")
+        print(f"{'service task, 10 inputs -> 10 outputs':<44}"
+              f"{results['service_task_median_s'] * 1e3:>9.2f} ms")
+        print(f"ratio: {results['ratio']:.1f}x  ({args.workers} workers, {args.repeat} repeats)")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dask-services", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_demo = sub.add_parser("demo", help="run services on a local cluster and print results")
+    p_demo.add_argument("--workers", type=int, default=2)
+    p_demo.set_defaults(func=demo)
+    p_bench = sub.add_parser("bench", help="benchmarks (overhead)")
+    p_bench.add_argument("what", choices=["overhead"])
+    p_bench.add_argument("--workers", type=int, default=2)
+    p_bench.add_argument("--repeat", type=int, default=20)
+    p_bench.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p_bench.set_defaults(func=bench)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
