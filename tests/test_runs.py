@@ -1,0 +1,77 @@
+"""Stale-run refusal, preload installation, the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import dask
+import pytest
+from distributed.protocol.serialize import to_serialize
+from distributed.utils_test import async_poll_for, gen_cluster
+from services import Recorder
+from utils import assert_nothing_left, events_of, service_cluster
+
+import dask_services
+from dask_services.examples import AllReduce
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def inc(x):
+    return x + 1
+
+
+@service_cluster()
+async def test_message_for_an_old_run_is_refused(c, s, a, b):
+    xs = [dask.delayed(inc)(i) for i in range(4)]
+    outs = c.compute(dask_services.service_task(Recorder, xs, outputs=2, restart_runs=1,
+                                                gate="second-run"))
+    # wait for the second run to be live (all its instances past all_inputs_done)
+    await async_poll_for(lambda: len({e[4]["run_id"] for e in events_of("start")}) == 2
+                         and len(events_of("all_inputs_done")) == 4, timeout=10)
+    first, second = sorted({e[4]["run_id"] for e in events_of("start")})
+    old = {e[3]: e[1] for e in events_of("start") if e[4]["run_id"] == first}
+    new = {e[3]: e[1] for e in events_of("start") if e[4]["run_id"] == second}
+    with pytest.raises(dask_services.StaleRunError, match="no longer current"):
+        await a.rpc(b.address).service_rpc(
+            target=str(old[b.address]), source=str(old[a.address]), seq=0,
+            method="receive_partial", payload=to_serialize(((old[a.address], [1000]), {})),
+        )
+    # the message did not reach the live instance of the new run
+    inst = b.extensions["dask_services"].host.instances[new[b.address]]
+    assert old[a.address] not in inst.service.received
+    Recorder.gates["second-run"].set()
+    assert await c.gather(outs) == [10, 10]
+    del outs
+    await assert_nothing_left(s, [a, b])
+
+
+@gen_cluster(client=True, scheduler_kwargs={"preload": ["dask_services"]},
+             nthreads=[("127.0.0.1", 1)] * 2)
+async def test_preload_installs_the_plugin(c, s, a, b):
+    assert "dask_services" in s.plugins
+    assert all("dask_services" in w.extensions for w in (a, b))
+    xs = [dask.delayed(inc)(i) for i in range(3)]
+    assert await c.gather(c.compute(dask_services.service_task(AllReduce, xs, outputs=2))) \
+        == [6, 6]
+    s.validate_state()
+
+
+@pytest.mark.slow
+def test_cli_demo_runs(capsys):
+    from dask_services.cli import main
+
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "total count: 160,000 (expected 160,000)" in out
+    assert "sorted: True" in out
+    assert "same result as on the cluster: True" in out
+
+
+@pytest.mark.slow
+def test_cli_bench_overhead_json(capsys):
+    from dask_services.cli import main
+
+    assert main(["bench", "overhead", "--repeat", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["service_task_median_s"] > 0 and result["client_submit_median_s"] > 0
