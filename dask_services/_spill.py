@@ -1,0 +1,140 @@
+"""A partitioned receive buffer that spills to disk: shared by the shuffle and the rechunk.
+
+Pieces arrive in *batches* (one message from one peer); each piece belongs to one
+partition (an output partition or chunk).  Batches stay in memory until the buffer holds
+more than ``limit`` bytes; then every piece in memory is appended to one file per
+partition under ``directory`` and the batches are dropped, so that memory really is freed
+(pieces are often views into their batch).  ``take(partition)`` returns every piece of a
+partition, from memory and disk, and forgets them.
+
+All bookkeeping happens on the event loop; file I/O runs in the buffer's own I/O thread
+(never in a task slot, which may be held by a hand-off waiting on this very buffer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import errno
+import itertools
+import os
+import pickle
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any
+
+Partition = Hashable
+
+
+class OutOfDiskError(OSError):
+    """The disk under the worker's local directory is full."""
+
+
+class SpillBuffer:
+    def __init__(self, directory: str, limit: int) -> None:
+        self.directory = directory
+        self.limit = limit
+        self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spill")
+        self._memory: defaultdict[Partition, list[Any]] = defaultdict(list)
+        self._memory_bytes: defaultdict[Partition, int] = defaultdict(int)
+        self._files: dict[Partition, str] = {}
+        self._file_sizes: dict[Partition, int] = {}
+        self._counter = itertools.count()
+        self.memory_bytes = 0
+        self.spills = 0
+
+    def __len__(self) -> int:
+        return len(self._memory) + len(self._files)
+
+    async def add_batch(self, pieces: Iterable[tuple[Partition, Any, int]]) -> None:
+        """Keep ``(partition, piece, nbytes)`` triples received together."""
+        for partition, piece, nbytes in pieces:
+            self._memory[partition].append(piece)
+            self._memory_bytes[partition] += nbytes
+            self.memory_bytes += nbytes
+        if self.memory_bytes > self.limit:
+            await self.spill()
+
+    async def spill(self) -> int:
+        """Write every piece held in memory to disk; returns the bytes freed."""
+        if not self._memory:
+            return 0
+        memory, self._memory = self._memory, defaultdict(list)
+        freed, self.memory_bytes = self.memory_bytes, 0
+        self._memory_bytes.clear()
+        for partition in memory:
+            if partition not in self._files:
+                name = f"part-{next(self._counter)}"
+                self._files[partition] = os.path.join(self.directory, name)
+        paths = {p: self._files[p] for p in memory}
+        sizes = await self._run(self._write, memory, paths)
+        self._file_sizes.update(sizes)
+        self.spills += 1
+        return freed
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(self._file_sizes.values())
+
+    @staticmethod
+    def _write(memory: dict[Partition, list[Any]], paths: dict[Partition, str]) -> dict:
+        sizes = {}
+        directory = os.path.dirname(next(iter(paths.values())))
+        for partition, pieces in memory.items():
+            path = paths[partition]
+            try:
+                with open(path, "ab") as f:
+                    for piece in pieces:
+                        pickle.dump(piece, f, protocol=5)
+                    sizes[partition] = f.tell()
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise OutOfDiskError(
+                        errno.ENOSPC,
+                        f"out of disk space while spilling to {directory}; free disk "
+                        "space there or point the worker's local directory (--local-directory"
+                        ", config 'temporary-directory') to a larger disk",
+                    ) from e
+                raise
+        return sizes
+
+    async def take(self, partition: Partition) -> list[Any]:
+        """Every piece of ``partition`` (from memory and disk); the buffer forgets them."""
+        pieces = self._memory.pop(partition, [])
+        self.memory_bytes -= self._memory_bytes.pop(partition, 0)
+        path = self._files.pop(partition, None)
+        self._file_sizes.pop(partition, None)
+        if path is None:
+            return pieces
+        return await self._run(self._read, path) + pieces
+
+    @staticmethod
+    def _read(path: str) -> list[Any]:
+        pieces = []
+        try:
+            with open(path, "rb") as f:
+                while True:
+                    try:
+                        pieces.append(pickle.load(f))
+                    except EOFError:
+                        break
+        finally:
+            os.remove(path)
+        return pieces
+
+    def clear(self) -> None:
+        """Forget everything and remove the files."""
+        self._memory.clear()
+        self._memory_bytes.clear()
+        for path in self._files.values():
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+        self._files.clear()
+        self._file_sizes.clear()
+        self.memory_bytes = 0
+        self._io.shutdown(wait=True)

@@ -1,0 +1,33 @@
+"""P2P DataFrame shuffle as a service task.
+
+Importing ``dask_services`` registers the shuffle method name ``"service"``::
+
+    df.shuffle("key", shuffle_method="service")
+    dd.merge(a, b, on="key", shuffle_method="service")
+    with dask.config.set({"dataframe.shuffle.method": "service"}):
+        df.set_index("key"); df.sort_values("x"); df.groupby("k").apply(f)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dask_services.dataframe._expr import METHOD, ServiceShuffle, register
+from dask_services.dataframe._service import DataFrameShuffle
+
+register()
+
+__all__ = ["METHOD", "DataFrameShuffle", "ServiceShuffle", "shuffle"]
+
+
+def shuffle(df: Any, on: Any, npartitions: int | None = None, **kwargs: Any) -> Any:
+    """Shuffle ``df`` so that rows with equal ``on`` share a partition, peer to peer.
+
+    Same rows per output partition as ``df.shuffle(on, shuffle_method="tasks")``.
+    """
+    if isinstance(getattr(df, "columns", None), __import__("pandas").MultiIndex):
+        raise NotImplementedError(
+            "MultiIndex columns are not supported by the service shuffle; flatten them "
+            "first, e.g. df.columns = ['_'.join(map(str, c)) for c in df.columns]"
+        )
+    return df.shuffle(on, npartitions=npartitions, shuffle_method=METHOD, **kwargs)

@@ -1,0 +1,84 @@
+"""dask.dataframe wiring: the ``"service"`` shuffle method.
+
+dask-expr lowers every hash shuffle (``shuffle``, ``set_index``, ``sort_values``, hash
+``merge``/``join``, ``groupby`` with ``split_out``/``apply``, ``drop_duplicates``) to a
+``Shuffle`` expression, whose ``_lower`` picks an implementation by method name and refuses
+unknown names.  Importing ``dask_services`` wraps ``Shuffle._lower`` so that the name
+``"service"`` lowers to :class:`ServiceShuffle`; every other name goes to dask unchanged.
+``tests/test_dataframe_hooks.py`` fails loudly if a dask upgrade moves this hook.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from dask.dataframe.dask_expr._shuffle import Shuffle, SimpleShuffle
+from dask.utils import get_default_shuffle_method
+
+from dask_services.graph import ServiceDefinition, build_service_graph
+
+METHOD = "service"
+
+
+class ServiceShuffle(SimpleShuffle):
+    """A hash shuffle carried out by one :class:`DataFrameShuffle` service task."""
+
+    @functools.cached_property
+    def _meta(self):
+        return self.frame._meta.drop(columns=self.partitioning_index)
+
+    def _layer(self) -> dict:
+        from dask_services.dataframe._service import DataFrameShuffle
+
+        token = self._name.split("-")[-1]
+        parts_out = list(self._partitions) if self._filtered else list(
+            range(self.npartitions_out)
+        )
+        input_keys = [(self.frame._name, i) for i in range(self.frame.npartitions)]
+        definition = ServiceDefinition(
+            service_class=DataFrameShuffle,
+            params={
+                "meta": self._meta,
+                "column": self.partitioning_index,
+                "parts_out": parts_out,
+                "input_index": {k: k[1] for k in input_keys},
+                "ignore_index": bool(self.ignore_index),
+            },
+            input_keys=tuple(input_keys),
+            handoff_keys=tuple((f"shuffle-handoff-{token}", i) for i in range(len(input_keys))),
+            output_keys=tuple((self._name, i) for i in range(len(parts_out))),
+            # every shuffle into N partitions puts partition i on the same worker, so the
+            # two sides of a hash join meet without moving data again
+            placement=f"dataframe-shuffle-{self.npartitions_out}",
+            name="shuffle",
+        )
+        return build_service_graph(definition, f"shuffle-service-{token}", input_keys)
+
+
+_dask_lower = Shuffle._lower
+
+
+def _lower(self: Shuffle):
+    method = self.method or get_default_shuffle_method()
+    if method == METHOD:
+        from dask_services.client import _maybe_install_default_client
+
+        _maybe_install_default_client()
+        return ServiceShuffle(
+            self.frame,
+            self.partitioning_index,
+            self.npartitions_out,
+            self.ignore_index,
+            self.options,
+            self.original_partitioning_index,
+        )
+    return _dask_lower(self)
+
+
+_lower.__wrapped__ = _dask_lower  # type: ignore[attr-defined]
+
+
+def register() -> None:
+    """Make ``"service"`` a shuffle method of dask.dataframe (idempotent)."""
+    if Shuffle._lower is not _lower:
+        Shuffle._lower = _lower
