@@ -1,0 +1,231 @@
+"""The "service" shuffle method against pandas and dask's own ``tasks`` method."""
+
+from __future__ import annotations
+
+import decimal
+
+import dask
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from utils import assert_nothing_left, service_cluster
+
+import dask_services
+from dask_services.dataframe import shuffle
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def partitions(ddf, scheduler="sync"):
+    return [ddf.partitions[i].compute(scheduler=scheduler) for i in range(ddf.npartitions)]
+
+
+def assert_same_partitions(ddf, on, **kwargs):
+    """Ours holds exactly the rows ``tasks`` holds, per partition, in the same order."""
+    ours = partitions(ddf.shuffle(on, shuffle_method="service", **kwargs))
+    ref = partitions(ddf.shuffle(on, shuffle_method="tasks", **kwargs))
+    assert len(ours) == len(ref)
+    for a, b in zip(ours, ref, strict=True):
+        if len(b):
+            pd.testing.assert_frame_equal(a, b)
+        else:
+            assert len(a) == 0
+
+
+def mixed_frame(n=60):
+    rng = np.random.default_rng(0)
+    k = rng.integers(0, 7, n)
+    return pd.DataFrame({
+        "k": k,
+        "i8": rng.integers(-5, 5, n).astype("int8"),
+        "f": rng.random(n),
+        "b": rng.random(n) > 0.5,
+        "Int64": pd.array(np.where(k % 3 == 0, None, k), dtype="Int64"),
+        "boolean": pd.array(np.where(k % 2 == 0, None, k > 3), dtype="boolean"),
+        "str": pd.Series([f"s{v}" if v % 4 else None for v in k], dtype="str"),
+        "pa_int": pd.array(k, dtype="int64[pyarrow]"),
+        "pa_str": pd.array([f"t{v}" for v in k], dtype="string[pyarrow]"),
+        "cat": pd.Categorical([f"c{v % 3}" for v in k]),
+        "dt_tz": pd.date_range("2024-01-01", periods=n, freq="h", tz="Europe/Berlin"),
+        "td": pd.to_timedelta(np.arange(n), unit="s"),
+        "dec": pd.array([decimal.Decimal(int(v)) / 4 for v in k],
+                        dtype=pd.ArrowDtype(pa.decimal128(10, 2))),
+        "lst": pd.array([[int(v), 1] for v in k], dtype=pd.ArrowDtype(pa.list_(pa.int64()))),
+        "st": pd.array([{"a": int(v), "b": "x"} for v in k],
+                       dtype=pd.ArrowDtype(pa.struct([("a", pa.int64()), ("b", pa.string())]))),
+        "obj": pd.Series([1, "a", 2.5, None, (1, 2), b"x"] * (n // 6), dtype=object),
+        7: np.arange(n),  # a non-string column name
+    })
+
+
+def test_all_dtypes_survive_and_match_pandas():
+    pdf = mixed_frame()
+    with dask.config.set({"dataframe.convert-string": False}):  # keep the mixed object column
+        ddf = dd.from_pandas(pdf, npartitions=5)
+    out = shuffle(ddf, "k", npartitions=4)
+    assert dict(out.dtypes) == dict(pdf.dtypes)
+    parts = partitions(out)
+    for p in parts:
+        assert dict(p.dtypes) == dict(pdf.dtypes)
+    result = pd.concat(parts).sort_index()
+    pd.testing.assert_frame_equal(result, pdf)
+    # rows with equal keys share one partition
+    homes = [set(p["k"]) for p in parts]
+    assert all(not (a & b) for i, a in enumerate(homes) for b in homes[i + 1:])
+
+
+def test_same_partitions_as_tasks_method():
+    pdf = mixed_frame()[["k", "f", "str", "cat", "Int64"]]
+    ddf = dd.from_pandas(pdf, npartitions=6)
+    for npartitions in (None, 2, 11):
+        assert_same_partitions(ddf, "k", npartitions=npartitions)
+    assert_same_partitions(ddf, ["k", "Int64"])
+
+
+def test_unknown_and_known_categories():
+    pdf = pd.DataFrame({"k": list(range(20)), "c": pd.Categorical(list("abcd") * 5)})
+    ddf = dd.from_pandas(pdf, npartitions=4)
+    unknown = ddf.assign(c=ddf.c.cat.as_unknown())
+    for frame in (ddf, unknown):
+        res = shuffle(frame, "k", npartitions=3).compute(scheduler="sync").sort_index()
+        assert isinstance(res.c.dtype, pd.CategoricalDtype)
+        assert sorted(res.c.cat.categories) == list("abcd")
+        assert list(res.c.astype(str)) == list(pdf.c.astype(str))
+
+
+def test_empty_inputs_and_empty_frames():
+    pdf = pd.DataFrame({"k": np.arange(10), "x": np.arange(10.0)})
+    ddf = dd.from_pandas(pdf, npartitions=5)
+    with_empty = ddf[ddf.k > 6]  # most input partitions are empty
+    res = shuffle(with_empty, "k", npartitions=4).compute(scheduler="sync")
+    pd.testing.assert_frame_equal(res.sort_index(), pdf[pdf.k > 6])
+    empty = ddf[ddf.k > 100]
+    res = shuffle(empty, "k").compute(scheduler="sync")
+    assert len(res) == 0 and dict(res.dtypes) == dict(pdf.dtypes)
+
+
+def test_culled_outputs():
+    pdf = mixed_frame()[["k", "f"]]
+    ddf = dd.from_pandas(pdf, npartitions=4)
+    ours = shuffle(ddf, "k", npartitions=5).partitions[[0, 3]].compute(scheduler="sync")
+    ref = ddf.shuffle("k", npartitions=5, shuffle_method="tasks").partitions[[0, 3]].compute(
+        scheduler="sync")
+    pd.testing.assert_frame_equal(ours, ref)
+
+
+def test_multiindex_columns_refused():
+    pdf = pd.DataFrame(np.ones((4, 2)), columns=pd.MultiIndex.from_tuples([("a", 1), ("b", 2)]))
+    ddf = dd.from_pandas(pdf, npartitions=2)
+    with pytest.raises(NotImplementedError, match="MultiIndex columns"):
+        shuffle(ddf, ("a", 1))
+
+
+def test_stable_order_keeps_drop_duplicates_right():
+    pdf = pd.DataFrame({"k": [1, 2, 1, 2, 1, 3] * 5, "v": range(30)})
+    ddf = dd.from_pandas(pdf, npartitions=4)
+    with dask.config.set({"dataframe.shuffle.method": "service"}):
+        res = ddf.drop_duplicates(subset="k", keep="first", split_out=3).compute(
+            scheduler="sync")
+    pd.testing.assert_frame_equal(
+        res.sort_values("k"), pdf.drop_duplicates(subset="k", keep="first").sort_values("k"))
+
+
+frames = st.integers(0, 2**32 - 1).flatmap(lambda seed: st.tuples(
+    st.just(seed), st.integers(0, 80), st.integers(1, 6), st.integers(1, 7),
+    st.sampled_from(["uniform", "skewed", "one-key"]),
+))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(frames)
+def test_property_matches_tasks_and_pandas(params):
+    seed, n, nin, nout, dist = params
+    rng = np.random.default_rng(seed)
+    keys = {"uniform": rng.integers(0, 20, n), "skewed": rng.zipf(2.0, n) % 50,
+            "one-key": np.zeros(n, dtype=int)}[dist]
+    pdf = pd.DataFrame({
+        "k": keys,
+        "x": np.where(rng.random(n) < 0.2, np.nan, rng.random(n)),
+        "s": pd.Series([None if v % 5 == 0 else f"v{v}" for v in keys], dtype="str"),
+        "n": pd.array(np.where(rng.random(n) < 0.3, None, keys), dtype="Int64"),
+    })
+    ddf = dd.from_pandas(pdf, npartitions=nin, sort=False)
+    parts = partitions(shuffle(ddf, "k", npartitions=nout))
+    pd.testing.assert_frame_equal(pd.concat(parts).sort_index(),
+                                  ddf.compute(scheduler="sync").sort_index())
+    ref = partitions(ddf.shuffle("k", npartitions=nout, shuffle_method="tasks"))
+    for a, b in zip(parts, ref, strict=True):
+        assert list(a.index) == list(b.index)
+
+
+@pytest.mark.parametrize("how", ["inner", "left", "right", "outer"])
+def test_merges(how):
+    rng = np.random.default_rng(1)
+    left = pd.DataFrame({"k": rng.integers(0, 30, 200), "a": rng.random(200)})
+    right = pd.DataFrame({"k": rng.integers(10, 40, 150), "b": rng.random(150)})
+    dl, dr = dd.from_pandas(left, npartitions=5), dd.from_pandas(right, npartitions=3)
+    expected = left.merge(right, on="k", how=how)
+
+    def canon(df):
+        return df.sort_values(list(df.columns)).reset_index(drop=True)
+
+    res = dd.merge(dl, dr, on="k", how=how, shuffle_method="service").compute(scheduler="sync")
+    pd.testing.assert_frame_equal(canon(res), canon(expected))
+    # on the index, and mixed index / column
+    ri = right.set_index("k")
+    res = dl.merge(dd.from_pandas(ri, npartitions=3), left_on="k", right_index=True, how=how,
+                   shuffle_method="service").compute(scheduler="sync")
+    exp = left.merge(ri, left_on="k", right_index=True, how=how)
+    pd.testing.assert_frame_equal(canon(res), canon(exp))
+
+
+def test_set_index_sort_values_groupby_via_config():
+    rng = np.random.default_rng(2)
+    pdf = pd.DataFrame({"k": rng.integers(0, 50, 500), "x": rng.random(500),
+                        "g": rng.integers(0, 9, 500)})
+    ddf = dd.from_pandas(pdf, npartitions=6)
+    with dask.config.set({"dataframe.shuffle.method": "service"}):
+        si = ddf.set_index("k").compute(scheduler="sync")
+        sv = ddf.sort_values("x").compute(scheduler="sync")
+        ga = ddf.groupby("g").x.sum(split_out=3).compute(scheduler="sync")
+        gapply = ddf.groupby("g").apply(lambda d: d.x.max(), meta=("x", "f8")).compute(
+            scheduler="sync")
+    assert si.index.is_monotonic_increasing
+    pd.testing.assert_frame_equal(si.reset_index().sort_values(["k", "x"], ignore_index=True),
+                                  pdf.sort_values(["k", "x"], ignore_index=True)[si.reset_index()
+                                                                                .columns])
+    pd.testing.assert_frame_equal(sv.reset_index(drop=True),
+                                  pdf.sort_values("x").reset_index(drop=True))
+    pd.testing.assert_series_equal(ga.sort_index(), pdf.groupby("g").x.sum())
+    pd.testing.assert_series_equal(gapply.sort_index(), pdf.groupby("g").x.max(),
+                                   check_names=False)
+
+
+@service_cluster(nthreads=[("127.0.0.1", 1)] * 3)
+async def test_on_a_cluster_and_merge_alignment(c, s, a, b, w3):
+    pdf = mixed_frame(120)
+    ddf = dd.from_pandas(pdf, npartitions=6)
+    ours = await c.compute(ddf.shuffle("k", npartitions=4, shuffle_method="service"))
+    pd.testing.assert_frame_equal(ours.sort_index(), ddf.compute(scheduler="sync"))
+
+    left = pd.DataFrame({"k": np.arange(300) % 40, "a": np.arange(300)})
+    right = pd.DataFrame({"k": np.arange(100) % 50, "b": np.arange(100)})
+    merged = dd.merge(dd.from_pandas(left, npartitions=5), dd.from_pandas(right, npartitions=4),
+                      on="k", shuffle_method="service", npartitions=6)
+    res = await c.compute(merged)
+    exp = left.merge(right, on="k")
+    pd.testing.assert_frame_equal(res.sort_values(["k", "a", "b"]).reset_index(drop=True),
+                                  exp.sort_values(["k", "a", "b"]).reset_index(drop=True))
+    # the two shuffles of the merge produced partition i on the same worker
+    plugin = s.extensions["dask_services"]
+    assert any(len(v) == 6 for k, v in plugin.placements.items() if k.endswith("-6"))
+    del ours, res
+    await assert_nothing_left(s, [a, b, w3])
+
+
+def test_service_method_name_is_registered():
+    assert dask_services.dataframe.METHOD == "service"
