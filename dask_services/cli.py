@@ -89,9 +89,8 @@ def bench(args: argparse.Namespace) -> int:
     import dask_services
     from dask_services.examples import AllReduce
 
-    if args.what != "overhead":
-        print(f"unknown benchmark {args.what!r}; available: overhead", file=sys.stderr)
-        return 2
+    if args.what == "shuffle":
+        return bench_shuffle(args)
     results: dict[str, Any] = {"benchmark": "overhead", "workers": args.workers,
                                "repeat": args.repeat}
     with _local_cluster(args.workers, 1, True) as cluster, Client(cluster) as client:
@@ -136,16 +135,53 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _benchmarks() -> Any:
+    """The ``benchmarks`` package of a source checkout (it is not installed)."""
+    import importlib
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.isdir(os.path.join(root, "benchmarks")) and root not in sys.path:
+        sys.path.insert(0, root)
+    try:
+        return importlib.import_module("benchmarks")
+    except ImportError:
+        raise SystemExit(
+            "the benchmarks live in the source checkout (benchmarks/); run "
+            "`dask-services bench` from a clone installed with `pip install -e .`"
+        ) from None
+
+
+def bench_shuffle(args: argparse.Namespace) -> int:
+    from distributed import Client
+
+    _benchmarks()
+    from benchmarks import shuffle
+    from benchmarks.common import report
+
+    sizes = [s for s in args.sizes.split(",") if s]
+    with _local_cluster(args.workers, args.threads, True) as cluster, Client(cluster) as client:
+        results = shuffle.run(client, sizes, args.repeat, npartitions=args.partitions,
+                              methods=tuple(args.methods.split(",")),
+                              show_progress=not args.json)
+    print(report(results, "p2p", args.json))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dask-services", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p_demo = sub.add_parser("demo", help="run services on a local cluster and print results")
     p_demo.add_argument("--workers", type=int, default=2)
     p_demo.set_defaults(func=demo)
-    p_bench = sub.add_parser("bench", help="benchmarks (overhead)")
-    p_bench.add_argument("what", choices=["overhead"])
+    p_bench = sub.add_parser("bench", help="benchmarks: overhead, shuffle")
+    p_bench.add_argument("what", choices=["overhead", "shuffle"])
     p_bench.add_argument("--workers", type=int, default=2)
-    p_bench.add_argument("--repeat", type=int, default=20)
+    p_bench.add_argument("--threads", type=int, default=1, help="threads per worker")
+    p_bench.add_argument("--sizes", default="0.5GB,2GB", help="frame sizes, e.g. 0.5GB,2GB")
+    p_bench.add_argument("--partitions", type=int, default=128)
+    p_bench.add_argument("--methods", default="service,p2p,tasks")
+    p_bench.add_argument("--repeat", type=int, default=3)
     p_bench.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p_bench.set_defaults(func=bench)
     args = parser.parse_args(argv)

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``dask-services bench`` (never timed assertions in the tests)."""

@@ -1,0 +1,102 @@
+"""Timing, peak memory and reporting shared by the benchmarks."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class Measurement:
+    case: str
+    method: str
+    seconds: list[float] = field(default_factory=list)
+    peak_memory: list[float] = field(default_factory=list)  # bytes, all workers together
+    extra: dict[str, list[float]] = field(default_factory=dict)
+    nbytes: int = 0
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def peak(self) -> float:
+        return max(self.peak_memory) if self.peak_memory else float("nan")
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().replace(" ", "")
+    for suffix, factor in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 1)):
+        if text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * factor)
+    return int(float(text))
+
+
+@contextlib.contextmanager
+def peak_memory(client: Any, interval: float = 0.1) -> Iterator[list[float]]:
+    """Samples the summed process memory of all workers; yields a list filled on exit."""
+    from distributed.diagnostics import MemorySampler
+
+    sampler = MemorySampler()
+    out: list[float] = []
+    with sampler.sample("run", client=client, measure="process", interval=interval):
+        yield out
+    series = sampler.to_pandas()
+    out.append(float(series["run"].max()) if len(series) else float("nan"))
+
+
+def progress(i: int, total: int, label: str, enabled: bool = True) -> None:
+    if not enabled:
+        return
+    filled = int(30 * i / total)
+    end = "\n" if i == total else ""
+    print(f"\r{label:<40} [{'#' * filled}{'.' * (30 - filled)}] {i}/{total}", end=end,
+          file=sys.stderr, flush=True)
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def report(results: list[Measurement], baseline: str, as_json: bool,
+           extra_columns: tuple[str, ...] = ()) -> str:
+    rows = []
+    for r in results:
+        base = next((b for b in results if b.case == r.case and b.method == baseline), None)
+        row = {
+            "case": r.case, "method": r.method, "median_s": r.median,
+            "ratio_to_" + baseline: r.median / base.median if base else None,
+            "peak_worker_memory_MB": r.peak / 1e6,
+            "MB_per_s": r.nbytes / 1e6 / r.median if r.nbytes else None,
+            "runs": r.seconds,
+        }
+        for name in extra_columns:
+            vals = r.extra.get(name)
+            row[name] = statistics.median(vals) if vals else None
+        rows.append(row)
+    if as_json:
+        return json.dumps(rows, indent=2)
+    header = ["case", "method", "median s", f"x {baseline}", "peak MB", "MB/s",
+              *extra_columns]
+    lines = [" | ".join(header), " | ".join("---" for _ in header)]
+    for row in rows:
+        ratio = row["ratio_to_" + baseline]
+        cells = [row["case"], row["method"], f"{row['median_s']:.3f}",
+                 f"{ratio:.2f}" if ratio is not None else "-",
+                 f"{row['peak_worker_memory_MB']:.0f}",
+                 f"{row['MB_per_s']:.0f}" if row["MB_per_s"] else "-"]
+        cells += [f"{row[n]:.3f}" if row[n] is not None else "-" for n in extra_columns]
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
+def as_dict(m: Measurement) -> dict:
+    return asdict(m)

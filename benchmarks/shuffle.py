@@ -1,0 +1,81 @@
+"""DataFrame shuffle: the "service" method against dask.distributed's "p2p" and "tasks".
+
+    dask-services bench shuffle [--sizes 0.5GB,2GB] [--repeat 3] [--workers 2] [--json]
+
+Every method runs on the same LocalCluster, on the same generated frame (int key, float and
+string columns, 128 partitions by default), persisted and released each time; the tiny case
+(10 partitions of 1,000 rows) shows per-call overhead.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from benchmarks.common import Measurement, parse_size, peak_memory, progress, timed
+
+BYTES_PER_ROW = 8 + 8 + 24  # int64 key, float64, a ~10 character arrow string + offsets
+
+
+def make_partition(i: int, rows: int) -> pd.DataFrame:
+    rng = np.random.default_rng(i)
+    keys = rng.integers(0, 2**40, rows)
+    return pd.DataFrame({
+        "key": keys,
+        "value": rng.random(rows),
+        "text": pd.array((keys % 99991).astype(str), dtype="str"),
+    })
+
+
+def frame(nbytes: int, npartitions: int) -> Any:
+    import dask.dataframe as dd
+
+    rows = max(1, nbytes // BYTES_PER_ROW // npartitions)
+    return dd.from_map(make_partition, range(npartitions), rows=rows,
+                       meta=make_partition(0, 1).iloc[:0], enforce_metadata=False)
+
+
+def run_case(client: Any, label: str, nbytes: int, npartitions: int, methods: list[str],
+             repeat: int, show_progress: bool) -> list[Measurement]:
+    from distributed import wait
+
+    df = frame(nbytes, npartitions)
+    true_bytes = int(client.compute(df.memory_usage(deep=True).sum()).result())
+    results = {m: Measurement(label, m, nbytes=true_bytes) for m in methods}
+    total, done = repeat * len(methods), 0
+    for _ in range(repeat):
+        for method in methods:  # interleaved, so drift hits every method alike
+            shuffled = df.shuffle("key", shuffle_method=method)
+
+            def once() -> None:
+                persisted = client.persist(shuffled)
+                wait(persisted)
+                del persisted
+
+            with peak_memory(client) as peak:
+                seconds = timed(once)
+            client.run(gc.collect)
+            results[method].seconds.append(seconds)
+            results[method].peak_memory.extend(peak)
+            done += 1
+            progress(done, total, f"shuffle {label}", show_progress)
+    return list(results.values())
+
+
+def run(client: Any, sizes: list[str], repeat: int, npartitions: int = 128,
+        methods: tuple[str, ...] = ("service", "p2p", "tasks"), tiny: bool = True,
+        show_progress: bool = True) -> list[Measurement]:
+    import dask_services
+
+    dask_services.install(client)
+    out: list[Measurement] = []
+    if tiny:
+        out += run_case(client, "tiny (10 x 1,000 rows)", 10 * 1000 * BYTES_PER_ROW, 10,
+                        list(methods), max(repeat, 5), show_progress)
+    for size in sizes:
+        out += run_case(client, size, parse_size(size), npartitions, list(methods), repeat,
+                        show_progress)
+    return out

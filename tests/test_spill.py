@@ -1,0 +1,54 @@
+"""The partitioned spill buffer shared by the shuffle and the rechunk."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dask_services import _spill
+from dask_services._spill import OutOfDiskError, SpillBuffer
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_memory_then_disk_then_take(tmp_path):
+    async def main():
+        buf = SpillBuffer(str(tmp_path), limit=1000)
+        df = pd.DataFrame({"a": np.arange(100)})
+        await buf.add_batch([("p0", (0, df.iloc[:50]), 400), ("p1", (0, df.iloc[50:]), 400)])
+        assert buf.memory_bytes == 800 and not os.listdir(tmp_path)
+        await buf.add_batch([("p0", (1, df.iloc[:10]), 300)])  # over the limit: all to disk
+        assert buf.memory_bytes == 0 and buf.disk_bytes > 0 and len(os.listdir(tmp_path)) == 2
+        await buf.add_batch([("p0", (2, df.iloc[10:20]), 100)])
+        p0 = await buf.take("p0")
+        assert sorted(i for i, _ in p0) == [0, 1, 2]
+        assert sum(len(d) for _, d in p0) == 70
+        assert len(os.listdir(tmp_path)) == 1  # p0's file is gone
+        buf.clear()
+        assert not os.listdir(tmp_path) and buf.disk_bytes == 0
+
+    run(main())
+
+
+def test_out_of_disk_is_a_clear_error(tmp_path, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_spill, "open", full, raising=False)
+
+    async def main():
+        buf = SpillBuffer(str(tmp_path), limit=0)
+        with pytest.raises(OutOfDiskError, match="out of disk space while spilling to"):
+            await buf.add_batch([("p", b"x" * 10, 10)])
+        buf.clear()
+
+    run(main())
