@@ -50,7 +50,7 @@ def run_case(client: Any, label: str, nbytes: int, npartitions: int, methods: li
         for method in methods:  # interleaved, so drift hits every method alike
             shuffled = df.shuffle("key", shuffle_method=method)
 
-            def once() -> None:
+            def once(shuffled: Any = shuffled) -> None:
                 persisted = client.persist(shuffled)
                 wait(persisted)
                 del persisted
