@@ -1,0 +1,71 @@
+"""The service shuffle on worker processes: larger than memory, and workers killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import dask
+import pytest
+from distributed import Client, LocalCluster, wait
+from distributed.diagnostics import MemorySampler
+from distributed.utils_test import poll_for
+
+import dask_services  # noqa: F401
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.shuffle import frame  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@pytest.fixture
+def small_cluster(tmp_path):
+    config = {
+        "distributed.scheduler.validate": True,
+        "distributed.worker.validate": True,
+        "temporary-directory": str(tmp_path),
+    }
+    with dask.config.set(config), LocalCluster(
+        n_workers=2, threads_per_worker=1, memory_limit="600MB", dashboard_address=":0",
+    ) as cluster, Client(cluster) as client:
+        yield cluster, client, tmp_path
+
+
+def spill_files(root) -> list[str]:
+    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs
+            if "dask-services" in d]
+
+
+def test_three_times_memory_completes_under_the_limit(small_cluster):
+    cluster, client, tmp = small_cluster
+    limit = 600e6
+    df = frame(int(3 * 2 * limit), npartitions=96)
+    shuffled = df.shuffle("key", shuffle_method="service")
+    counts = shuffled.map_partitions(lambda d: d.key.nunique(), meta=("n", "i8"))
+    sampler = MemorySampler()
+    with sampler.sample("shuffle", client=client, measure="process", interval=0.2):
+        total_keys = int(counts.sum().compute())
+    assert total_keys == int(df.key.nunique().compute())
+    per_worker_peak = sampler.to_pandas()["shuffle"].max() / 2
+    assert per_worker_peak < limit, per_worker_peak
+    poll_for(lambda: not spill_files(tmp), timeout=30)
+    cluster.scheduler.validate_state()
+
+
+def test_worker_killed_during_shuffle(small_cluster):
+    cluster, client, _ = small_cluster
+    df = frame(200_000_000, npartitions=40)
+    shuffled = client.persist(df.shuffle("key", shuffle_method="service"))
+    plugin = cluster.scheduler.extensions["dask_services"]
+    poll_for(lambda: any(m.live_run for m in plugin.machines.values()), timeout=60)
+    victim = next(m.live_run for m in plugin.machines.values() if m.live_run).participants[0]
+    pid = client.run(os.getpid, workers=[victim])[victim]
+    os.kill(pid, signal.SIGKILL)
+    wait(shuffled)
+    result = shuffled.compute()
+    expected = df.compute()
+    assert len(result) == len(expected)
+    assert sorted(result.key.tolist()) == sorted(expected.key.tolist())
+    cluster.scheduler.validate_state()
