@@ -118,6 +118,13 @@ class RestartRequested:
 
 
 @dataclass(frozen=True)
+class WantedGrew:
+    """Outputs the live run does not produce are wanted now: start over, not a failure."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class WorkerLost:
     worker: str
 
@@ -153,6 +160,7 @@ Event = (
     | OutputLanded
     | RunFailed
     | RestartRequested
+    | WantedGrew
     | WorkerLost
     | ServiceTaskProcessing
     | ServiceTaskReleased
@@ -310,8 +318,8 @@ class ServiceTaskMachine:
             actions.append(Log("failed", run.run_id, repr(error)))
         return actions + self._conclude(error)
 
-    def _restart(self, run: Run, reason: str) -> list[Action]:
-        self.restarts += 1
+    def _restart(self, run: Run, reason: str, counted: bool = True) -> list[Action]:
+        self.restarts += counted
         if self.restarts > self.max_restarts:
             error = TooManyRestarts(
                 f"service task {self.key!r} was restarted {self.restarts - 1} times, "
@@ -430,6 +438,12 @@ class ServiceTaskMachine:
         if run is None:
             return []
         return self._restart(run, ev.reason)
+
+    def _on_WantedGrew(self, ev: WantedGrew) -> list[Action]:
+        run = self.live_run
+        if run is None:
+            return []
+        return self._restart(run, ev.reason, counted=False)
 
     def _on_WorkerLost(self, ev: WorkerLost) -> list[Action]:
         actions: list[Action] = []

@@ -523,14 +523,9 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         sts = self.scheduler.tasks.get(service_key)
         if machine is None or sts is None:
             return
-        wanted = set(self._wanted(service_key))
         run = machine.live_run
-        if run is not None:
-            if wanted - set(run.wanted):
-                machine.restarts -= 1  # not a failure: the run grows
-                self._apply(service_key, machine.handle(
-                    rs.RestartRequested(run.run_id, "more outputs were asked for")
-                ))
+        if run is not None and set(self._wanted(service_key)) - set(run.wanted):
+            self._apply(service_key, machine.handle(rs.WantedGrew("more outputs were asked for")))
 
     # ------------------------------------------------------------- events
 

@@ -327,6 +327,12 @@ class ServiceWorkerPlugin(WorkerPlugin):
         return info["run_id"]
 
     async def wait_outcome(self, service_key: Key) -> tuple[str, bytes | None]:
+        ts = self.worker.state.tasks.get(service_key)
+        if ts is None or ts.state not in ("executing", "long-running", "resumed"):
+            # cancelled before it started waiting (a cancelled task keeps running until
+            # it returns, and may even secede)
+            self.outcomes.pop(service_key, None)
+            return ("cancelled", None)
         fut = self._outcome(service_key)
         try:
             return await fut

@@ -105,6 +105,14 @@ def test_restarts_then_too_many():
     assert kinds(m.handle(rs.ServiceTaskProcessing(WORKERS[0]))) == ["NotifyServiceTask"]
 
 
+def test_wanted_grew_restarts_without_counting():
+    m = machine(max_restarts=0)
+    need(m, wanted=["o0"])
+    actions = m.handle(rs.WantedGrew("more outputs were asked for"))
+    assert kinds(actions) == ["StopInstances", "Log", "RescheduleServiceTask"]
+    assert m.restarts == 0 and m.run is None
+
+
 def test_worker_not_participating_does_not_restart():
     m = machine()
     need(m)
