@@ -78,6 +78,9 @@ class Environment(abc.ABC):
     @abc.abstractmethod
     async def run_in_executor(self, fn: Callable[..., T], *args: Any) -> T: ...
 
+    async def memory_backpressure(self) -> None:
+        """Return once the place has memory to take more produced outputs."""
+
 
 @dataclass(eq=False)
 class Instance:
@@ -151,6 +154,7 @@ class InstanceConcierge(Concierge):
             raise ProduceKeyError(f"output {key!r} was already produced by {inst.spec.id}")
         inst.produced.add(key)
         self._host.env.produced(inst.spec, key, value)
+        await self._host.env.memory_backpressure()
 
     def error(self, exc: BaseException) -> None:
         self._host.env.failed(self._instance.spec, exc)

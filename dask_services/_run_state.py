@@ -140,11 +140,13 @@ class ServiceTaskProcessing:
 class ServiceTaskReleased:
     """The service task left ``processing`` without finishing.
 
-    ``worker_gone`` says that it left because the worker running it died (then a live run
-    is restarted), rather than because nobody wants its outputs any more (cancelled).
+    ``still_wanted``: its outputs are still wanted, so it left because the worker running it
+    died (``worker_gone``) or because a hand-off receipt it needed was lost with a worker;
+    a live run is then restarted.  Otherwise nobody wants the outputs any more: cancelled.
     """
 
     worker_gone: bool = False
+    still_wanted: bool = False
 
 
 @dataclass(frozen=True)
@@ -467,6 +469,8 @@ class ServiceTaskMachine:
         run = self.live_run
         if run is not None and ev.worker_gone:
             return self._restart(run, f"worker {worker} left the cluster")
+        if run is not None and ev.still_wanted:
+            return self._restart(run, "an input it had received was lost with its worker")
         if run is None:
             if self.run is not None and self.run.phase is Phase.FINISHED:
                 # Finished but the task was released before reaching memory (e.g. it was

@@ -208,7 +208,12 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         elif start == "processing":
             worker = machine.task_worker
             gone = worker is not None and worker not in self.scheduler.workers
-            self._apply(key, machine.handle(rs.ServiceTaskReleased(worker_gone=gone)))
+            # Still wanted means it will run again: not a cancellation (e.g. a worker that
+            # held a hand-off receipt it had not fetched yet died).
+            wanted = bool(ts.waiters or ts.who_wants)
+            self._apply(key, machine.handle(
+                rs.ServiceTaskReleased(worker_gone=gone, still_wanted=wanted)
+            ))
 
     def _output_transition(self, key: Key, start: str, finish: str) -> None:
         service_key = self.output_of[key]

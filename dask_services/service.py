@@ -104,7 +104,9 @@ class Concierge(abc.ABC):
         """Hand ``value`` back to the graph as the result of output ``key``.
 
         The key reaches memory on this instance's worker; its dependents may start while
-        the service still runs.  Each output may be produced once per run, by any instance.
+        the service still runs.  While the worker is paused for lack of memory this waits,
+        so a service producing many outputs cannot outrun their consumers.  Each output
+        may be produced once per run, by any instance.
         Raises :class:`ProduceKeyError` for a key that is not a wanted output of the run or
         that was already produced.
         """

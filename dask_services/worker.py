@@ -19,6 +19,7 @@ import traceback
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from distributed.core import Status
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol.serialize import Serialize, ToPickle, to_serialize
 from distributed.utils import sync
@@ -165,6 +166,13 @@ class WorkerEnvironment(Environment):
         self.ext.produced[key] = value
         self._send({"op": "service-produced", "service_key": spec.service_key,
                     "run_id": spec.run_id, "key": key})
+
+    async def memory_backpressure(self) -> None:
+        # A paused worker (memory above distributed.worker.memory.pause) runs no tasks, so
+        # nothing consumes produced outputs: producing more would only add to the pressure.
+        worker = self.ext.worker
+        while worker.status == Status.paused:
+            await asyncio.sleep(0.05)
 
     async def send_rpc(self, address: str, target: ServiceId, source: ServiceId,
                        seq: int, method: str, args: tuple, kwargs: dict) -> Any:

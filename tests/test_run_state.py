@@ -130,6 +130,11 @@ def test_cancel_and_task_worker_lost():
     actions = m.handle(rs.ServiceTaskReleased(worker_gone=True))
     assert kinds(actions) == ["StopInstances", "Log", "RescheduleServiceTask"]
     assert m.restarts == 1
+    # released but still wanted (a receipt it needed was lost): restart, not cancel
+    need(m, run_id=3)
+    actions = m.handle(rs.ServiceTaskReleased(still_wanted=True))
+    assert kinds(actions) == ["StopInstances", "Log", "RescheduleServiceTask"]
+    assert "input it had received was lost" in actions[-1].reason
 
 
 def test_no_run_without_workers_or_with_graph_error():
