@@ -66,6 +66,8 @@ def test_cli_demo_runs(capsys):
     assert "total count: 160,000 (expected 160,000)" in out
     assert "sorted: True" in out
     assert "same result as on the cluster: True" in out
+    assert "rows after each shuffle: {'service': 3200000, 'p2p': 3200000, 'tasks': 3200000}" \
+        in out
 
 
 @pytest.mark.slow
