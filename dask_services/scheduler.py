@@ -62,7 +62,6 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         self.placements: dict[str, dict[Key, str]] = {}  # placement group -> index -> worker
         self._run_ids = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:6] + "-"
-        self.history: list[dict] = []
 
     # ------------------------------------------------------------- set-up
 
@@ -539,8 +538,6 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         name = definition.service_class.__name__ if definition else "?"
         msg = {"action": action.action, "service": name, "key": str(service_key),
                "run_id": action.run_id, "detail": action.detail}
-        self.history.append(msg)
-        del self.history[:-1000]
         self.scheduler.log_event(EVENT_TOPIC, msg)
         logger.info("service %s %r run %d %s %s", name, service_key, action.run_id,
                     action.action, action.detail)
