@@ -42,7 +42,7 @@ def spill_files(root) -> list[str]:
 def test_three_times_memory_completes_under_the_limit(small_cluster):
     cluster, client, tmp = small_cluster
     limit = 600e6
-    df = frame(int(3 * 2 * limit), npartitions=96)
+    df = frame(int(3 * 2 * limit), npartitions=192)
     shuffled = df.shuffle("key", shuffle_method="service")
 
     def summary(d):
