@@ -41,7 +41,6 @@ class SpillBuffer:
         self._file_sizes: dict[Partition, int] = {}
         self._counter = itertools.count()
         self.memory_bytes = 0
-        self.spills = 0
 
     def __len__(self) -> int:
         return len(self._memory) + len(self._files)
@@ -69,7 +68,6 @@ class SpillBuffer:
         paths = {p: self._files[p] for p in memory}
         sizes = await self._run(self._write, memory, paths)
         self._file_sizes.update(sizes)
-        self.spills += 1
         return freed
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:

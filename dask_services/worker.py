@@ -407,8 +407,6 @@ def wait_for_service_task(service_key: Key) -> None:
     secede()
     status, error = sync(worker.loop, ext.wait_outcome, service_key)
     if status == "error":
-        from dask_services.worker import loads_exception
-
         assert error is not None
         raise loads_exception(error)
 
