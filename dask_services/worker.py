@@ -224,7 +224,9 @@ class ServiceWorkerPlugin(WorkerPlugin):
         self.outcomes.clear()
         self.produced.clear()
         for op in _STREAM_OPS:
-            worker.stream_handlers.pop(op, None)
+            # The scheduler may still send an op (a closing worker's stream stays open
+            # until the end); an unknown op would kill the stream, so ignore it instead.
+            worker.stream_handlers[op] = _ignore_stream_op
         for op in _RPC_OPS:
             worker.handlers.pop(op, None)
         worker.metrics.pop("dask_services_managed_bytes", None)
@@ -381,6 +383,10 @@ def _worker_extension() -> tuple[Worker, ServiceWorkerPlugin]:
             "`--preload dask_services`"
         )
     return worker, ext
+
+
+def _ignore_stream_op(**msg: Any) -> None:
+    """Stream handler left in place once the extension is gone: the op has no one to do it."""
 
 
 def hand_off_on_worker(service_key: Key, input_key: Key, value: Any) -> int | None:

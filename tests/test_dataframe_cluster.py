@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 import dask
 import pandas as pd
@@ -76,4 +77,94 @@ def test_worker_killed_during_shuffle(small_cluster):
     expected = pd.concat(client.gather(client.futures_of(client.persist(df))))
     assert len(result) == len(expected)
     assert sorted(result.key.tolist()) == sorted(expected.key.tolist())
+    cluster.scheduler.validate_state()
+
+
+def live_run(cluster, condition=lambda run: True):
+    plugin = cluster.scheduler.extensions["dask_services"]
+    for machine in plugin.machines.values():
+        run = machine.live_run
+        if run is not None and condition(run):
+            return run
+    return None
+
+
+def rows_of(client, collection) -> pd.DataFrame:
+    """Gathered to this process: compute() would concatenate on one (small) worker."""
+    return pd.concat(client.gather(client.futures_of(client.persist(collection))))
+
+
+def test_worker_killed_after_some_outputs_were_produced(small_cluster):
+    cluster, client, _ = small_cluster
+    df = frame(40_000_000, npartitions=40)
+    shuffled = client.persist(df.shuffle("key", shuffle_method="service", npartitions=40))
+    poll_for(lambda: live_run(cluster, lambda r: len(r.produced) >= 5), timeout=120)
+    run = live_run(cluster)
+    victim = next(w for w in run.produced.values())
+    pid = client.run(os.getpid, workers=[victim])[victim]
+    os.kill(pid, signal.SIGKILL)
+    wait(shuffled)
+    result = pd.concat(client.gather(client.futures_of(shuffled)))
+    expected = rows_of(client, df)
+    assert sorted(result.key.tolist()) == sorted(expected.key.tolist())
+    cluster.scheduler.validate_state()
+
+
+def test_worker_killed_mid_merge(small_cluster):
+    cluster, client, _ = small_cluster
+    left = frame(30_000_000, npartitions=30)
+    right = frame(10_000_000, npartitions=10).rename(columns={"value": "other"})
+    right = right[["key", "other"]]
+    joined = client.persist(left.merge(right, on="key", how="left", shuffle_method="service"))
+    poll_for(lambda: live_run(cluster, lambda r: len(r.handed_off) >= 5), timeout=120)
+    victim = live_run(cluster).participants[-1]
+    pid = client.run(os.getpid, workers=[victim])[victim]
+    os.kill(pid, signal.SIGKILL)
+    wait(joined)
+    result = pd.concat(client.gather(client.futures_of(joined)))
+    expected = rows_of(client, left).merge(rows_of(client, right), on="key", how="left")
+    pd.testing.assert_frame_equal(
+        result.sort_values(["key", "value"]).reset_index(drop=True),
+        expected.sort_values(["key", "value"]).reset_index(drop=True),
+    )
+    cluster.scheduler.validate_state()
+
+
+def test_worker_joining_mid_shuffle_does_no_harm(small_cluster):
+    cluster, client, _ = small_cluster
+    df = frame(100_000_000, npartitions=60)
+    shuffled = client.persist(df.shuffle("key", shuffle_method="service"))
+    poll_for(lambda: live_run(cluster, lambda r: len(r.handed_off) >= 3), timeout=120)
+    run_id = live_run(cluster).run_id
+    cluster.scale(3)
+    client.wait_for_workers(3)
+    joined_while_running = live_run(cluster) is not None
+    wait(shuffled)
+    assert joined_while_running
+    result = pd.concat(client.gather(client.futures_of(shuffled)))
+    expected = rows_of(client, df)
+    assert sorted(result.key.tolist()) == sorted(expected.key.tolist())
+    events = [e for _, e in client.get_events("dask_services")]
+    assert [e["run_id"] for e in events if e["action"] == "started"] == [run_id], events
+    cluster.scheduler.validate_state()
+
+
+def test_unresponsive_peer_delays_but_does_not_fail_the_shuffle(small_cluster):
+    cluster, client, _ = small_cluster
+    df = frame(40_000_000, npartitions=40)
+    shuffled = client.persist(df.shuffle("key", shuffle_method="service"))
+    poll_for(lambda: live_run(cluster, lambda r: len(r.handed_off) >= 3), timeout=120)
+    peer = live_run(cluster).participants[-1]
+    pid = client.run(os.getpid, workers=[peer])[peer]
+    os.kill(pid, signal.SIGSTOP)  # frozen: neither answers nor sends
+    try:
+        time.sleep(3)  # the length of the outage, well within the comm timeouts
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait(shuffled)
+    result = pd.concat(client.gather(client.futures_of(shuffled)))
+    expected = rows_of(client, df)
+    assert sorted(result.key.tolist()) == sorted(expected.key.tolist())
+    actions = {e["action"] for _, e in client.get_events("dask_services")}
+    assert "restarted" not in actions and "failed" not in actions, actions
     cluster.scheduler.validate_state()

@@ -2,15 +2,20 @@
 
 Every instance splits the partitions handed to it by the precomputed target-partition
 column (the same column dask's ``tasks`` method uses, so rows land in the same output
-partitions), sends one frame per destination worker per input partition (the rows of all
-that worker's partitions, grouped), buffers what it receives (spilling to disk past its
-budget) and, once all inputs are in, assembles each output partition it owns in a worker
-thread: pieces in input-partition order, so rows keep their relative order.
+partitions) and sends one message per destination instance per input partition, holding
+the rows of that instance's partitions in a few groups (``shuffle.groups``).  Sends run in
+the background within ``shuffle.bytes-in-flight``, so a hand-off returns as soon as its
+data is on its way.  Receivers buffer what arrives (spilling to disk past their budget).
+Once all inputs are handed off, every instance delivers what it still has in flight and
+tells each peer so; when it has heard that from every peer it assembles each output
+partition it owns, in a worker thread and in partition order (so received groups are freed
+one after the other): pieces in input-partition order, so rows keep their relative order.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Hashable
 from typing import Any
 
@@ -18,21 +23,34 @@ import dask
 import numpy as np
 import pandas as pd
 from dask.sizeof import sizeof
+from dask.utils import parse_bytes
 
+from dask_services._sending import SendWindow
 from dask_services._spill import SpillBuffer
 from dask_services.service import Service, ServiceId, rpc
 
 Key = Hashable
 
 
-def split_by_destination(
-    df: pd.DataFrame, column: Any, destination: dict[int, ServiceId]
-) -> dict[ServiceId, tuple[pd.DataFrame, list[int], list[int]]]:
-    """Rows of ``df`` grouped per destination: ``{sid: (frame, partitions, bounds)}``.
+Batch = list[tuple[pd.DataFrame, list[int], list[int], int]]
+MIN_GROUP_BYTES = 2**20  # smaller groups of one input partition are sent together
 
-    ``frame`` holds the destination's rows sorted by target partition (stable, so rows keep
-    their order within a partition) without ``column``; partition ``partitions[j]`` is
-    ``frame.iloc[bounds[j]:bounds[j + 1]]``.  Rows for unwanted partitions are dropped.
+
+def split_by_destination(
+    df: pd.DataFrame, column: Any, destination: dict[int, tuple[ServiceId, int]],
+    nbytes: int,
+) -> dict[ServiceId, Batch]:
+    """Rows of ``df`` grouped per destination instance, then per group of partitions.
+
+    ``destination`` maps a wanted output partition to ``(instance, group)``.  Returns
+    ``{sid: [(frame, partitions, bounds, frame_bytes), ...]}``, one entry per group: ``frame``
+    holds that group's rows sorted by target partition (stable, so rows keep their order
+    within a partition) without ``column``; partition ``partitions[j]`` is
+    ``frame.iloc[bounds[j]:bounds[j + 1]]``; ``frame_bytes`` is ``nbytes`` (the size of
+    ``df``) in proportion to the rows.  Every group is its own copy, so that the receiver
+    frees a group's memory once it has assembled that group's partitions; consecutive
+    groups smaller than ``MIN_GROUP_BYTES`` are merged.  Rows for unwanted partitions are
+    dropped.
     """
     if not len(df):
         return {}
@@ -42,20 +60,34 @@ def split_by_destination(
     sorted_parts = parts[order]
     uniq, starts = np.unique(sorted_parts, return_index=True)
     ends = np.append(starts[1:], len(sorted_parts))
-    by_dest: dict[ServiceId, list[tuple[int, int, int]]] = {}
+    by_group: dict[tuple[ServiceId, int], list[tuple[int, int, int]]] = {}
     for p, a, b in zip(uniq.tolist(), starts.tolist(), ends.tolist(), strict=True):
-        sid = destination.get(p)
-        if sid is not None:
-            by_dest.setdefault(sid, []).append((p, a, b))
-    out = {}
-    for sid, ranges in by_dest.items():
-        rows = np.concatenate([order[a:b] for _, a, b in ranges])
-        frame = data.take(rows)
-        bounds = [0]
-        for _, a, b in ranges:
-            bounds.append(bounds[-1] + b - a)
-        out[sid] = (frame, [p for p, _, _ in ranges], bounds)
+        target = destination.get(p)
+        if target is not None:
+            by_group.setdefault(target, []).append((p, a, b))
+    bytes_per_row = nbytes / len(df)
+    out: dict[ServiceId, Batch] = {}
+    pending: dict[ServiceId, list[tuple[int, int, int]]] = {}
+    for (sid, _), ranges in sorted(by_group.items(), key=lambda item: item[0][1]):
+        # small groups travel together: a group is only worth its own copy (so that its
+        # memory can be freed on its own) when it is large
+        ranges = pending.pop(sid, []) + ranges
+        if sum(b - a for _, a, b in ranges) * bytes_per_row < MIN_GROUP_BYTES:
+            pending[sid] = ranges
+            continue
+        out.setdefault(sid, []).append(_take(data, order, ranges, bytes_per_row))
+    for sid, ranges in pending.items():
+        out.setdefault(sid, []).append(_take(data, order, ranges, bytes_per_row))
     return out
+
+
+def _take(data: pd.DataFrame, order: np.ndarray, ranges: list[tuple[int, int, int]],
+          bytes_per_row: float) -> tuple[pd.DataFrame, list[int], list[int], int]:
+    rows = np.concatenate([order[a:b] for _, a, b in ranges])
+    bounds = [0]
+    for _, a, b in ranges:
+        bounds.append(bounds[-1] + b - a)
+    return (data.take(rows), [p for p, _, _ in ranges], bounds, int(len(rows) * bytes_per_row))
 
 
 def assemble(pieces: list[tuple[int, pd.DataFrame]], meta: pd.DataFrame,
@@ -78,6 +110,7 @@ class DataFrameShuffle(Service):
 
     def __init__(self) -> None:
         self.buffer: SpillBuffer | None = None
+        self.window: SendWindow | None = None
         self.sent_bytes = 0
         self.received_bytes = 0
 
@@ -89,46 +122,70 @@ class DataFrameShuffle(Service):
         self.ignore_index = ignore_index
         self.input_index = input_index
         self.partition_of = dict(zip(output_keys, parts_out, strict=True))
-        self.destination = {
-            self.partition_of[k]: concierge.owner(k) for k in concierge.wanted_outputs
-        }
+        self.destination = group_partitions(
+            {self.partition_of[k]: concierge.owner(k) for k in concierge.wanted_outputs},
+            int(dask.config.get("dask_services.shuffle.groups")),
+        )
+        self.senders_done: set[ServiceId] = set()
+        self.all_received = asyncio.Event()
         limit = concierge.memory_limit
         fraction = float(dask.config.get("dask_services.shuffle.buffer-fraction"))
         budget = int(limit * fraction) if limit else 2**62
         self.buffer = SpillBuffer(concierge.local_directory, budget)
+        self.window = SendWindow(
+            parse_bytes(dask.config.get("dask_services.shuffle.bytes-in-flight"))
+        )
 
     async def add_key(self, key, data: pd.DataFrame) -> None:
+        assert self.window is not None
         index = self.input_index[key]
         batches = await self.concierge.run_in_executor(
-            split_by_destination, data, self.column, self.destination
+            split_by_destination, data, self.column, self.destination, sizeof(data)
         )
         del data
-        sends = []
-        for sid, (frame, partitions, bounds) in batches.items():
-            if sid != self.id:
-                self.sent_bytes += sizeof(frame)
-            sends.append(self.peers[sid].receive(index, frame, partitions, bounds))
-        await asyncio.gather(*sends)
+        for sid, batch in batches.items():
+            if sid == self.id:
+                await self.receive(index, batch)
+                continue
+            nbytes = sum(group[3] for group in batch)
+            self.sent_bytes += nbytes
+            await self.window.send(
+                nbytes, functools.partial(self.peers[sid].receive, index, batch)
+            )
 
     @rpc
-    async def receive(self, index: int, frame: pd.DataFrame, partitions: list[int],
-                      bounds: list[int]) -> None:
+    async def receive(self, index: int, batch: Batch) -> None:
         assert self.buffer is not None
-        total = sizeof(frame)
-        self.received_bytes += total
-        n = max(len(frame), 1)
-        pieces = [
-            (p, (index, frame.iloc[bounds[j]:bounds[j + 1]]),
-             total * (bounds[j + 1] - bounds[j]) // n)
-            for j, p in enumerate(partitions)
-        ]
+        pieces = []
+        for frame, partitions, bounds, nbytes in batch:
+            self.received_bytes += nbytes
+            n = max(len(frame), 1)
+            pieces += [
+                (p, (index, frame.iloc[bounds[j]:bounds[j + 1]]),
+                 nbytes * (bounds[j + 1] - bounds[j]) // n)
+                for j, p in enumerate(partitions)
+            ]
         await self.buffer.add_batch(pieces)
 
+    @rpc
+    async def done_sending(self, sender: ServiceId) -> None:
+        """``sender`` has delivered everything it had for this instance."""
+        self.senders_done.add(sender)
+        if len(self.senders_done) == len(self.peers) - 1:
+            self.all_received.set()
+
     async def all_inputs_done(self) -> None:
-        assert self.buffer is not None
-        for out in self.concierge.wanted_outputs:
-            if self.concierge.owner(out) != self.id:
-                continue
+        assert self.buffer is not None and self.window is not None
+        await self.window.flush()
+        others = [sid for sid in self.peers if sid != self.id]
+        await asyncio.gather(*(self.peers[sid].done_sending(self.id) for sid in others))
+        if not others:
+            self.all_received.set()
+        await self.all_received.wait()
+        owned = [out for out in self.concierge.wanted_outputs
+                 if self.concierge.owner(out) == self.id]
+        # in partition order, so that received groups are freed one after the other
+        for out in sorted(owned, key=self.partition_of.__getitem__):
             pieces = await self.buffer.take(self.partition_of[out])
             frame = await self.concierge.run_in_executor(
                 assemble, pieces, self.meta, self.ignore_index
@@ -137,12 +194,16 @@ class DataFrameShuffle(Service):
             await self.concierge.produce_key(out, frame)
 
     async def stop(self) -> None:
+        if self.window is not None:
+            self.window.cancel()
+            self.window = None
         if self.buffer is not None:
             self.buffer.clear()
             self.buffer = None
 
     def __sizeof__(self) -> int:
-        return self.buffer.memory_bytes if self.buffer is not None else 0
+        in_flight = self.window.in_flight if self.window is not None else 0
+        return in_flight + (self.buffer.memory_bytes if self.buffer is not None else 0)
 
     def spilled_bytes(self) -> int:
         return self.buffer.disk_bytes if self.buffer is not None else 0
@@ -150,3 +211,18 @@ class DataFrameShuffle(Service):
     async def please_evict(self, nbytes: int) -> None:
         if self.buffer is not None:
             await self.buffer.spill()
+
+
+def group_partitions(owner: dict[int, ServiceId], groups: int
+                     ) -> dict[int, tuple[ServiceId, int]]:
+    """Each partition's ``(owner, group)``: every owner's partitions, in order, cut into
+    at most ``groups`` contiguous groups."""
+    by_owner: dict[ServiceId, list[int]] = {}
+    for p in sorted(owner):
+        by_owner.setdefault(owner[p], []).append(p)
+    out = {}
+    for sid, partitions in by_owner.items():
+        size = -(-len(partitions) // max(groups, 1))
+        for i, p in enumerate(partitions):
+            out[p] = (sid, i // size)
+    return out
