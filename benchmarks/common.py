@@ -51,6 +51,41 @@ def peak_memory(client: Any, interval: float = 0.1) -> Iterator[list[float]]:
     out.append(float(series["run"].max()) if len(series) else float("nan"))
 
 
+def _release_memory() -> None:
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
+def _keys_held(dask_worker: Any) -> int:
+    return len(dask_worker.state.tasks)
+
+
+def held(client: Any) -> int:
+    """Tasks the scheduler and the workers know of, together."""
+    on_scheduler = client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks))
+    return on_scheduler + sum(client.run(_keys_held).values())
+
+
+def settle(client: Any, keep: int = 0, timeout: float = 30) -> None:
+    """Wait until the cluster holds no more than ``keep`` tasks (see :func:`held`: released
+    results are really gone from the workers), then collect garbage and give freed heap
+    back to the OS on every worker.
+
+    Between runs, so that one method's peak memory is not inflated by what the run before
+    it left behind or freed but the allocator kept (peaks are process memory).
+    """
+    deadline = time.monotonic() + timeout
+    while held(client) > keep and time.monotonic() < deadline:
+        time.sleep(0.05)
+    client.run(_release_memory)
+
+
 def progress(i: int, total: int, label: str, enabled: bool = True) -> None:
     if not enabled:
         return
@@ -93,9 +128,15 @@ def report(results: list[Measurement], baseline: str, as_json: bool,
                  f"{ratio:.2f}" if ratio is not None else "-",
                  f"{row['peak_worker_memory_MB']:.0f}",
                  f"{row['MB_per_s']:.0f}" if row["MB_per_s"] else "-"]
-        cells += [f"{row[n]:.3f}" if row[n] is not None else "-" for n in extra_columns]
+        cells += [_cell(row[n]) for n in extra_columns]
         lines.append(" | ".join(cells))
     return "\n".join(lines)
+
+
+def _cell(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{int(value)}" if float(value).is_integer() else f"{value:.3f}"
 
 
 def as_dict(m: Measurement) -> dict:

@@ -11,13 +11,12 @@ per-call overhead.
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from benchmarks.common import Measurement, parse_size, peak_memory, progress, timed
+from benchmarks.common import Measurement, held, parse_size, peak_memory, progress, settle, timed
 
 BYTES_PER_ROW = 29  # int64 key, float64, a short arrow string: measured by memory_usage(deep=True)
 
@@ -48,6 +47,8 @@ def run_case(client: Any, label: str, nbytes: int, npartitions: int, methods: li
     # the frame costs every method the same, and would only dilute the ratios).
     df = client.persist(frame(nbytes, npartitions))
     wait(df)
+    keep = held(client)
+    settle(client, keep=keep)
     true_bytes = int(client.compute(df.memory_usage(deep=True).sum()).result())
     results = {m: Measurement(label, m, nbytes=true_bytes) for m in methods}
     total, done = repeat * len(methods), 0
@@ -63,13 +64,13 @@ def run_case(client: Any, label: str, nbytes: int, npartitions: int, methods: li
 
             with peak_memory(client) as peak:
                 seconds = timed(once)
-            client.run(gc.collect)
+            settle(client, keep=keep)
             results[method].seconds.append(seconds)
             results[method].peak_memory.extend(peak)
             done += 1
             progress(done, total, f"shuffle {label}", show_progress)
     del df
-    client.run(gc.collect)
+    settle(client)
     return list(results.values())
 
 

@@ -9,8 +9,11 @@ See the README for a tour, and ``design/architecture.md`` for how it works.
 
 from __future__ import annotations
 
+from dask_services import (
+    array,  # noqa: F401  (registers the "service" rechunk method)
+    dataframe,  # noqa: F401  (registers the "service" shuffle method)
+)
 from dask_services import config as _config  # noqa: F401  (registers config defaults)
-from dask_services import dataframe  # noqa: F401  (registers the "service" shuffle method)
 from dask_services.client import install, install_async, service_task, submit
 from dask_services.service import (
     Concierge,

@@ -18,6 +18,8 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import dask.config
+
 from dask_services.service import (
     Concierge,
     ProduceKeyError,
@@ -71,7 +73,7 @@ class Environment(abc.ABC):
 
     @abc.abstractmethod
     async def send_rpc(
-        self, address: str, target: ServiceId, source: ServiceId, seq: int,
+        self, address: str, target: ServiceId, source: ServiceId, run_id: int, seq: int,
         method: str, args: tuple, kwargs: dict,
     ) -> Any: ...
 
@@ -93,6 +95,7 @@ class Instance:
     all_started_returned: asyncio.Event = field(default_factory=asyncio.Event)
     stopping: bool = False
     produced: set[Key] = field(default_factory=set)
+    inputs: set[Key] = field(default_factory=set)  # input keys handed to add_key
     hooks: set[asyncio.Task] = field(default_factory=set)
     next_seq_out: dict[ServiceId, int] = field(default_factory=dict)
     next_seq_in: dict[ServiceId, int] = field(default_factory=dict)
@@ -204,6 +207,8 @@ class ServiceHost:
         self.instances: dict[ServiceId, Instance] = {}
         # service key -> the most recent instance started here
         self.current: dict[Key, Instance] = {}
+        self.latest_run = -1  # of any instance created here
+        self._creation = asyncio.Event()  # set (and replaced) whenever one is created
 
     # ------------------------------------------------------------- lifecycle
 
@@ -224,7 +229,26 @@ class ServiceHost:
         service.peers = {sid: PeerHandle(self, inst, sid) for sid in spec.peers}
         self.instances[spec.id] = inst
         self.current[spec.service_key] = inst
+        # start messages reach a worker in run order: a lower run can no longer come
+        self.latest_run = max(self.latest_run, spec.run_id)
+        self._creation.set()
+        self._creation = asyncio.Event()
         return inst
+
+    async def _created(self, target: ServiceId, run_id: int) -> Instance | None:
+        """The instance ``target`` once created here; None if a later run came first or it
+        did not come within the connect timeout."""
+        from dask.utils import parse_timedelta
+
+        timeout = parse_timedelta(dask.config.get("distributed.comm.timeouts.connect", "30s"))
+        deadline = asyncio.get_running_loop().time() + timeout
+        while target not in self.instances and run_id > self.latest_run:
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                return None
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._creation.wait(), remaining)
+        return self.instances.get(target)
 
     async def start(self, inst: Instance) -> None:
         s = inst.service
@@ -255,12 +279,22 @@ class ServiceHost:
         await inst.all_started_returned.wait()
         await inst.service.all_inputs_done()
 
-    async def add_key(self, sid: ServiceId, key: Key, data: Any) -> bool:
-        """Hand one input to instance ``sid``; False if it is gone or the hook failed."""
+    async def add_key(self, sid: ServiceId, key: Key, data: Any,
+                      still_wanted: Callable[[], bool] = lambda: True) -> bool:
+        """Hand one input to instance ``sid``; False if it is gone, the hook failed, or
+        ``still_wanted()`` says no once the instance has started.  An instance takes each
+        input key once: a second hand-off of the same key is a no-op."""
         inst = self.instances.get(sid)
         if inst is None or inst.stopping:
             return False
-        return await self._hook(inst, inst.service.add_key, key, data)
+
+        async def add() -> None:
+            if key in inst.inputs or not still_wanted():
+                return
+            inst.inputs.add(key)
+            await inst.service.add_key(key, data)
+
+        return await self._hook(inst, add) and key in inst.inputs
 
     async def stop(self, sid: ServiceId) -> None:
         inst = self.instances.get(sid)
@@ -330,17 +364,24 @@ class ServiceHost:
                 f"{target!r} is not a peer of {source.spec.id} in run "
                 f"{source.spec.run_id} of {source.spec.service_key!r}"
             ) from None
+        run_id = source.spec.run_id
         if address == self.env.address:
             # Loopback: no serialization, same ordering guarantees.
-            return await self.deliver(target, source.spec.id, seq, method, args, kwargs)
-        return await self.env.send_rpc(address, target, source.spec.id, seq, method, args, kwargs)
+            return await self.deliver(target, source.spec.id, run_id, seq, method, args,
+                                      kwargs)
+        return await self.env.send_rpc(address, target, source.spec.id, run_id, seq, method,
+                                       args, kwargs)
 
     async def deliver(
-        self, target: ServiceId, source: ServiceId, seq: int, method: str,
+        self, target: ServiceId, source: ServiceId, run_id: int, seq: int, method: str,
         args: tuple, kwargs: dict,
     ) -> Any:
-        """Run ``method`` on instance ``target``, starting calls from one peer in order."""
+        """Run ``method`` on instance ``target`` (of run ``run_id``), starting calls from one
+        peer in order.  A call may arrive before this host has created its instance of a
+        new run (the start message to this worker lags): it waits for it."""
         inst = self.instances.get(target)
+        if inst is None and run_id > self.latest_run:
+            inst = await self._created(target, run_id)
         if inst is None or inst.stopping:
             raise StaleRunError(
                 f"no instance {target} here: the run it belonged to is no longer current"

@@ -5,13 +5,22 @@ peer has acknowledged it; but unbounded background sends would hold any amount o
 :class:`SendWindow` starts sends in the background while fewer than ``limit`` bytes are in
 flight and makes the caller wait otherwise.  A failed send is raised from the next ``send``
 or from ``flush``, so no error is lost.
+
+:class:`PeerStream` adds what a service needs once hand-offs may return before their data
+has arrived: a barrier.  ``finish()`` flushes the window, tells every peer (through the
+service's ``done_sending`` RPC) and returns once every peer has said the same; by then
+everything every peer sent to this instance has been received.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dask_services.service import Service, ServiceId
 
 
 class SendWindow:
@@ -66,3 +75,52 @@ class SendWindow:
     def _raise_error(self) -> None:
         if self._error is not None:
             raise self._error
+
+
+def window_size(configured: int, memory_limit: int | None) -> int:
+    """The configured bytes in flight, but at most 1/32 of a worker's memory limit."""
+    return min(configured, memory_limit // 32) if memory_limit else configured
+
+
+class PeerStream:
+    """A service's sends to its peers, and the barrier that ends them.
+
+    The service must expose ``@rpc async def done_sending(self, sender)`` calling
+    :meth:`sender_done`.
+    """
+
+    def __init__(self, service: Service, limit: int) -> None:
+        self.service = service
+        self.window = SendWindow(limit)
+        self.done_from: set[ServiceId] = set()
+        self.all_received = asyncio.Event()
+
+    @property
+    def in_flight(self) -> int:
+        return self.window.in_flight
+
+    def _others(self) -> list[ServiceId]:
+        return [sid for sid in self.service.peers if sid != self.service.id]
+
+    async def send(self, sid: ServiceId, nbytes: int, method: str, *args: Any) -> None:
+        """Call ``method(*args)`` on peer ``sid`` in the background, within the window."""
+        call = getattr(self.service.peers[sid], method)
+        await self.window.send(nbytes, functools.partial(call, *args))
+
+    def sender_done(self, sender: ServiceId) -> None:
+        self.done_from.add(sender)
+        if self.done_from >= set(self._others()):
+            self.all_received.set()
+
+    async def finish(self) -> None:
+        """Deliver everything still in flight, tell every peer, wait until all have."""
+        await self.window.flush()
+        others = self._others()
+        await asyncio.gather(*(self.service.peers[sid].done_sending(self.service.id)
+                               for sid in others))
+        if not others:
+            self.all_received.set()
+        await self.all_received.wait()
+
+    def cancel(self) -> None:
+        self.window.cancel()

@@ -23,6 +23,8 @@ from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
+from dask_services._memory import release_freed_memory
+
 Partition = Hashable
 
 
@@ -68,6 +70,10 @@ class SpillBuffer:
         paths = {p: self._files[p] for p in memory}
         sizes = await self._run(self._write, memory, paths)
         self._file_sizes.update(sizes)
+        del memory
+        # the pieces are gone, but the allocator would keep their memory: give it back, so
+        # that the worker's process memory (which pauses and spills) sees the difference
+        await self._run(release_freed_memory)
         return freed
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:

@@ -115,6 +115,8 @@ def bench(args: argparse.Namespace) -> int:
 
     if args.what == "shuffle":
         return bench_shuffle(args)
+    if args.what == "rechunk":
+        return bench_rechunk(args)
     results: dict[str, Any] = {"benchmark": "overhead", "workers": args.workers,
                                "repeat": args.repeat}
     with _local_cluster(args.workers, 1, True) as cluster, Client(cluster) as client:
@@ -192,17 +194,36 @@ def bench_shuffle(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_rechunk(args: argparse.Namespace) -> int:
+    from distributed import Client
+
+    _benchmarks()
+    from benchmarks import rechunk
+    from benchmarks.common import report
+
+    sizes = [s for s in args.sizes.split(",") if s]
+    with _local_cluster(args.workers, args.threads, True) as cluster, Client(cluster) as client:
+        results = rechunk.run(client, sizes, args.local_size or None, args.repeat,
+                              methods=tuple(args.methods.split(",")),
+                              show_progress=not args.json)
+    print(report(results, "p2p", args.json, extra_columns=("first_output_s", "tasks")))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dask-services", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p_demo = sub.add_parser("demo", help="run services on a local cluster and print results")
     p_demo.add_argument("--workers", type=int, default=2)
     p_demo.set_defaults(func=demo)
-    p_bench = sub.add_parser("bench", help="benchmarks: overhead, shuffle")
-    p_bench.add_argument("what", choices=["overhead", "shuffle"])
+    p_bench = sub.add_parser("bench", help="benchmarks: overhead, shuffle, rechunk")
+    p_bench.add_argument("what", choices=["overhead", "shuffle", "rechunk"])
     p_bench.add_argument("--workers", type=int, default=2)
     p_bench.add_argument("--threads", type=int, default=1, help="threads per worker")
-    p_bench.add_argument("--sizes", default="0.5GB,2GB", help="frame sizes, e.g. 0.5GB,2GB")
+    p_bench.add_argument("--sizes", default="0.5GB,2GB",
+                         help="frame (shuffle) or all-to-all array (rechunk) sizes")
+    p_bench.add_argument("--local-size", default="0.5GB",
+                         help="rechunk: size of the local (100 -> 150 rows) case; '' to skip")
     p_bench.add_argument("--partitions", type=int, default=128)
     p_bench.add_argument("--methods", default="service,p2p,tasks")
     p_bench.add_argument("--repeat", type=int, default=3)

@@ -72,7 +72,7 @@ def _hand_off(handoff_key: Key, service_key: Key, input_key: Key, value: Any) ->
     if _executing_key() == handoff_key:
         from dask_services.worker import hand_off_on_worker
 
-        run_id = hand_off_on_worker(service_key, input_key, value)
+        run_id = hand_off_on_worker(handoff_key, service_key, input_key, value)
         return HandOffReceipt(input_key, run_id)
     return value  # local scheduler: pass the input through to the service task
 

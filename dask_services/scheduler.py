@@ -450,6 +450,11 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         self.restrictions.setdefault(key, (ots.worker_restrictions, ots.loose_restrictions))
         ots.worker_restrictions = {worker}
         ots.loose_restrictions = False
+        if ots.priority is not None:
+            # The value exists already: its claim only moves it into the worker's memory,
+            # so it goes before every task waiting on that worker (outputs produced while
+            # hand-offs still queue there land at once, not after them).
+            ots.priority = (float("-inf"), *ots.priority[1:])
         self.cut[key] = worker
         self.produced_at[key] = worker
         if ots.state == "waiting" and not ots.waiting_on:

@@ -174,10 +174,10 @@ class WorkerEnvironment(Environment):
         while worker.status == Status.paused:
             await asyncio.sleep(0.05)
 
-    async def send_rpc(self, address: str, target: ServiceId, source: ServiceId,
+    async def send_rpc(self, address: str, target: ServiceId, source: ServiceId, run_id: int,
                        seq: int, method: str, args: tuple, kwargs: dict) -> Any:
         response = await self.ext.worker.rpc(address).service_rpc(
-            target=str(target), source=str(source), seq=seq, method=method,
+            target=str(target), source=str(source), run_id=run_id, seq=seq, method=method,
             payload=to_serialize((args, kwargs)),
         )
         return _unwrap(response)
@@ -295,11 +295,11 @@ class ServiceWorkerPlugin(WorkerPlugin):
 
     # ------------------------------------------------------------- peer -> worker
 
-    async def service_rpc(self, comm: Any, target: str, source: str, seq: int,
+    async def service_rpc(self, comm: Any, target: str, source: str, run_id: int, seq: int,
                           method: str, payload: Any) -> Any:
         args, kwargs = _unwrap(payload)
-        result = await self.host.deliver(ServiceId(target), ServiceId(source), seq, method,
-                                         args, kwargs)
+        result = await self.host.deliver(ServiceId(target), ServiceId(source), run_id, seq,
+                                         method, args, kwargs)
         return to_serialize(result)
 
     async def service_add_key(self, comm: Any, target: str, key: Key, payload: Any) -> bool:
@@ -319,10 +319,20 @@ class ServiceWorkerPlugin(WorkerPlugin):
 
     # ------------------------------------------------------------- called by tasks
 
-    async def hand_off(self, service_key: Key, input_key: Key, value: Any) -> int | None:
+    async def hand_off(self, handoff_key: Key, service_key: Key, input_key: Key,
+                       value: Any) -> int | None:
+        def still_wanted() -> bool:
+            # A hand-off released by the scheduler (its run was restarted) keeps running
+            # until it returns; it must not give its input to the next run, which gets it
+            # from the hand-off's new execution, perhaps on another worker.
+            ts = self.worker.state.tasks.get(handoff_key)
+            return ts is not None and ts.state in ("executing", "long-running", "resumed")
+
+        if not still_wanted():
+            return None
         inst = self.host.current.get(service_key)
         if inst is not None and not inst.stopping:
-            if await self.host.add_key(inst.spec.id, input_key, value):
+            if await self.host.add_key(inst.spec.id, input_key, value, still_wanted):
                 self._report_handed_off(inst.spec, input_key)
             return inst.spec.run_id
         # This worker takes no part in the current run: push the input to a participant.
@@ -389,7 +399,8 @@ def _ignore_stream_op(**msg: Any) -> None:
     """Stream handler left in place once the extension is gone: the op has no one to do it."""
 
 
-def hand_off_on_worker(service_key: Key, input_key: Key, value: Any) -> int | None:
+def hand_off_on_worker(handoff_key: Key, service_key: Key, input_key: Key,
+                       value: Any) -> int | None:
     """Body of a hand-off task on a worker (runs in a worker thread, which it lends)."""
     worker, ext = _worker_extension()
     loop = worker.loop.asyncio_loop
@@ -397,7 +408,7 @@ def hand_off_on_worker(service_key: Key, input_key: Key, value: Any) -> int | No
 
     async def hand_off() -> int | None:
         _lent_thread.set(lent)
-        return await ext.hand_off(service_key, input_key, value)
+        return await ext.hand_off(handoff_key, service_key, input_key, value)
 
     done = asyncio.run_coroutine_threadsafe(hand_off(), loop)
     done.add_done_callback(lambda _: lent.close())

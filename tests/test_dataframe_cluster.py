@@ -58,6 +58,8 @@ def test_three_times_memory_completes_under_the_limit(small_cluster):
     assert after.keysum.sum() % 2**61 == before.keysum.sum() % 2**61
     per_worker_peak = sampler.to_pandas()["shuffle"].max() / 2
     assert per_worker_peak < limit, per_worker_peak
+    restarts = [e for _, e in client.get_events("dask_services") if e["action"] == "restarted"]
+    assert not restarts, restarts  # no worker was killed for memory on the way
     poll_for(lambda: not spill_files(tmp), timeout=30)
     cluster.scheduler.validate_state()
 

@@ -34,7 +34,7 @@ async def test_message_for_an_old_run_is_refused(c, s, a, b):
     new = {e[3]: e[1] for e in events_of("start") if e[4]["run_id"] == second}
     with pytest.raises(dask_services.StaleRunError, match="no longer current"):
         await a.rpc(b.address).service_rpc(
-            target=str(old[b.address]), source=str(old[a.address]), seq=0,
+            target=str(old[b.address]), source=str(old[a.address]), run_id=first, seq=0,
             method="receive_partial", payload=to_serialize(((old[a.address], [1000]), {})),
         )
     # the message did not reach the live instance of the new run

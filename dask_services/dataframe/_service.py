@@ -14,8 +14,6 @@ one after the other): pieces in input-partition order, so rows keep their relati
 
 from __future__ import annotations
 
-import asyncio
-import functools
 from collections.abc import Hashable
 from typing import Any
 
@@ -25,7 +23,8 @@ import pandas as pd
 from dask.sizeof import sizeof
 from dask.utils import parse_bytes
 
-from dask_services._sending import SendWindow
+from dask_services._memory import TrimAfter, release_freed_memory
+from dask_services._sending import PeerStream, window_size
 from dask_services._spill import SpillBuffer
 from dask_services.service import Service, ServiceId, rpc
 
@@ -34,6 +33,7 @@ Key = Hashable
 
 Batch = list[tuple[pd.DataFrame, list[int], list[int], int]]
 MIN_GROUP_BYTES = 2**20  # smaller groups of one input partition are sent together
+TRIM_EVERY = 64 * 2**20  # while assembling, give freed memory back to the OS this often
 
 
 def split_by_destination(
@@ -110,7 +110,7 @@ class DataFrameShuffle(Service):
 
     def __init__(self) -> None:
         self.buffer: SpillBuffer | None = None
-        self.window: SendWindow | None = None
+        self.stream: PeerStream | None = None
         self.sent_bytes = 0
         self.received_bytes = 0
 
@@ -126,18 +126,15 @@ class DataFrameShuffle(Service):
             {self.partition_of[k]: concierge.owner(k) for k in concierge.wanted_outputs},
             int(dask.config.get("dask_services.shuffle.groups")),
         )
-        self.senders_done: set[ServiceId] = set()
-        self.all_received = asyncio.Event()
         limit = concierge.memory_limit
         fraction = float(dask.config.get("dask_services.shuffle.buffer-fraction"))
         budget = int(limit * fraction) if limit else 2**62
         self.buffer = SpillBuffer(concierge.local_directory, budget)
-        self.window = SendWindow(
-            parse_bytes(dask.config.get("dask_services.shuffle.bytes-in-flight"))
-        )
+        configured = parse_bytes(dask.config.get("dask_services.shuffle.bytes-in-flight"))
+        self.stream = PeerStream(self, window_size(configured, limit))
 
     async def add_key(self, key, data: pd.DataFrame) -> None:
-        assert self.window is not None
+        assert self.stream is not None
         index = self.input_index[key]
         batches = await self.concierge.run_in_executor(
             split_by_destination, data, self.column, self.destination, sizeof(data)
@@ -149,9 +146,7 @@ class DataFrameShuffle(Service):
                 continue
             nbytes = sum(group[3] for group in batch)
             self.sent_bytes += nbytes
-            await self.window.send(
-                nbytes, functools.partial(self.peers[sid].receive, index, batch)
-            )
+            await self.stream.send(sid, nbytes, "receive", index, batch)
 
     @rpc
     async def receive(self, index: int, batch: Batch) -> None:
@@ -170,39 +165,37 @@ class DataFrameShuffle(Service):
     @rpc
     async def done_sending(self, sender: ServiceId) -> None:
         """``sender`` has delivered everything it had for this instance."""
-        self.senders_done.add(sender)
-        if len(self.senders_done) == len(self.peers) - 1:
-            self.all_received.set()
+        assert self.stream is not None
+        self.stream.sender_done(sender)
 
     async def all_inputs_done(self) -> None:
-        assert self.buffer is not None and self.window is not None
-        await self.window.flush()
-        others = [sid for sid in self.peers if sid != self.id]
-        await asyncio.gather(*(self.peers[sid].done_sending(self.id) for sid in others))
-        if not others:
-            self.all_received.set()
-        await self.all_received.wait()
+        assert self.buffer is not None and self.stream is not None
+        await self.stream.finish()
         owned = [out for out in self.concierge.wanted_outputs
                  if self.concierge.owner(out) == self.id]
         # in partition order, so that received groups are freed one after the other
+        trim = TrimAfter(TRIM_EVERY)
         for out in sorted(owned, key=self.partition_of.__getitem__):
+            held = self.buffer.memory_bytes
             pieces = await self.buffer.take(self.partition_of[out])
             frame = await self.concierge.run_in_executor(
                 assemble, pieces, self.meta, self.ignore_index
             )
             del pieces
+            if trim.freed_bytes(held - self.buffer.memory_bytes):
+                await self.concierge.run_in_executor(release_freed_memory)
             await self.concierge.produce_key(out, frame)
 
     async def stop(self) -> None:
-        if self.window is not None:
-            self.window.cancel()
-            self.window = None
+        if self.stream is not None:
+            self.stream.cancel()
+            self.stream = None
         if self.buffer is not None:
             self.buffer.clear()
             self.buffer = None
 
     def __sizeof__(self) -> int:
-        in_flight = self.window.in_flight if self.window is not None else 0
+        in_flight = self.stream.in_flight if self.stream is not None else 0
         return in_flight + (self.buffer.memory_bytes if self.buffer is not None else 0)
 
     def spilled_bytes(self) -> int:

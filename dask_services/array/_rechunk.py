@@ -1,0 +1,113 @@
+"""dask.array wiring: the ``"service"`` rechunk method.
+
+``dask.array.rechunk`` (the function behind ``Array.rechunk``, which imports it at call
+time, and ``da.rechunk``) picks an implementation by method name (argument, then the
+``array.rechunk.method`` config) and refuses unknown names.  Importing ``dask_services``
+wraps it so that ``"service"`` builds one :class:`ArrayRechunk` service task; every other
+name goes to dask unchanged.  ``tests/test_array_hooks.py`` fails loudly if a dask upgrade
+moves this hook or the helpers the wrapper uses.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+import dask
+import dask.array as da
+import numpy as np
+from dask.array.core import Array, normalize_chunks
+from dask.array.utils import validate_axis
+from dask.base import tokenize
+from dask.core import flatten
+from dask.highlevelgraph import HighLevelGraph
+
+from dask_services.graph import ServiceDefinition, build_service_graph
+
+METHOD = "service"
+_module = importlib.import_module("dask.array.rechunk")
+_dask_rechunk = _module.rechunk
+
+
+def service_rechunk(x: Array, chunks: Any = "auto", block_size_limit: Any = None,
+                    balance: bool = False) -> Array:
+    """``x`` rechunked by one :class:`ArrayRechunk` service task.
+
+    Accepts what ``Array.rechunk`` accepts: a tuple, a dict by axis, ``-1``, ``None``,
+    ``"auto"``, and ``balance=True``.
+    """
+    if type(x._meta) is not np.ndarray:  # masked arrays, cupy, sparse, ...: not ours
+        raise TypeError(
+            "the 'service' rechunk handles numpy-backed arrays; this array's chunks are "
+            f"{type(x._meta).__module__}.{type(x._meta).__name__}. Use method='tasks' "
+            "(or 'p2p') for other array types"
+        )
+    chunks = _normalize(x, chunks, block_size_limit, balance)
+    if not balance and chunks == x.chunks:
+        return x
+    _module._validate_rechunk(x.chunks, chunks)
+    if x.ndim == 0 or chunks == x.chunks:
+        return x
+    from dask_services.array._service import ArrayRechunk
+
+    token = tokenize(x, chunks, METHOD)
+    name = f"rechunk-service-{token}"
+    input_keys = list(flatten(x.__dask_keys__()))
+    shape = [len(c) for c in chunks]
+    definition = ServiceDefinition(
+        service_class=ArrayRechunk,
+        params={"old_chunks": x.chunks, "new_chunks": chunks, "dtype": x.dtype},
+        input_keys=tuple(input_keys),
+        handoff_keys=tuple((f"rechunk-handoff-{token}", *k[1:]) for k in input_keys),
+        output_keys=tuple((name, *i) for i in np.ndindex(*shape)),
+        name="rechunk",
+    )
+    layer = build_service_graph(definition, f"rechunk-service-task-{token}", input_keys)
+    graph = HighLevelGraph.from_collections(name, layer, dependencies=[x])
+    return Array(graph, name, chunks, meta=x._meta)
+
+
+def _normalize(x: Array, chunks: Any, block_size_limit: Any, balance: bool) -> tuple:
+    """The new chunks as a tuple of tuples, as ``dask.array.rechunk`` computes them."""
+    if isinstance(chunks, dict):
+        chunks = {validate_axis(c, x.ndim): v for c, v in chunks.items()}
+        chunks = tuple(x.chunks[i] if chunks.get(i) is None else chunks[i]
+                       for i in range(x.ndim))
+    if isinstance(chunks, (tuple, list)):
+        chunks = tuple(x.chunks[i] if c is None else c for i, c in enumerate(chunks))
+    chunks = normalize_chunks(chunks, x.shape, limit=block_size_limit, dtype=x.dtype,
+                              previous_chunks=x.chunks)
+    if len(chunks) != x.ndim:
+        raise ValueError("Provided chunks are not consistent with shape")
+    if balance:
+        chunks = tuple(_module._balance_chunksizes(c) for c in chunks)
+    return chunks
+
+
+def _method(method: str | None) -> str | None:
+    return method or dask.config.get("array.rechunk.method", None)
+
+
+@functools.wraps(_dask_rechunk)
+def _rechunk(x, chunks="auto", threshold=None, block_size_limit=None, balance=False,
+             method=None):
+    if _method(method) == METHOD:
+        from dask_services.client import _maybe_install_default_client
+
+        _maybe_install_default_client()
+        return service_rechunk(x, chunks, block_size_limit=block_size_limit, balance=balance)
+    return _dask_rechunk(x, chunks, threshold=threshold, block_size_limit=block_size_limit,
+                         balance=balance, method=method)
+
+
+_rechunk.__wrapped__ = _dask_rechunk  # type: ignore[attr-defined]
+
+
+def register() -> None:
+    """Make ``"service"`` a rechunk method of dask.array (idempotent)."""
+    if _module.rechunk is not _rechunk:
+        _module.rechunk = _rechunk
+    if da.rechunk is not _rechunk:
+        da.rechunk = _rechunk
+

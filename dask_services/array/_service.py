@@ -1,0 +1,233 @@
+"""The array rechunk as a service.
+
+Every instance slices the chunks handed to it into the pieces each wanted output chunk
+needs and sends them, batched per destination instance, through a byte-bounded window.
+Receivers buffer pieces (spilling to disk past their budget, as the shuffle does) and count
+them: an output chunk is assembled as soon as its last piece has arrived, by writing every
+piece into one preallocated array in a worker thread, and produced at once, before
+``all_inputs_done`` whenever its inputs were handed off early.  Where the old and new
+chunkings leave independent regions, the first outputs are therefore in memory long before
+the last inputs are handed off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import dask
+import numpy as np
+from dask.sizeof import sizeof
+from dask.utils import parse_bytes
+
+from dask_services._sending import PeerStream, window_size
+from dask_services._spill import SpillBuffer
+from dask_services.service import Service, ServiceId, rpc
+
+Index = tuple[int, ...]
+# (output chunk index, offset of the piece in that chunk, the piece)
+Piece = tuple[Index, tuple[int, ...], np.ndarray]
+Chunks = tuple[tuple[float, ...], ...]
+
+
+def axis_overlaps(old: Sequence[float], new: Sequence[float]
+                  ) -> list[list[tuple[int, slice, int]]]:
+    """For each old chunk along one axis: ``[(new index, slice of the old chunk, offset in
+    the new chunk), ...]``.  Axes of unknown size are unchanged (dask refuses anything
+    else), so they map one to one and whole."""
+    if any(math.isnan(c) for c in old):
+        return [[(i, slice(None), 0)] for i in range(len(old))]
+    out: list[list[tuple[int, slice, int]]] = [[] for _ in old]
+    old_bounds = np.cumsum((0, *old)).astype(int).tolist()
+    new_bounds = np.cumsum((0, *new)).astype(int).tolist()
+    j = 0
+    for i in range(len(old)):
+        a0, a1 = old_bounds[i], old_bounds[i + 1]
+        while j < len(new) and new_bounds[j + 1] <= a0:
+            j += 1
+        k = j
+        while k < len(new) and new_bounds[k] < a1:
+            lo, hi = max(a0, new_bounds[k]), min(a1, new_bounds[k + 1])
+            if lo < hi:
+                out[i].append((k, slice(lo - a0, hi - a0), lo - new_bounds[k]))
+            k += 1
+    return out
+
+
+def pieces_per_output(overlaps: list[list[list[tuple[int, slice, int]]]],
+                      new: Chunks) -> list[list[int]]:
+    """For each axis, how many old chunks overlap each new chunk."""
+    counts = [[0] * len(axis) for axis in new]
+    for d, axis in enumerate(overlaps):
+        for pieces in axis:
+            for j, _, _ in pieces:
+                counts[d][j] += 1
+    return counts
+
+
+def slice_block(block: np.ndarray, index: Index,
+                overlaps: list[list[list[tuple[int, slice, int]]]]) -> list[Piece]:
+    """The pieces of the input chunk at ``index``: one per output chunk it overlaps."""
+    per_axis = [overlaps[d][i] for d, i in enumerate(index)]
+    return [
+        (tuple(j for j, _, _ in combo), tuple(off for _, _, off in combo),
+         block[tuple(s for _, s, _ in combo)])
+        for combo in itertools.product(*per_axis)
+    ]
+
+
+def write_pieces(shape: tuple[int, ...], dtype: np.dtype,
+                 pieces: list[tuple[tuple[int, ...], np.ndarray]]) -> np.ndarray:
+    """One output chunk: every piece written into one new (C-ordered, writeable) array."""
+    if pieces and any(math.isnan(s) for s in shape):
+        # axes of unknown size are unchanged: every piece spans them whole
+        first = pieces[0][1]
+        shape = tuple(first.shape[d] if math.isnan(s) else s for d, s in enumerate(shape))
+    out = np.empty(tuple(int(s) for s in shape), dtype=dtype)
+    for offset, piece in pieces:
+        out[tuple(slice(o, o + n) for o, n in zip(offset, piece.shape, strict=True))] = piece
+    return out
+
+
+def piece_bytes(piece: np.ndarray) -> int:
+    return int(piece.nbytes) if piece.dtype != object else int(sizeof(piece))
+
+
+class ArrayRechunk(Service):
+    """Peer-to-peer rechunk of a numpy-backed dask array; see module docstring."""
+
+    def __init__(self) -> None:
+        self.buffer: SpillBuffer | None = None
+        self.stream: PeerStream | None = None
+        self.sent_bytes = 0
+        self.received_bytes = 0
+
+    async def start(self, id, key, peers, input_keys, output_keys, concierge, leader, *,
+                    old_chunks: Chunks, new_chunks: Chunks, dtype: np.dtype,
+                    **kwargs: Any) -> None:
+        self.new_chunks = new_chunks
+        self.dtype = dtype
+        self.overlaps = [axis_overlaps(o, n) for o, n in zip(old_chunks, new_chunks,
+                                                             strict=True)]
+        counts = pieces_per_output(self.overlaps, new_chunks)
+        self.index_of = {k: tuple(k[1:]) for k in input_keys}
+        self.key_of = {tuple(k[1:]): k for k in output_keys}
+        self.owner = {tuple(k[1:]): concierge.owner(k) for k in concierge.wanted_outputs}
+        self.expected = {j: math.prod(counts[d][jd] for d, jd in enumerate(j))
+                         for j, sid in self.owner.items() if sid == id}
+        self.received: dict[Index, int] = dict.fromkeys(self.expected, 0)
+        self.assembling: set[asyncio.Task] = set()
+        # one chunk at a time takes its pieces (perhaps from disk) and is written out, so
+        # that many chunks completing together do not all come into memory at once
+        self.one_at_a_time = asyncio.Semaphore(1)
+        limit = concierge.memory_limit
+        fraction = float(dask.config.get("dask_services.rechunk.buffer-fraction"))
+        self.buffer = SpillBuffer(concierge.local_directory,
+                                  int(limit * fraction) if limit else 2**62)
+        configured = parse_bytes(dask.config.get("dask_services.rechunk.bytes-in-flight"))
+        self.stream = PeerStream(self, window_size(configured, limit))
+
+    async def all_started(self) -> None:
+        for j, n in self.expected.items():
+            if n == 0:  # an empty output chunk: nothing will arrive for it
+                self._complete(j)
+
+    async def add_key(self, key, block: np.ndarray) -> None:
+        assert self.stream is not None
+        if not isinstance(block, np.ndarray) or isinstance(block, np.ma.MaskedArray):
+            raise TypeError(
+                f"the 'service' rechunk handles numpy chunks; chunk {key!r} is a "
+                f"{type(block).__name__}. Use method='tasks' (or 'p2p') for other array types"
+            )
+        block = np.asarray(block)  # a memmap or other plain subclass: its data
+        pieces = await self.concierge.run_in_executor(
+            slice_block, block, self.index_of[key], self.overlaps
+        )
+        del block
+        by_destination: dict[ServiceId, list[Piece]] = {}
+        for piece in pieces:
+            sid = self.owner.get(piece[0])
+            if sid is not None:
+                by_destination.setdefault(sid, []).append(piece)
+        for sid, batch in by_destination.items():
+            if sid == self.id:
+                await self.receive(batch)
+                continue
+            nbytes = sum(piece_bytes(p[2]) for p in batch)
+            self.sent_bytes += nbytes
+            await self.stream.send(sid, nbytes, "receive", batch)
+
+    @rpc
+    async def receive(self, batch: list[Piece]) -> None:
+        assert self.buffer is not None
+        items = []
+        for j, offset, piece in batch:
+            nbytes = piece_bytes(piece)
+            self.received_bytes += nbytes
+            items.append((j, (offset, piece), nbytes))
+        await self.buffer.add_batch(items)
+        for j, _, _ in batch:
+            self.received[j] += 1
+            if self.received[j] == self.expected[j]:
+                self._complete(j)
+
+    @rpc
+    async def done_sending(self, sender: ServiceId) -> None:
+        assert self.stream is not None
+        self.stream.sender_done(sender)
+
+    def _complete(self, j: Index) -> None:
+        task = asyncio.create_task(self._produce(j))
+        self.assembling.add(task)
+        task.add_done_callback(self._assembled)
+
+    def _assembled(self, task: asyncio.Task) -> None:
+        self.assembling.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.concierge.error(task.exception())
+
+    async def _produce(self, j: Index) -> None:
+        async with self.one_at_a_time:
+            assert self.buffer is not None
+            pieces = await self.buffer.take(j)
+            shape = tuple(self.new_chunks[d][jd] for d, jd in enumerate(j))
+            chunk = await self.concierge.run_in_executor(write_pieces, shape, self.dtype,
+                                                         pieces)
+            del pieces
+            await self.concierge.produce_key(self.key_of[j], chunk)
+
+    async def all_inputs_done(self) -> None:
+        assert self.stream is not None
+        await self.stream.finish()
+        while self.assembling:
+            await asyncio.wait(set(self.assembling))
+        missing = [j for j, n in self.received.items() if n != self.expected[j]]
+        if missing:
+            raise RuntimeError(
+                f"rechunk instance {self.id}: output chunks {missing[:5]} did not receive "
+                "all their pieces although every input was handed off"
+            )
+
+    async def stop(self) -> None:
+        for task in list(getattr(self, "assembling", ())):
+            task.cancel()
+        if self.stream is not None:
+            self.stream.cancel()
+            self.stream = None
+        if self.buffer is not None:
+            self.buffer.clear()
+            self.buffer = None
+
+    def __sizeof__(self) -> int:
+        in_flight = self.stream.in_flight if self.stream is not None else 0
+        return in_flight + (self.buffer.memory_bytes if self.buffer is not None else 0)
+
+    def spilled_bytes(self) -> int:
+        return self.buffer.disk_bytes if self.buffer is not None else 0
+
+    async def please_evict(self, nbytes: int) -> None:
+        if self.buffer is not None:
+            await self.buffer.spill()

@@ -1,0 +1,180 @@
+"""The "service" rechunk method against numpy and dask's own ``tasks`` method."""
+
+from __future__ import annotations
+
+import time
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from utils import assert_nothing_left, service_cluster
+
+import dask_services
+
+pytestmark = pytest.mark.timeout(120)
+
+DTYPES = [
+    np.bool_, np.int8, np.uint16, np.int32, np.uint64, np.float16, np.float32, np.float64,
+    np.complex64, np.complex128, "datetime64[ns]", "timedelta64[s]", "U5", "S3",
+    np.dtype([("a", "i4"), ("b", "f8")]), object,
+]
+
+
+def sample(shape, dtype, seed=0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    n = int(np.prod(shape))
+    dtype = np.dtype(dtype)
+    if dtype.kind == "b":
+        flat = rng.random(n) > 0.5
+    elif dtype.kind in "iu":
+        flat = rng.integers(0, 100, n)
+    elif dtype.kind in "fc":
+        flat = rng.random(n) * 100
+    elif dtype.kind in "mM":
+        flat = rng.integers(0, 10**6, n)
+    elif dtype.kind in "US":
+        flat = np.array([f"v{i % 999}" for i in range(n)])
+    elif dtype.kind == "V":
+        flat = np.zeros(n, dtype=dtype)
+        flat["a"] = np.arange(n)
+        flat["b"] = rng.random(n)
+    else:
+        flat = np.empty(n, dtype=object)
+        flat[:] = [(i, "x") if i % 3 else i for i in range(n)]
+    return flat.astype(dtype).reshape(shape)
+
+
+def slow_inc(block: np.ndarray) -> np.ndarray:
+    time.sleep(0.02)  # an input that takes a while to compute
+    return block + 1
+
+
+def chunking(draw, size: int) -> tuple[int, ...]:
+    """A random chunking of ``size`` (zero-length chunks allowed)."""
+    if size == 0:
+        return (0,)
+    cuts = sorted(draw(st.lists(st.integers(0, size), max_size=4)))
+    bounds = [0, *cuts, size]
+    return tuple(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+
+
+@st.composite
+def rechunk_cases(draw):
+    ndim = draw(st.integers(1, 5))
+    shape = tuple(draw(st.integers(0, 7 if ndim < 4 else 3)) for _ in range(ndim))
+    old = tuple(chunking(draw, s) for s in shape)
+    new = tuple(chunking(draw, s) for s in shape)
+    dtype = draw(st.sampled_from(DTYPES))
+    return shape, old, new, dtype
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rechunk_cases())
+def test_property_matches_numpy_and_tasks(case):
+    shape, old, new, dtype = case
+    a = sample(shape, dtype)
+    x = da.from_array(a, chunks=old)
+    ours = x.rechunk(new, method="service")
+    assert ours.chunks == x.rechunk(new, method="tasks").chunks
+    result = ours.compute(scheduler="sync")
+    assert result.dtype == a.dtype and result.shape == a.shape
+    np.testing.assert_array_equal(result, a)
+
+
+@pytest.mark.parametrize("chunks,kwargs", [
+    ("auto", {}), ({0: 7}, {}), ({1: -1}, {}), ((-1, None), {}), ((None, 9), {}),
+    ((13, 5), {"balance": True}), (-1, {}),
+])
+def test_chunk_forms_as_dask_accepts_them(chunks, kwargs):
+    a = sample((40, 30), np.float64)
+    x = da.from_array(a, chunks=(10, 6))
+    ours = x.rechunk(chunks, method="service", **kwargs)
+    assert ours.chunks == x.rechunk(chunks, method="tasks", **kwargs).chunks
+    np.testing.assert_array_equal(ours.compute(scheduler="sync"), a)
+
+
+def test_config_and_public_function():
+    a = sample((20, 20), np.int64)
+    x = da.from_array(a, chunks=(5, 20))
+    with dask.config.set({"array.rechunk.method": "service"}):
+        y = x.rechunk((20, 5))
+    assert any(str(k[0] if isinstance(k, tuple) else k).startswith("rechunk-service")
+               for k in y.dask)
+    z = dask_services.array.rechunk(x, (20, 5))
+    assert z.name == y.name
+    np.testing.assert_array_equal(da.rechunk(x, (4, 4), method="service").compute(
+        scheduler="sync"), a)
+
+
+def test_zero_dimensional_and_unchanged_arrays_are_returned_as_they_are():
+    x = da.from_array(np.array(5.0))
+    assert x.rechunk((), method="service") is x
+    y = da.ones((4, 4), chunks=2)
+    assert y.rechunk(2, method="service") is y
+
+
+def test_unknown_chunk_sizes():
+    a = sample((30, 8), np.float64)
+    x = da.from_array(a, chunks=(10, 4))
+    masked = x[x[:, 0] > 50]  # unknown sizes along axis 0
+    ours = masked.rechunk({1: 8}, method="service")
+    np.testing.assert_array_equal(ours.compute(scheduler="sync"), a[a[:, 0] > 50])
+    with pytest.raises(ValueError, match="unchanging along dimensions with missing"):
+        masked.rechunk({0: (5, 5)}, method="service")
+
+
+def test_fortran_ordered_and_read_only_inputs_give_writeable_results():
+    a = np.asfortranarray(sample((12, 9), np.float64))
+    a.setflags(write=False)
+    x = da.from_array(a, chunks=(4, 3))
+    y = x.rechunk((6, 9), method="service")
+    blocks = [y.blocks[i, 0].compute(scheduler="sync") for i in range(2)]
+    assert all(b.flags.writeable and b.flags.c_contiguous for b in blocks)
+    np.testing.assert_array_equal(np.concatenate(blocks), a)
+
+
+def test_other_array_types_are_refused_at_graph_construction():
+    x = da.ma.masked_array(da.ones((4, 4), chunks=2))
+    with pytest.raises(TypeError, match="numpy-backed arrays.*method='tasks'"):
+        x.rechunk(4, method="service")
+
+
+@service_cluster(timeout=90)
+async def test_every_dtype_on_a_cluster_and_culled_outputs(c, s, a, b):
+    for dtype in DTYPES:
+        arr = sample((24, 10), dtype)
+        x = da.from_array(arr, chunks=(4, 10))
+        y = x.rechunk((24, 5), method="service")
+        np.testing.assert_array_equal(await c.compute(y), arr)
+        del y
+    arr = sample((30, 20), np.float64)
+    x = da.from_array(arr, chunks=(5, 20))
+    y = x.rechunk((10, 10), method="service")
+    block = await c.compute(y.blocks[2, 1])
+    np.testing.assert_array_equal(block, arr[20:30, 10:20])
+    del block, y
+    await assert_nothing_left(s, [a, b])
+
+
+@service_cluster(timeout=90)
+async def test_outputs_stream_before_the_last_input_is_handed_off(c, s, a, b):
+    # 100-row chunks to 150-row chunks: independent regions of 300 rows
+    arr = np.arange(6000.0).reshape(3000, 2)
+    x = da.from_array(arr, chunks=(100, 2)).map_blocks(slow_inc)
+    y = x.rechunk((150, 2), method="service")
+    result = await c.compute(y)
+    np.testing.assert_array_equal(result, arr + 1)
+    memory_at = {}
+    for key, _, finish, *_, stamp in s.transition_log:
+        if finish == "memory" and key not in memory_at:
+            memory_at[key] = stamp
+    outputs = [t for k, t in memory_at.items() if isinstance(k, tuple) and k[0] == y.name]
+    handoffs = [t for k, t in memory_at.items()
+                if isinstance(k, tuple) and str(k[0]).startswith("rechunk-handoff")]
+    assert len(outputs) == 20 and len(handoffs) == 30
+    assert min(outputs) < max(handoffs)
+    del result
+    await assert_nothing_left(s, [a, b])

@@ -1,0 +1,39 @@
+"""Fails loudly if a dask upgrade moves the hook the "service" rechunk method is registered on."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_rechunk_is_wrapped_where_array_rechunk_finds_it():
+    import dask.array as da
+    from dask.array.core import Array
+
+    import dask_services  # noqa: F401
+    from dask_services.array import _rechunk
+
+    module = importlib.import_module("dask.array.rechunk")
+    assert module.rechunk is _rechunk._rechunk, "dask.array.rechunk.rechunk was replaced"
+    assert da.rechunk is _rechunk._rechunk
+    # Array.rechunk imports the function from the module at call time
+    assert "from dask.array.rechunk import rechunk" in inspect.getsource(Array.rechunk)
+    # the signature the wrapper forwards
+    assert list(inspect.signature(_rechunk._dask_rechunk).parameters) == [
+        "x", "chunks", "threshold", "block_size_limit", "balance", "method",
+    ]
+    # dask's helpers the wrapper normalizes and validates with
+    assert callable(module._validate_rechunk) and callable(module._balance_chunksizes)
+    assert 'config.get("array.rechunk.method"' in inspect.getsource(
+        module._choose_rechunk_method)
+
+
+def test_unknown_methods_still_refused_by_dask():
+    import dask.array as da
+
+    with pytest.raises(NotImplementedError, match="Unknown rechunking method"):
+        da.ones((4, 4), chunks=2).rechunk(4, method="nope")
