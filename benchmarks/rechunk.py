@@ -47,6 +47,7 @@ def run_case(client: Any, label: str, shape: tuple, old: tuple, new: tuple,
     import dask.array as da
     from distributed import as_completed, wait
 
+    base = held(client)
     x = client.persist(da.random.random(shape, chunks=old))
     wait(x)
     keep = held(client)
@@ -62,12 +63,13 @@ def run_case(client: Any, label: str, shape: tuple, old: tuple, new: tuple,
                 start = time.perf_counter()
                 persisted = client.persist(y)
                 futures = client.futures_of(persisted)
-                for _ in as_completed(futures):
-                    first.append(time.perf_counter() - start)
-                    break
+                completed = as_completed(futures)
+                next(completed)
+                first.append(time.perf_counter() - start)
                 wait(futures)
                 seconds = time.perf_counter() - start
-                del persisted, futures
+                completed.clear()  # it holds the futures, and so their results, otherwise
+                del persisted, futures, completed
             settle(client, keep=keep)
             m = results[method]
             m.seconds.append(seconds)
@@ -77,7 +79,7 @@ def run_case(client: Any, label: str, shape: tuple, old: tuple, new: tuple,
             done += 1
             progress(done, total, f"rechunk {label}", show_progress)
     del x
-    settle(client)
+    settle(client, keep=base)
     return list(results.values())
 
 

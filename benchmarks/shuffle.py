@@ -45,6 +45,7 @@ def run_case(client: Any, label: str, nbytes: int, npartitions: int, methods: li
 
     # The input is persisted first, so that the timings are of the shuffles alone (making
     # the frame costs every method the same, and would only dilute the ratios).
+    base = held(client)
     df = client.persist(frame(nbytes, npartitions))
     wait(df)
     keep = held(client)
@@ -70,7 +71,7 @@ def run_case(client: Any, label: str, nbytes: int, npartitions: int, methods: li
             done += 1
             progress(done, total, f"shuffle {label}", show_progress)
     del df
-    settle(client)
+    settle(client, keep=base)
     return list(results.values())
 
 

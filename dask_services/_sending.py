@@ -19,6 +19,8 @@ import functools
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from dask_services._memory import TrimAfter, release_freed_memory
+
 if TYPE_CHECKING:
     from dask_services.service import Service, ServiceId
 
@@ -30,6 +32,7 @@ class SendWindow:
         self._room = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._error: BaseException | None = None
+        self.on_sent: Callable[[int], None] | None = None  # called with the bytes delivered
 
     async def send(self, nbytes: int, start: Callable[[], Awaitable[Any]]) -> None:
         """Start ``start()`` in the background once ``nbytes`` more fit in the window.
@@ -56,6 +59,8 @@ class SendWindow:
         self.in_flight -= nbytes
         if not task.cancelled() and task.exception() is not None and self._error is None:
             self._error = task.exception()
+        elif self.on_sent is not None and not task.cancelled():
+            self.on_sent(nbytes)
         self._room.set()
 
     async def flush(self) -> None:
@@ -94,6 +99,9 @@ class PeerStream:
         self.window = SendWindow(limit)
         self.done_from: set[ServiceId] = set()
         self.all_received = asyncio.Event()
+        self._trim = TrimAfter()
+        self._trimming: asyncio.Future | None = None
+        self.window.on_sent = self._sent
 
     @property
     def in_flight(self) -> int:
@@ -106,6 +114,17 @@ class PeerStream:
         """Call ``method(*args)`` on peer ``sid`` in the background, within the window."""
         call = getattr(self.service.peers[sid], method)
         await self.window.send(nbytes, functools.partial(call, *args))
+
+    def _sent(self, nbytes: int) -> None:
+        """What was sent is freed now: give it back to the OS every so often (in a thread:
+        trimming a large heap takes milliseconds)."""
+        if self._trim.freed_bytes(nbytes) and self._trimming is None:
+            loop = asyncio.get_running_loop()
+            self._trimming = loop.run_in_executor(None, release_freed_memory)
+            self._trimming.add_done_callback(self._trimmed)
+
+    def _trimmed(self, _: Any) -> None:
+        self._trimming = None
 
     def sender_done(self, sender: ServiceId) -> None:
         self.done_from.add(sender)

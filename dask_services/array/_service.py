@@ -23,6 +23,7 @@ import numpy as np
 from dask.sizeof import sizeof
 from dask.utils import parse_bytes
 
+from dask_services._memory import TrimAfter, release_freed_memory
 from dask_services._sending import PeerStream, window_size
 from dask_services._spill import SpillBuffer
 from dask_services.service import Service, ServiceId, rpc
@@ -123,6 +124,7 @@ class ArrayRechunk(Service):
         # one chunk at a time takes its pieces (perhaps from disk) and is written out, so
         # that many chunks completing together do not all come into memory at once
         self.one_at_a_time = asyncio.Semaphore(1)
+        self.trim = TrimAfter()
         limit = concierge.memory_limit
         fraction = float(dask.config.get("dask_services.rechunk.buffer-fraction"))
         self.buffer = SpillBuffer(concierge.local_directory,
@@ -192,11 +194,14 @@ class ArrayRechunk(Service):
     async def _produce(self, j: Index) -> None:
         async with self.one_at_a_time:
             assert self.buffer is not None
+            held = self.buffer.memory_bytes
             pieces = await self.buffer.take(j)
             shape = tuple(self.new_chunks[d][jd] for d, jd in enumerate(j))
             chunk = await self.concierge.run_in_executor(write_pieces, shape, self.dtype,
                                                          pieces)
             del pieces
+            if self.trim.freed_bytes(held - self.buffer.memory_bytes):
+                await self.concierge.run_in_executor(release_freed_memory)
             await self.concierge.produce_key(self.key_of[j], chunk)
 
     async def all_inputs_done(self) -> None:

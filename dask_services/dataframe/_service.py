@@ -33,7 +33,6 @@ Key = Hashable
 
 Batch = list[tuple[pd.DataFrame, list[int], list[int], int]]
 MIN_GROUP_BYTES = 2**20  # smaller groups of one input partition are sent together
-TRIM_EVERY = 64 * 2**20  # while assembling, give freed memory back to the OS this often
 
 
 def split_by_destination(
@@ -174,7 +173,7 @@ class DataFrameShuffle(Service):
         owned = [out for out in self.concierge.wanted_outputs
                  if self.concierge.owner(out) == self.id]
         # in partition order, so that received groups are freed one after the other
-        trim = TrimAfter(TRIM_EVERY)
+        trim = TrimAfter()
         for out in sorted(owned, key=self.partition_of.__getitem__):
             held = self.buffer.memory_bytes
             pieces = await self.buffer.take(self.partition_of[out])
