@@ -27,7 +27,8 @@ class Measurement:
 
     @property
     def peak(self) -> float:
-        return max(self.peak_memory) if self.peak_memory else float("nan")
+        """Median over runs of each run's peak (like the time: robust to one odd run)."""
+        return statistics.median(self.peak_memory) if self.peak_memory else float("nan")
 
 
 def parse_size(text: str) -> int:
@@ -84,6 +85,13 @@ def settle(client: Any, keep: int = 0, timeout: float = 30) -> None:
     while held(client) > keep and time.monotonic() < deadline:
         time.sleep(0.05)
     client.run(_release_memory)
+
+
+def rotated(methods: list[str], repeat: int) -> list[str]:
+    """The methods in a different order every repeat, so that no method always runs after
+    the same one (a run can leave memory behind that the next one's peak would count)."""
+    shift = repeat % len(methods)
+    return methods[shift:] + methods[:shift]
 
 
 def progress(i: int, total: int, label: str, enabled: bool = True) -> None:

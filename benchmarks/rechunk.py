@@ -20,7 +20,15 @@ import math
 import time
 from typing import Any
 
-from benchmarks.common import Measurement, held, parse_size, peak_memory, progress, settle
+from benchmarks.common import (
+    Measurement,
+    held,
+    parse_size,
+    peak_memory,
+    progress,
+    rotated,
+    settle,
+)
 
 CHUNKS_PER_SIDE = 64  # all-to-all: row chunks (and column chunks) per array
 LOCAL_COLUMNS = 1000
@@ -54,8 +62,8 @@ def run_case(client: Any, label: str, shape: tuple, old: tuple, new: tuple,
     settle(client, keep=keep)
     results = {m: Measurement(label, m, nbytes=x.nbytes) for m in methods}
     total, done = repeat * len(methods), 0
-    for _ in range(repeat):
-        for method in methods:  # interleaved, so drift hits every method alike
+    for r in range(repeat):
+        for method in rotated(methods, r):  # interleaved, so drift hits every method alike
             y = x.rechunk(new, method=method)
             first: list[float] = []
 

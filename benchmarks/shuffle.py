@@ -16,7 +16,16 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from benchmarks.common import Measurement, held, parse_size, peak_memory, progress, settle, timed
+from benchmarks.common import (
+    Measurement,
+    held,
+    parse_size,
+    peak_memory,
+    progress,
+    rotated,
+    settle,
+    timed,
+)
 
 BYTES_PER_ROW = 29  # int64 key, float64, a short arrow string: measured by memory_usage(deep=True)
 
@@ -53,8 +62,8 @@ def run_case(client: Any, label: str, nbytes: int, npartitions: int, methods: li
     true_bytes = int(client.compute(df.memory_usage(deep=True).sum()).result())
     results = {m: Measurement(label, m, nbytes=true_bytes) for m in methods}
     total, done = repeat * len(methods), 0
-    for _ in range(repeat):
-        for method in methods:  # interleaved, so drift hits every method alike
+    for r in range(repeat):
+        for method in rotated(methods, r):  # interleaved, so drift hits every method alike
             # optimized as df.persist() and df.compute() do (client.persist does not fuse)
             shuffled = df.shuffle("key", shuffle_method=method).optimize()
 
