@@ -3,7 +3,9 @@ from __future__ import annotations
 import os
 import sys
 
+import dask
 import pytest
+from distributed import Client, LocalCluster
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -15,3 +17,17 @@ def _reset_recorder():
     Recorder.reset()
     yield
     Recorder.reset()
+
+
+@pytest.fixture
+def small_cluster(tmp_path):
+    """Two one-thread worker processes of 600 MB, validation on, spilling under tmp_path."""
+    config = {
+        "distributed.scheduler.validate": True,
+        "distributed.worker.validate": True,
+        "temporary-directory": str(tmp_path),
+    }
+    with dask.config.set(config), LocalCluster(
+        n_workers=2, threads_per_worker=1, memory_limit="600MB", dashboard_address=":0",
+    ) as cluster, Client(cluster) as client:
+        yield cluster, client, tmp_path

@@ -5,35 +5,17 @@ from __future__ import annotations
 import os
 import signal
 
-import dask
 import dask.array as da
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster, wait
+from distributed import wait
 from distributed.diagnostics import MemorySampler
 from distributed.utils_test import poll_for
+from utils import spill_files
 
 import dask_services  # noqa: F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-@pytest.fixture
-def small_cluster(tmp_path):
-    config = {
-        "distributed.scheduler.validate": True,
-        "distributed.worker.validate": True,
-        "temporary-directory": str(tmp_path),
-    }
-    with dask.config.set(config), LocalCluster(
-        n_workers=2, threads_per_worker=1, memory_limit="600MB", dashboard_address=":0",
-    ) as cluster, Client(cluster) as client:
-        yield cluster, client, tmp_path
-
-
-def spill_files(root) -> list[str]:
-    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs
-            if "dask-services" in d]
 
 
 def block_sums(y: da.Array) -> np.ndarray:

@@ -82,3 +82,9 @@ async def assert_errs(future, exc_type: type, match: str) -> BaseException:
     assert isinstance(exc, exc_type), repr(exc)
     assert match in str(exc), (match, str(exc))
     return exc
+
+
+def spill_files(root) -> list[str]:
+    """Files under ``root`` in dask-services directories (spill files, instance dirs)."""
+    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs
+            if "dask-services" in d]

@@ -18,15 +18,12 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import dask
 import numpy as np
 from dask.sizeof import sizeof
-from dask.utils import parse_bytes
 
+from dask_services._exchange import PeerExchange
 from dask_services._memory import TrimAfter, release_freed_memory
-from dask_services._sending import PeerStream, window_size
-from dask_services._spill import SpillBuffer
-from dask_services.service import Service, ServiceId, rpc
+from dask_services.service import ServiceId, rpc
 
 Index = tuple[int, ...]
 # (output chunk index, offset of the piece in that chunk, the piece)
@@ -97,14 +94,10 @@ def piece_bytes(piece: np.ndarray) -> int:
     return int(piece.nbytes) if piece.dtype != object else int(sizeof(piece))
 
 
-class ArrayRechunk(Service):
+class ArrayRechunk(PeerExchange):
     """Peer-to-peer rechunk of a numpy-backed dask array; see module docstring."""
 
-    def __init__(self) -> None:
-        self.buffer: SpillBuffer | None = None
-        self.stream: PeerStream | None = None
-        self.sent_bytes = 0
-        self.received_bytes = 0
+    config_section = "rechunk"
 
     async def start(self, id, key, peers, input_keys, output_keys, concierge, leader, *,
                     old_chunks: Chunks, new_chunks: Chunks, dtype: np.dtype,
@@ -125,12 +118,7 @@ class ArrayRechunk(Service):
         # that many chunks completing together do not all come into memory at once
         self.one_at_a_time = asyncio.Semaphore(1)
         self.trim = TrimAfter()
-        limit = concierge.memory_limit
-        fraction = float(dask.config.get("dask_services.rechunk.buffer-fraction"))
-        self.buffer = SpillBuffer(concierge.local_directory,
-                                  int(limit * fraction) if limit else 2**62)
-        configured = parse_bytes(dask.config.get("dask_services.rechunk.bytes-in-flight"))
-        self.stream = PeerStream(self, window_size(configured, limit))
+        self.open_exchange(concierge)
 
     async def all_started(self) -> None:
         for j, n in self.expected.items():
@@ -176,11 +164,6 @@ class ArrayRechunk(Service):
             if self.received[j] == self.expected[j]:
                 self._complete(j)
 
-    @rpc
-    async def done_sending(self, sender: ServiceId) -> None:
-        assert self.stream is not None
-        self.stream.sender_done(sender)
-
     def _complete(self, j: Index) -> None:
         task = asyncio.create_task(self._produce(j))
         self.assembling.add(task)
@@ -219,20 +202,5 @@ class ArrayRechunk(Service):
     async def stop(self) -> None:
         for task in list(getattr(self, "assembling", ())):
             task.cancel()
-        if self.stream is not None:
-            self.stream.cancel()
-            self.stream = None
-        if self.buffer is not None:
-            self.buffer.clear()
-            self.buffer = None
+        await super().stop()
 
-    def __sizeof__(self) -> int:
-        in_flight = self.stream.in_flight if self.stream is not None else 0
-        return in_flight + (self.buffer.memory_bytes if self.buffer is not None else 0)
-
-    def spilled_bytes(self) -> int:
-        return self.buffer.disk_bytes if self.buffer is not None else 0
-
-    async def please_evict(self, nbytes: int) -> None:
-        if self.buffer is not None:
-            await self.buffer.spill()

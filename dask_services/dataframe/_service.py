@@ -21,12 +21,10 @@ import dask
 import numpy as np
 import pandas as pd
 from dask.sizeof import sizeof
-from dask.utils import parse_bytes
 
+from dask_services._exchange import PeerExchange
 from dask_services._memory import TrimAfter, release_freed_memory
-from dask_services._sending import PeerStream, window_size
-from dask_services._spill import SpillBuffer
-from dask_services.service import Service, ServiceId, rpc
+from dask_services.service import ServiceId, rpc
 
 Key = Hashable
 
@@ -104,14 +102,10 @@ def assemble(pieces: list[tuple[int, pd.DataFrame]], meta: pd.DataFrame,
     return result
 
 
-class DataFrameShuffle(Service):
+class DataFrameShuffle(PeerExchange):
     """Peer-to-peer hash shuffle of DataFrame partitions; see module docstring."""
 
-    def __init__(self) -> None:
-        self.buffer: SpillBuffer | None = None
-        self.stream: PeerStream | None = None
-        self.sent_bytes = 0
-        self.received_bytes = 0
+    config_section = "shuffle"
 
     async def start(self, id, key, peers, input_keys, output_keys, concierge, leader, *,
                     meta: pd.DataFrame, column: Any, parts_out: list[int],
@@ -125,12 +119,7 @@ class DataFrameShuffle(Service):
             {self.partition_of[k]: concierge.owner(k) for k in concierge.wanted_outputs},
             int(dask.config.get("dask_services.shuffle.groups")),
         )
-        limit = concierge.memory_limit
-        fraction = float(dask.config.get("dask_services.shuffle.buffer-fraction"))
-        budget = int(limit * fraction) if limit else 2**62
-        self.buffer = SpillBuffer(concierge.local_directory, budget)
-        configured = parse_bytes(dask.config.get("dask_services.shuffle.bytes-in-flight"))
-        self.stream = PeerStream(self, window_size(configured, limit))
+        self.open_exchange(concierge)
 
     async def add_key(self, key, data: pd.DataFrame) -> None:
         assert self.stream is not None
@@ -161,12 +150,6 @@ class DataFrameShuffle(Service):
             ]
         await self.buffer.add_batch(pieces)
 
-    @rpc
-    async def done_sending(self, sender: ServiceId) -> None:
-        """``sender`` has delivered everything it had for this instance."""
-        assert self.stream is not None
-        self.stream.sender_done(sender)
-
     async def all_inputs_done(self) -> None:
         assert self.buffer is not None and self.stream is not None
         await self.stream.finish()
@@ -185,24 +168,6 @@ class DataFrameShuffle(Service):
                 await self.concierge.run_in_executor(release_freed_memory)
             await self.concierge.produce_key(out, frame)
 
-    async def stop(self) -> None:
-        if self.stream is not None:
-            self.stream.cancel()
-            self.stream = None
-        if self.buffer is not None:
-            self.buffer.clear()
-            self.buffer = None
-
-    def __sizeof__(self) -> int:
-        in_flight = self.stream.in_flight if self.stream is not None else 0
-        return in_flight + (self.buffer.memory_bytes if self.buffer is not None else 0)
-
-    def spilled_bytes(self) -> int:
-        return self.buffer.disk_bytes if self.buffer is not None else 0
-
-    async def please_evict(self, nbytes: int) -> None:
-        if self.buffer is not None:
-            await self.buffer.spill()
 
 
 def group_partitions(owner: dict[int, ServiceId], groups: int

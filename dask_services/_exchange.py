@@ -1,0 +1,61 @@
+"""The base of services that exchange data between peers: the shuffle and the rechunk.
+
+An exchange receives into a :class:`SpillBuffer` and sends through a :class:`PeerStream`,
+both sized from its config section (``dask_services.<section>.buffer-fraction`` and
+``.bytes-in-flight``), answers the stream's ``done_sending`` barrier, reports its memory
+and spilled bytes to the worker, spills when the worker asks, and clears both on ``stop``.
+"""
+
+from __future__ import annotations
+
+import dask
+from dask.utils import parse_bytes
+
+from dask_services._sending import PeerStream, window_size
+from dask_services._spill import SpillBuffer
+from dask_services.service import Concierge, Service, ServiceId, rpc
+
+
+class PeerExchange(Service):
+    config_section: str  # "shuffle", "rechunk"
+
+    def __init__(self) -> None:
+        self.buffer: SpillBuffer | None = None
+        self.stream: PeerStream | None = None
+        self.sent_bytes = 0
+        self.received_bytes = 0
+
+    def open_exchange(self, concierge: Concierge) -> None:
+        """Create the buffer and the stream (call from ``start``)."""
+        section = f"dask_services.{self.config_section}"
+        limit = concierge.memory_limit
+        fraction = float(dask.config.get(f"{section}.buffer-fraction"))
+        self.buffer = SpillBuffer(concierge.local_directory,
+                                  int(limit * fraction) if limit else 2**62)
+        configured = parse_bytes(dask.config.get(f"{section}.bytes-in-flight"))
+        self.stream = PeerStream(self, window_size(configured, limit))
+
+    @rpc
+    async def done_sending(self, sender: ServiceId) -> None:
+        """``sender`` has delivered everything it had for this instance."""
+        assert self.stream is not None
+        self.stream.sender_done(sender)
+
+    async def stop(self) -> None:
+        if self.stream is not None:
+            self.stream.cancel()
+            self.stream = None
+        if self.buffer is not None:
+            self.buffer.clear()
+            self.buffer = None
+
+    def __sizeof__(self) -> int:
+        in_flight = self.stream.in_flight if self.stream is not None else 0
+        return in_flight + (self.buffer.memory_bytes if self.buffer is not None else 0)
+
+    def spilled_bytes(self) -> int:
+        return self.buffer.disk_bytes if self.buffer is not None else 0
+
+    async def please_evict(self, nbytes: int) -> None:
+        if self.buffer is not None:
+            await self.buffer.spill()
