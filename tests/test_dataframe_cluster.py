@@ -12,7 +12,7 @@ import pytest
 from distributed import wait
 from distributed.diagnostics import MemorySampler
 from distributed.utils_test import poll_for
-from utils import spill_files
+from utils import assert_lean_run, kill, live_run, pid_of
 
 import dask_services  # noqa: F401
 
@@ -38,11 +38,7 @@ def test_three_times_memory_completes_under_the_limit(small_cluster):
     before = df.map_partitions(summary, meta=meta).compute()
     assert after.rows.sum() == before.rows.sum()
     assert after.keysum.sum() % 2**61 == before.keysum.sum() % 2**61
-    per_worker_peak = sampler.to_pandas()["shuffle"].max() / 2
-    assert per_worker_peak < limit, per_worker_peak
-    restarts = [e for _, e in client.get_events("dask_services") if e["action"] == "restarted"]
-    assert not restarts, restarts  # no worker was killed for memory on the way
-    poll_for(lambda: not spill_files(tmp), timeout=30)
+    assert_lean_run(client, sampler.to_pandas()["shuffle"], limit, tmp)
     cluster.scheduler.validate_state()
 
 
@@ -50,11 +46,8 @@ def test_worker_killed_during_shuffle(small_cluster):
     cluster, client, _ = small_cluster
     df = frame(50_000_000, npartitions=40)
     shuffled = client.persist(df.shuffle("key", shuffle_method="service"))
-    plugin = cluster.scheduler.extensions["dask_services"]
-    poll_for(lambda: any(m.live_run for m in plugin.machines.values()), timeout=60)
-    victim = next(m.live_run for m in plugin.machines.values() if m.live_run).participants[0]
-    pid = client.run(os.getpid, workers=[victim])[victim]
-    os.kill(pid, signal.SIGKILL)
+    poll_for(lambda: live_run(cluster), timeout=60)
+    kill(client, live_run(cluster).participants[0])
     wait(shuffled)
     # gather to this process: compute() would concatenate on one (small) worker
     result = pd.concat(client.gather(client.futures_of(shuffled)))
@@ -62,15 +55,6 @@ def test_worker_killed_during_shuffle(small_cluster):
     assert len(result) == len(expected)
     assert sorted(result.key.tolist()) == sorted(expected.key.tolist())
     cluster.scheduler.validate_state()
-
-
-def live_run(cluster, condition=lambda run: True):
-    plugin = cluster.scheduler.extensions["dask_services"]
-    for machine in plugin.machines.values():
-        run = machine.live_run
-        if run is not None and condition(run):
-            return run
-    return None
 
 
 def rows_of(client, collection) -> pd.DataFrame:
@@ -85,8 +69,7 @@ def test_worker_killed_after_some_outputs_were_produced(small_cluster):
     poll_for(lambda: live_run(cluster, lambda r: len(r.produced) >= 5), timeout=120)
     run = live_run(cluster)
     victim = next(w for w in run.produced.values())
-    pid = client.run(os.getpid, workers=[victim])[victim]
-    os.kill(pid, signal.SIGKILL)
+    kill(client, victim)
     wait(shuffled)
     result = pd.concat(client.gather(client.futures_of(shuffled)))
     expected = rows_of(client, df)
@@ -102,8 +85,7 @@ def test_worker_killed_mid_merge(small_cluster):
     joined = client.persist(left.merge(right, on="key", how="left", shuffle_method="service"))
     poll_for(lambda: live_run(cluster, lambda r: len(r.handed_off) >= 5), timeout=120)
     victim = live_run(cluster).participants[-1]
-    pid = client.run(os.getpid, workers=[victim])[victim]
-    os.kill(pid, signal.SIGKILL)
+    kill(client, victim)
     wait(joined)
     result = pd.concat(client.gather(client.futures_of(joined)))
     expected = rows_of(client, left).merge(rows_of(client, right), on="key", how="left")
@@ -139,7 +121,7 @@ def test_unresponsive_peer_delays_but_does_not_fail_the_shuffle(small_cluster):
     shuffled = client.persist(df.shuffle("key", shuffle_method="service"))
     poll_for(lambda: live_run(cluster, lambda r: len(r.handed_off) >= 3), timeout=120)
     peer = live_run(cluster).participants[-1]
-    pid = client.run(os.getpid, workers=[peer])[peer]
+    pid = pid_of(client, peer)
     os.kill(pid, signal.SIGSTOP)  # frozen: neither answers nor sends
     try:
         time.sleep(3)  # the length of the outage, well within the comm timeouts

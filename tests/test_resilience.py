@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import signal
-
 import dask
 import pytest
 from distributed import Client, LocalCluster
 from distributed.utils_test import poll_for
 from services import PidReporter, SlowSum
+from utils import kill
 
 import dask_services
 from dask_services._run_state import Phase
@@ -34,11 +32,6 @@ def cluster():
 
 def plugin_of(cluster):
     return cluster.scheduler.extensions["dask_services"]
-
-
-def kill(client, address):
-    pid = client.run(os.getpid, workers=[address])[address]
-    os.kill(pid, signal.SIGKILL)
 
 
 def live_run_in(cluster, phase):

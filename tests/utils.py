@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import gc
 import os
+import signal
 
 from distributed.utils_test import async_poll_for, gen_cluster
 
@@ -88,3 +89,35 @@ def spill_files(root) -> list[str]:
     """Files under ``root`` in dask-services directories (spill files, instance dirs)."""
     return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs
             if "dask-services" in d]
+
+
+def pid_of(client, address: str) -> int:
+    """Process id of the worker at ``address`` (a LocalCluster worker process)."""
+    return client.run(os.getpid, workers=[address])[address]
+
+
+def kill(client, address: str) -> None:
+    """SIGKILL the worker process at ``address``."""
+    os.kill(pid_of(client, address), signal.SIGKILL)
+
+
+def live_run(cluster, condition=lambda run: True):
+    """The first live run (of any service task) that satisfies ``condition``, or None."""
+    plugin = cluster.scheduler.extensions["dask_services"]
+    for machine in plugin.machines.values():
+        run = machine.live_run
+        if run is not None and condition(run):
+            return run
+    return None
+
+
+def assert_lean_run(client, samples, limit: float, directory) -> None:
+    """Per-worker peak of ``samples`` (summed process memory of two workers) under
+    ``limit``, no worker killed on the way, and no file left under ``directory``."""
+    from distributed.utils_test import poll_for
+
+    per_worker_peak = samples.max() / 2
+    assert per_worker_peak < limit, per_worker_peak
+    restarts = [e for _, e in client.get_events("dask_services") if e["action"] == "restarted"]
+    assert not restarts, restarts  # no worker was killed for memory on the way
+    poll_for(lambda: not spill_files(directory), timeout=30)
