@@ -189,7 +189,7 @@ def bench_shuffle(args: argparse.Namespace) -> int:
     with _local_cluster(args.workers, args.threads, True) as cluster, Client(cluster) as client:
         results = shuffle.run(client, sizes, args.repeat, npartitions=args.partitions,
                               methods=tuple(args.methods.split(",")),
-                              show_progress=not args.json)
+                              show_progress=not args.json, fresh=not args.reuse_workers)
     print(report(results, "p2p", args.json))
     return 0
 
@@ -205,7 +205,7 @@ def bench_rechunk(args: argparse.Namespace) -> int:
     with _local_cluster(args.workers, args.threads, True) as cluster, Client(cluster) as client:
         results = rechunk.run(client, sizes, args.local_size or None, args.repeat,
                               methods=tuple(args.methods.split(",")),
-                              show_progress=not args.json)
+                              show_progress=not args.json, fresh=not args.reuse_workers)
     print(report(results, "p2p", args.json, extra_columns=("first_output_s", "tasks")))
     return 0
 
@@ -228,6 +228,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_bench.add_argument("--methods", default="service,p2p,tasks")
     p_bench.add_argument("--repeat", type=int, default=3)
     p_bench.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p_bench.add_argument("--reuse-workers", action="store_true",
+                         help="shuffle/rechunk: keep the worker processes between runs "
+                              "(faster; by default every measured run starts on restarted "
+                              "workers holding only its input, so that no method's peak "
+                              "memory counts heap another method left behind)")
     p_bench.set_defaults(func=bench)
     args = parser.parse_args(argv)
     return int(args.func(args))
