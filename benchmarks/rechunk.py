@@ -9,6 +9,7 @@ Cases, float64, every method on the same LocalCluster and the same persisted inp
 * local: chunks of 100 rows to chunks of 150 rows (each output needs one or two inputs; the
   work falls apart into independent regions, where streaming matters).
 
+Every measured run starts on restarted workers holding only the input (``fresh_input``).
 Reported: median wall time, ratio to ``p2p``, peak worker memory (summed process memory,
 including the persisted input), time until the first output chunk is in memory, and the
 number of tasks the rechunk adds to the graph.

@@ -5,8 +5,9 @@
 Every method runs on the same LocalCluster, on the same generated frame (int key, float and
 string columns, 128 partitions by default), persisted before the timings; each shuffle's
 output is persisted and released.  Peak memory is the summed process memory of the workers,
-so it includes the persisted input.  The tiny case (10 partitions of 1,000 rows) shows
-per-call overhead.
+so it includes the persisted input.  Every measured run of a sized case starts on restarted
+workers holding only the input (``fresh_input``).  The tiny case (10 partitions of 1,000
+rows) shows per-call overhead, on warm workers.
 """
 
 from __future__ import annotations
