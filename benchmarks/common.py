@@ -87,6 +87,29 @@ def settle(client: Any, keep: int = 0, timeout: float = 30) -> None:
     client.run(_release_memory)
 
 
+def new_workers(client: Any, timeout: float = 120) -> None:
+    """Replace every worker process of the client's cluster by a new one.
+
+    On a ``LocalCluster`` (or any cluster object with ``scale``) the workers are scaled
+    down to none and back up, which starts new nannies; ``Client.restart`` is the fallback
+    (on distributed 2026.8.0 it now and then waits forever for workers whose nanny lost a
+    race between its own restart and the exit of the old process).
+    """
+    cluster = getattr(client, "cluster", None)
+    if cluster is None or not hasattr(cluster, "scale"):
+        client.restart()
+        return
+    n = len(client.scheduler_info(n_workers=-1)["workers"])
+    cluster.scale(0)
+    deadline = time.monotonic() + timeout
+    while client.scheduler_info(n_workers=-1)["workers"]:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"workers still running {timeout}s after scaling to 0")
+        time.sleep(0.05)
+    cluster.scale(n)
+    client.wait_for_workers(n, timeout=timeout)
+
+
 def fresh_input(client: Any, make: Callable[[], Any]) -> tuple[Any, int]:
     """Restart every worker process, then persist ``make()``; returns the persisted
     collection and the number of tasks held with it (for :func:`settle`).
@@ -98,7 +121,7 @@ def fresh_input(client: Any, make: Callable[[], Any]) -> tuple[Any, int]:
     """
     from distributed import wait
 
-    client.restart()
+    new_workers(client)
     data = client.persist(make())
     wait(data)
     keep = held(client)
