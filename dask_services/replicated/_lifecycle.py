@@ -174,6 +174,8 @@ class ReplicaMachine:
     incarnation: int = 0
     worker: str | None = None
     waiting_for_worker: bool = False
+    launching: bool = False  # a Launch awaits its Placed / NoWorker
+    starting: bool = False  # a StartOn awaits its setup result
     setup_failures: int = 0
     last_error: str | None = None
     excluded: frozenset[str] = field(default_factory=frozenset)
@@ -202,7 +204,7 @@ class ReplicaMachine:
             if self.worker is not None and self.state is not ReplicaState.UNHEALTHY:
                 actions.append(Stop(self.id, self.worker, drain=True))
             self.worker = None
-            self.waiting_for_worker = False
+            self.waiting_for_worker = self.launching = self.starting = False
             return actions + self._set(ReplicaState.STOPPED)
         if self.state is ReplicaState.UNHEALTHY:
             return []
@@ -221,16 +223,20 @@ class ReplicaMachine:
             return actions + self._recover(frozenset({old_worker}))
         if getattr(event, "id", None) != self.id:
             return []  # about an older incarnation
-        if isinstance(event, Placed):
+        if isinstance(event, (Placed, NoWorker)):
+            if not self.launching:
+                return []  # answers a launch that is not pending
+            self.launching = False
+            if isinstance(event, NoWorker):
+                self.waiting_for_worker = True
+                return []
             self.worker = event.worker
-            self.waiting_for_worker = False
+            self.starting = True
             return [StartOn(self.id, event.worker)]
-        if isinstance(event, NoWorker):
-            self.worker = None
-            self.waiting_for_worker = True
-            return []
-        if self.worker is None:
-            return []  # a result for a launch not placed yet cannot happen; ignore it
+        if isinstance(event, (SetupSucceeded, SetupFailed, LaunchLost)):
+            if not self.starting:
+                return []  # no setup under way for this incarnation
+            self.starting = False
         if isinstance(event, SetupSucceeded):
             self.setup_failures = 0
             self.last_error = None
@@ -270,6 +276,8 @@ class ReplicaMachine:
         self.incarnation += 1
         self.worker = None
         self.waiting_for_worker = False
+        self.launching = True
+        self.starting = False
         self.excluded = exclude
         return [Launch(self.id, exclude)]
 
