@@ -352,8 +352,8 @@ class ReplicatedService:
         return (ReplicatedService, (self.name, self.service_class, self.options))
 
     def __getattr__(self, name: str) -> Endpoint:
-        if name.startswith("_"):
-            raise AttributeError(name)
+        if name.startswith("__") or name.endswith("_"):
+            raise AttributeError(name)  # protocols (copy, pickle...) look these up
         self._check_endpoint(name)
         return Endpoint(self, name)
 
