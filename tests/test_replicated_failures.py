@@ -78,3 +78,21 @@ def test_session_moves_when_its_replica_worker_is_killed(cluster):
     poll_for(lambda: all_healthy(svc, 3, avoid=row["worker"]), timeout=60)
     svc.shutdown()
     poll_for(lambda: not any(hosted(client).values()), timeout=10)
+
+
+def test_readme_example_runs(cluster):
+    import re
+    from pathlib import Path
+
+    cluster, client = cluster
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+                if "class Model" in b]
+    ns: dict = {"__name__": "readme_replicated", "client": client}
+    exec(compile(block, "README-replicated", "exec"), ns)
+    svc = ns["svc"]
+    assert ns["a"] == ns["b"]
+    assert ns["y"] == [2, 4] and ns["total"] == 6 and len(ns["everyone"]) == 3
+    with pytest.raises(Exception, match="shut down"):
+        svc.predict.route([1]).result()
+    poll_for(lambda: not any(hosted(client).values()), timeout=10)
