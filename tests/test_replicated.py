@@ -384,3 +384,19 @@ def dask_services_config(values):
     import dask
 
     return dask.config.set(values)
+
+
+@cluster()
+async def test_calls_in_flight_on_a_closing_worker_are_resent(c, s, *workers):
+    svc = await Adder.options(replicas=2, max_concurrency=2).as_service(10, client=c)
+    leaving = (await svc.replicas())[0]
+    calls = [svc.slow_add.route(i, 0.5) for i in range(8)]
+    ext = next(w for w in workers if w.address == leaving["worker"]).extensions[
+        "dask_services"].replicated
+    await async_poll_for(lambda: any(r.gate.in_flight for r in ext.replicas.values()), 10)
+    await next(w for w in workers if w.address == leaving["worker"]).close()
+    results = await asyncio.wait_for(asyncio.gather(*calls), 30)
+    assert [v for _, v in results] == [i + 10 for i in range(8)]
+    assert leaving["id"] not in {rid for rid, _ in results}  # answered elsewhere
+    await svc.shutdown()
+    await assert_nothing_left(s, workers)

@@ -446,7 +446,6 @@ class ReplicatedService:
             if pin is not None:
                 target = next((r for r in self._table if r.id == pin), None)
                 if target is None:
-                    target = _Replica(pin, "", "unknown")
                     await self._refresh()
                     target = next((r for r in self._table if r.id == pin), None)
                     if target is None:
@@ -462,7 +461,7 @@ class ReplicatedService:
                 except OSError as e:
                     failure = f"{target.id} on {target.worker}: {type(e).__name__}: {e}"
                 else:
-                    status = resp["status"]
+                    status = resp.get("status") if isinstance(resp, dict) else None
                     if status == "ok":
                         return _unwrap(resp["result"])
                     if status == "error":
@@ -471,7 +470,8 @@ class ReplicatedService:
                         raise ServiceOverloaded(resp["message"])
                     if status == "shutdown":
                         raise ServiceShutdown(resp["message"])
-                    failure = f"{target.id}: {resp['message']}"
+                    failure = (f"{target.id}: {resp['message']}" if status == "gone"
+                               else f"{target.id} on {target.worker}: no answer ({resp!r})")
                 finally:
                     self._outstanding[target.id] -= 1
                     if self._outstanding[target.id] <= 0:

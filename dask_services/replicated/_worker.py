@@ -60,6 +60,7 @@ class HostedReplica:
     ready: bool = False
     closing: bool = False
     cancelled: bool = False
+    closed_with: BaseException | None = None  # what queued calls were failed with
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
     setup_task: asyncio.Task | None = None
     running: set[asyncio.Task] = field(default_factory=set)
@@ -79,7 +80,7 @@ class ReplicaWorker:
 
     async def close(self) -> None:
         """Stop every replica at once (the worker extension is going away)."""
-        await asyncio.gather(*(self._stop(r, 0, ServiceShutdown(
+        await asyncio.gather(*(self._stop(r, 0, ReplicaGone(
             f"replica {r.id} stopped: its worker is closing")) for r in list(
             self.replicas.values())), return_exceptions=True)
         for name in HANDLERS:
@@ -167,6 +168,7 @@ class ReplicaWorker:
             await rep.stopped.wait()  # another stop is under way
             return
         rep.closing = True
+        rep.closed_with = exc
         try:
             if rep.setup_task is not None and not rep.setup_task.done():
                 rep.setup_task.cancel()
@@ -208,8 +210,8 @@ class ReplicaWorker:
             if inspect.iscoroutinefunction(check):
                 ok = await asyncio.wait_for(check(), timeout)
             else:
-                ok = await asyncio.wait_for(
-                    asyncio.get_running_loop().run_in_executor(rep.executor, check), timeout)
+                # Not in the replica's own threads: busy endpoints must not fail the probe.
+                ok = await asyncio.wait_for(asyncio.to_thread(check), timeout)
         except TimeoutError:
             return {"status": "error", "error": f"check_health() took longer than {timeout} s"}
         except Exception as e:
@@ -267,6 +269,8 @@ class ReplicaWorker:
         except asyncio.CancelledError:
             if not rep.cancelled:
                 raise
+            if isinstance(rep.closed_with, ReplicaGone):  # moved or worker closing: re-send
+                return {"status": "gone", "message": str(rep.closed_with)}
             return {"status": "shutdown", "message": (
                 f"the call was cancelled: replica {rep.id} of {rep.name} stopped before it "
                 "finished (svc.shutdown timeout)")}
