@@ -4,7 +4,8 @@
 
 Latency: ``svc.echo.route(x).result()``, a Dask actor's method call
 (``actor.echo(x).result()``, the actor made with ``client.submit(Echo, actor=True)``) and
-``client.submit(echo, x).result()``, one call at a time from the client, in rotating order
+``client.submit(echo, x).result()`` (plus ``route`` to a sync endpoint, which runs in a
+thread like the actor's method), one call at a time from the client, in rotating order
 so that drift hits every method alike; p50 and p99 over ``calls`` calls each, after a
 warm-up.  Throughput: calls per second with 1, 2 and 4 replicas of an endpoint that takes
 5 ms (``await asyncio.sleep``), one call at a time per replica (``max_concurrency=1``), with
@@ -29,6 +30,10 @@ class Echo(dask_services.Service):
 
     @dask_services.endpoint
     async def echo(self, x: Any) -> Any:
+        return x
+
+    @dask_services.endpoint
+    def echo_sync(self, x: Any) -> Any:
         return x
 
     @dask_services.endpoint
@@ -64,6 +69,7 @@ def latency(client: Any, calls: int, show_progress: bool = True) -> dict[str, di
     counter = iter(range(10**9))
     methods = {
         "route": lambda: svc.echo.route(next(counter)).result(),
+        "route_sync": lambda: svc.echo_sync.route(next(counter)).result(),
         "actor": lambda: actor.echo(next(counter)).result(),
         "submit": lambda: client.submit(echo, next(counter), pure=False).result(),
     }
@@ -76,7 +82,7 @@ def latency(client: Any, calls: int, show_progress: bool = True) -> dict[str, di
         per_round = max(1, calls // rounds)
         for r in range(rounds):
             names = list(methods)
-            names = names[r % 3:] + names[:r % 3]
+            names = names[r % len(names):] + names[:r % len(names)]
             for name in names:
                 fn = methods[name]
                 for _ in range(per_round):
@@ -123,8 +129,9 @@ def run(client: Any, calls: int = 1000, replicas: tuple[int, ...] = (1, 2, 4),
         show_progress: bool = True) -> dict[str, Any]:
     """Latency of the three kinds of call, then throughput for each replica count."""
     result: dict[str, Any] = {"latency": latency(client, calls, show_progress)}
-    result["route_p50_over_actor_p50"] = (result["latency"]["route"]["p50_ms"]
-                                          / result["latency"]["actor"]["p50_ms"])
+    actor = result["latency"]["actor"]["p50_ms"]
+    result["route_p50_over_actor_p50"] = result["latency"]["route"]["p50_ms"] / actor
+    result["route_sync_p50_over_actor_p50"] = result["latency"]["route_sync"]["p50_ms"] / actor
     result["throughput"] = []
     for i, n in enumerate(replicas, 1):
         result["throughput"].append(throughput(client, n, max(calls, 400)))
@@ -137,7 +144,9 @@ def report(result: dict[str, Any]) -> str:
     lat = result["latency"]
     actor = lat["actor"]["p50_ms"]
     lines = ["call | p50 ms | p99 ms | p50 / actor p50", "--- | --- | --- | ---"]
-    labels = {"route": "svc.echo.route(x).result()", "actor": "actor.echo(x).result()",
+    labels = {"route": "svc.echo.route(x).result() (async endpoint)",
+              "route_sync": "svc.echo_sync.route(x).result() (sync endpoint, thread)",
+              "actor": "actor.echo(x).result() (sync method)",
               "submit": "client.submit(echo, x).result()"}
     for name, label in labels.items():
         q = lat[name]

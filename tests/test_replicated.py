@@ -17,7 +17,12 @@ from replicated_services import (
     inc,
 )
 
-from dask_services.replicated import EndpointRefused, ServiceOverloaded, ServiceShutdown
+from dask_services.replicated import (
+    DeploymentError,
+    EndpointRefused,
+    ServiceOverloaded,
+    ServiceShutdown,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -374,8 +379,10 @@ async def test_placement_options(c, s, w):
         with dask_services_config({"dask_services.replicated.deploy-timeout": "300ms"}):
             await Adder.options(resources={"GPU": 1}).as_service(client=c)
     await assert_nothing_left(s, [w])
-    svc = await Adder.options(workers=[w.address]).as_service(client=c)
+    svc = await Adder.options(workers=[w.address], name="placed").as_service(client=c)
     assert (await svc.replicas())[0]["worker"] == w.address
+    with pytest.raises(DeploymentError, match="'placed' is already deployed"):
+        await Adder.options(name="placed").as_service(client=c)
     await svc.shutdown()
     await assert_nothing_left(s, [w])
 

@@ -197,13 +197,13 @@ class Endpoint:
     def submit(self, *args: Any, client: Any = None, **kwargs: Any) -> Any:
         """A ``distributed.Future`` of one routed call (futures as arguments are resolved
         first; the result can be an argument of other submits and calls)."""
-        from distributed import default_client
+        from distributed import get_client
 
         h = self._handle
         if client is None:
             transport = h._transport
             client = (transport.client if isinstance(transport, ClientTransport)
-                      else default_client())
+                      else get_client())
         key = f"{h.name}.{self.name}-{uuid.uuid4().hex}"
         return client.submit(_run_endpoint, h, self.name, kwargs, *args, key=key, pure=False)
 
