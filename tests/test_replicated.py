@@ -39,6 +39,7 @@ def cluster(**kwargs):
 
     def decorator(fn):
         async def body(c, s, *workers):
+            assert s.validate and all(w.state.validate for w in workers)
             try:
                 await fn(c, s, *workers)
             finally:
