@@ -22,6 +22,7 @@ from dask_services.replicated import (
     EndpointRefused,
     ServiceOverloaded,
     ServiceShutdown,
+    ServiceUnavailable,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -408,3 +409,43 @@ async def test_calls_in_flight_on_a_closing_worker_are_resent(c, s, *workers):
     assert leaving["id"] not in {rid for rid, _ in results}  # answered elsewhere
     await svc.shutdown()
     await assert_nothing_left(s, workers)
+
+
+@cluster(nthreads=[("127.0.0.1", 1)] * 2,
+         config={"dask_services.replicated.call-retries": 3,
+                 "dask_services.replicated.retry-backoff": "20ms"})
+async def test_calls_fail_clearly_when_no_replica_can_come_back(c, s, a, b):
+    svc = await Adder.options(replicas=1, workers=[a.address]).as_service(client=c)
+    assert (await svc.replicas())[0]["worker"] == a.address
+    await a.close()  # the only eligible worker: the replica cannot be relaunched
+    with pytest.raises(ServiceUnavailable, match="after 4 attempts.*'recovering'"):
+        await asyncio.wait_for(svc.add.route(1), 20)  # bounded: no hang
+    (row,) = await svc.replicas()
+    assert row["state"] == "recovering" and a.address in row["last_error"]
+    await svc.shutdown()
+    await assert_nothing_left(s, [b])
+
+
+@cluster(nthreads=[("127.0.0.1", 1)])
+async def test_replica_waits_for_an_eligible_worker_to_join(c, s, a):
+    from distributed import Worker
+
+    deploying = asyncio.ensure_future(
+        Adder.options(workers=["late"]).as_service(3, client=c))
+
+    def waiting() -> bool:
+        plugin = s.extensions.get("dask_services")  # installed by as_service
+        return plugin is not None and any(m.waiting_for_worker for d in plugin.replicated
+                                          .deployments.values() for m in d.slots.values())
+
+    await async_poll_for(waiting, timeout=10)
+    assert not deploying.done()
+    async with Worker(s.address, name="late", nthreads=1) as late:
+        svc = await asyncio.wait_for(deploying, 20)
+        (row,) = await svc.replicas()
+        assert row["worker"] == late.address and row["state"] == "healthy"
+        (rep,) = late.extensions["dask_services"].replicated.replicas.values()
+        assert rep.gate.max_concurrency == 4  # Adder.service_options, the class default
+        assert await svc.add.route(1) == 4
+        await svc.shutdown()
+        await assert_nothing_left(s, [a, late])
