@@ -81,9 +81,8 @@ class Transport(abc.ABC):
             raise TimeoutError(
                 f"{getattr(fn, '__name__', fn)} took longer than {timeout} s") from None
 
-    async def send(self, address: str, op: str, connect_timeout: float, **kwargs: Any) -> Any:
-        """One request to a worker's handler ``op`` over the pooled connections."""
-        comm = await self.pool.connect(address, timeout=connect_timeout)
+    async def request(self, comm: Any, address: str, op: str, **kwargs: Any) -> Any:
+        """One request to a worker's handler ``op`` on ``comm``, a pooled connection."""
         try:
             return await send_recv(comm=comm, op=op, **kwargs)
         finally:
@@ -141,6 +140,7 @@ class Call:
         self._cf: concurrent.futures.Future | None = None
         if transport.in_loop():
             self._task = asyncio.ensure_future(coro)
+            self._task.add_done_callback(_consume)  # no "never retrieved" noise if dropped
         else:
             self._cf = asyncio.run_coroutine_threadsafe(coro, transport.loop)
 
@@ -455,8 +455,9 @@ class ReplicatedService:
             if target is not None:
                 self._outstanding[target.id] += 1
                 try:
-                    resp = await self._transport.send(
-                        target.worker, "replicated_call", connect_timeout, id=str(target.id),
+                    comm = await self._connect(target, connect_timeout)
+                    resp = await self._transport.request(
+                        comm, target.worker, "replicated_call", id=str(target.id),
                         method=method, payload=to_serialize((args, kwargs)))
                 except OSError as e:
                     failure = f"{target.id} on {target.worker}: {type(e).__name__}: {e}"
@@ -494,6 +495,32 @@ class ReplicatedService:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, max_delay)
             await self._refresh()
+
+    async def _connect(self, target: _Replica, timeout: float) -> Any:
+        """A pooled connection to ``target``'s worker.
+
+        distributed retries a refused connection until its timeout, which is what a dead
+        worker does: if connecting takes a moment, ask the scheduler whether the replica
+        is still there, and give up at once (``OSError``: re-send elsewhere) if not.
+        """
+        pool = self._transport.pool
+        if any(not comm.closed() for comm in pool.available.get(target.worker, ())):
+            return await pool.connect(target.worker, timeout=timeout)  # no I/O: reuse one
+        connect = asyncio.ensure_future(pool.connect(target.worker, timeout=timeout))
+        try:
+            done, _ = await asyncio.wait({connect}, timeout=0.1)
+            while not done:
+                await self._refresh()
+                if not any(r.id == target.id and r.state == "healthy" for r in self._table):
+                    raise OSError(f"replica {target.id} left {target.worker} while connecting")
+                done, _ = await asyncio.wait({connect}, timeout=0.5)
+            return connect.result()
+        except BaseException:
+            if not connect.done():
+                connect.cancel()
+            elif not connect.cancelled() and connect.exception() is None:
+                pool.reuse(target.worker, connect.result())  # connected just in time
+            raise
 
     async def _fanout(self, method: str, args: tuple, kwargs: dict) -> list[Any]:
         await self._refresh()
