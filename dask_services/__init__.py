@@ -15,6 +15,13 @@ from dask_services import (
 )
 from dask_services import config as _config  # noqa: F401  (registers config defaults)
 from dask_services.client import install, install_async, service_task, submit
+from dask_services.replicated import (
+    ReplicatedService,
+    ServiceOverloaded,
+    ServiceShutdown,
+    ServiceUnavailable,
+    endpoint,
+)
 from dask_services.service import (
     Concierge,
     OutputLostError,
@@ -38,12 +45,17 @@ __all__ = [
     "PeerHandle",
     "ProduceKeyError",
     "RPCRefused",
+    "ReplicatedService",
     "Service",
     "ServiceError",
     "ServiceGraphError",
     "ServiceId",
+    "ServiceOverloaded",
+    "ServiceShutdown",
+    "ServiceUnavailable",
     "StaleRunError",
     "TooManyRestarts",
+    "endpoint",
     "install",
     "install_async",
     "rpc",

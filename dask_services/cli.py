@@ -117,6 +117,8 @@ def bench(args: argparse.Namespace) -> int:
         return bench_shuffle(args)
     if args.what == "rechunk":
         return bench_rechunk(args)
+    if args.what == "replicated":
+        return bench_replicated(args)
     results: dict[str, Any] = {"benchmark": "overhead", "workers": args.workers,
                                "repeat": args.repeat}
     with _local_cluster(args.workers, 1, True) as cluster, Client(cluster) as client:
@@ -210,14 +212,27 @@ def bench_rechunk(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_replicated(args: argparse.Namespace) -> int:
+    from distributed import Client
+
+    _benchmarks()
+    from benchmarks import replicated
+
+    with _local_cluster(args.workers, args.threads, True) as cluster, Client(cluster) as client:
+        result = replicated.run(client, calls=args.calls, show_progress=not args.json)
+    print(json.dumps(result, indent=2) if args.json else replicated.report(result))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dask-services", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p_demo = sub.add_parser("demo", help="run services on a local cluster and print results")
     p_demo.add_argument("--workers", type=int, default=2)
     p_demo.set_defaults(func=demo)
-    p_bench = sub.add_parser("bench", help="benchmarks: overhead, shuffle, rechunk")
-    p_bench.add_argument("what", choices=["overhead", "shuffle", "rechunk"])
+    p_bench = sub.add_parser("bench",
+                             help="benchmarks: overhead, shuffle, rechunk, replicated")
+    p_bench.add_argument("what", choices=["overhead", "shuffle", "rechunk", "replicated"])
     p_bench.add_argument("--workers", type=int, default=2)
     p_bench.add_argument("--threads", type=int, default=1, help="threads per worker")
     p_bench.add_argument("--sizes", default="0.5GB,2GB",
@@ -227,6 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_bench.add_argument("--partitions", type=int, default=128)
     p_bench.add_argument("--methods", default="service,p2p,tasks")
     p_bench.add_argument("--repeat", type=int, default=3)
+    p_bench.add_argument("--calls", type=int, default=1000,
+                         help="replicated: calls per latency measurement")
     p_bench.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p_bench.add_argument("--reuse-workers", action="store_true",
                          help="shuffle/rechunk: keep the worker processes between runs "

@@ -76,6 +76,10 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             "service-restart": self._guard(self._on_restart),
         })
         scheduler.handlers["service_run_info"] = self.run_info
+        from dask_services.replicated._scheduler import Deployments
+
+        self.replicated = Deployments(scheduler)  # replicated services
+        self.replicated.register()
         await scheduler.register_worker_plugin(
             None, ServiceWorkerPlugin(), name=EXTENSION, idempotent=True
         )
@@ -267,11 +271,26 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                     self.produced_at.pop(o, None)
                     self.restrictions.pop(o, None)
 
+    async def close(self) -> None:
+        if getattr(self, "replicated", None) is not None:
+            self.replicated.close()
+
+    def log_event(self, topic: Any, msg: Any) -> None:
+        # Worker status changes reach plugins only through the event log; retiring a
+        # worker (closing_gracefully) moves its replicas.
+        if isinstance(msg, dict) and msg.get("action") == "worker-status-change" \
+                and isinstance(topic, str) and getattr(self, "replicated", None) is not None:
+            self.replicated.worker_status(topic, msg.get("status", ""))
+
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
+        if getattr(self, "replicated", None) is not None:
+            self.replicated.remove_worker(worker)
         for key, machine in list(self.machines.items()):
             self._apply(key, machine.handle(rs.WorkerLost(worker)))
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
+        if getattr(self, "replicated", None) is not None:
+            self.replicated.add_worker(worker)
         # Service tasks without inputs that could not start for lack of workers.
         for key, machine in self.machines.items():
             ts = scheduler.tasks.get(key)

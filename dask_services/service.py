@@ -12,6 +12,7 @@ from typing import Any, Protocol, TypeVar
 
 Key = Hashable
 T = TypeVar("T")
+S = TypeVar("S", bound="Service")
 
 _RPC_MARK = "__dask_services_rpc__"
 
@@ -193,6 +194,30 @@ class Service(abc.ABC):
 
     async def please_evict(self, nbytes: int) -> None:
         """The worker is under memory pressure: free about ``nbytes`` if you can."""
+
+    # Replicated services (``dask_services/replicated/``): class-level deployment defaults,
+    # e.g. ``service_options = {"replicas": 2}``; ``options(...)`` overrides them.
+    service_options: Mapping[str, Any] = {}
+
+    @classmethod
+    def options(cls: type[S], **options: Any) -> type[S]:
+        """A copy of this class configured for deployment; chainable.
+
+        Options: ``replicas``, ``max_concurrency``, ``max_queued``, ``workers``,
+        ``resources``, ``router``, ``name`` (see the README, "Replicated services").
+        """
+        from dask_services.replicated._options import configured
+
+        return configured(cls, options)
+
+    @classmethod
+    def as_service(cls, *args: Any, client: Any = None, **kwargs: Any) -> Any:
+        """Deploy the class as replicas on workers and return its handle once every
+        replica is healthy (or raise the error of ``setup``, which gets ``args`` and
+        ``kwargs``).  With an asynchronous client, await the result."""
+        from dask_services.replicated._deploy import as_service
+
+        return as_service(cls, args, kwargs, client)
 
 
 class ServiceError(Exception):

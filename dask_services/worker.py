@@ -217,9 +217,14 @@ class ServiceWorkerPlugin(WorkerPlugin):
         self._evicting = False
         self._memory_check = PeriodicCallback(self._check_memory, 500)
         self._memory_check.start()
+        from dask_services.replicated._worker import ReplicaWorker
+
+        self.replicated = ReplicaWorker(worker)  # replicas of replicated services
+        self.replicated.register()
 
     async def teardown(self, worker: Worker) -> None:
         self._memory_check.stop()
+        await self.replicated.close()
         await self.host.stop_all()
         for fut in self.outcomes.values():
             if not fut.done():

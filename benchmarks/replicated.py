@@ -1,0 +1,160 @@
+"""Replicated services: per-call latency against Dask actors and tasks, and throughput.
+
+    dask-services bench replicated [--calls 1000] [--workers 2] [--json]
+
+Latency: ``svc.echo.route(x).result()``, a Dask actor's method call
+(``actor.echo(x).result()``, the actor made with ``client.submit(Echo, actor=True)``) and
+``client.submit(echo, x).result()`` (plus ``route`` to a sync endpoint, which runs in a
+thread like the actor's method), one call at a time from the client, in rotating order
+so that drift hits every method alike; p50 and p99 over ``calls`` calls each, after a
+warm-up.  Throughput: calls per second with 1, 2 and 4 replicas of an endpoint that takes
+5 ms (``await asyncio.sleep``), one call at a time per replica (``max_concurrency=1``), with
+64 calls in flight from the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from typing import Any
+
+import dask_services
+from benchmarks.common import progress
+
+SERVICE_TIME = 0.005
+
+
+class Echo(dask_services.Service):
+    """Returns its argument (latency) or waits 5 ms first (throughput)."""
+
+    @dask_services.endpoint
+    async def echo(self, x: Any) -> Any:
+        return x
+
+    @dask_services.endpoint
+    def echo_sync(self, x: Any) -> Any:
+        return x
+
+    @dask_services.endpoint
+    async def work(self, x: Any) -> Any:
+        await asyncio.sleep(SERVICE_TIME)
+        return x
+
+
+class EchoActor:
+    """The same endpoint as a Dask actor."""
+
+    def echo(self, x: Any) -> Any:
+        return x
+
+
+def echo(x: Any) -> Any:
+    """The same call as a task."""
+    return x
+
+
+def _quantiles(seconds: list[float]) -> dict[str, float]:
+    ordered = sorted(seconds)
+    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return {"p50_ms": statistics.median(ordered) * 1e3, "p99_ms": p99 * 1e3,
+            "calls": len(ordered)}
+
+
+def latency(client: Any, calls: int, show_progress: bool = True) -> dict[str, dict]:
+    """p50/p99 round trip of one call for route, an actor call and a task."""
+    svc = Echo.options(replicas=1).as_service(client=client)
+    actor_future = client.submit(EchoActor, actor=True)
+    actor = actor_future.result()
+    counter = iter(range(10**9))
+    methods = {
+        "route": lambda: svc.echo.route(next(counter)).result(),
+        "route_sync": lambda: svc.echo_sync.route(next(counter)).result(),
+        "actor": lambda: actor.echo(next(counter)).result(),
+        "submit": lambda: client.submit(echo, next(counter), pure=False).result(),
+    }
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    try:
+        for fn in methods.values():  # warm-up: connections, imports, caches
+            for _ in range(50):
+                fn()
+        rounds = 10
+        per_round = max(1, calls // rounds)
+        for r in range(rounds):
+            names = list(methods)
+            names = names[r % len(names):] + names[:r % len(names)]
+            for name in names:
+                fn = methods[name]
+                for _ in range(per_round):
+                    start = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - start)
+            progress(r + 1, rounds, "latency", show_progress)
+    finally:
+        svc.shutdown()
+        actor_future.release()
+    return {name: _quantiles(t) for name, t in times.items()}
+
+
+def throughput(client: Any, replicas: int, calls: int, window: int = 64) -> dict[str, float]:
+    """Calls per second with ``replicas`` replicas and ``window`` calls in flight."""
+    svc = Echo.options(replicas=replicas, max_concurrency=1, max_queued=10_000).as_service(
+        client=client)
+
+    async def run(n: int) -> float:
+        pending: set = set()
+        start = time.perf_counter()
+        for i in range(n):
+            if len(pending) >= window:
+                done, pending = await asyncio.wait(pending,
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                for d in done:
+                    d.result()
+            pending.add(asyncio.ensure_future(svc._call("work", (i,), {})))
+        for d in await asyncio.gather(*pending):
+            assert d is not None
+        return time.perf_counter() - start
+
+    try:
+        client.sync(run, min(200, calls))  # warm-up
+        seconds = client.sync(run, calls)
+    finally:
+        svc.shutdown()
+    return {"replicas": replicas, "calls": calls, "seconds": seconds,
+            "calls_per_s": calls / seconds,
+            "ideal_calls_per_s": replicas / SERVICE_TIME}
+
+
+def run(client: Any, calls: int = 1000, replicas: tuple[int, ...] = (1, 2, 4),
+        show_progress: bool = True) -> dict[str, Any]:
+    """Latency of the three kinds of call, then throughput for each replica count."""
+    result: dict[str, Any] = {"latency": latency(client, calls, show_progress)}
+    actor = result["latency"]["actor"]["p50_ms"]
+    result["route_p50_over_actor_p50"] = result["latency"]["route"]["p50_ms"] / actor
+    result["route_sync_p50_over_actor_p50"] = result["latency"]["route_sync"]["p50_ms"] / actor
+    result["throughput"] = []
+    for i, n in enumerate(replicas, 1):
+        result["throughput"].append(throughput(client, n, max(calls, 400)))
+        progress(i, len(replicas), "throughput", show_progress)
+    return result
+
+
+def report(result: dict[str, Any]) -> str:
+    """The result as two markdown tables."""
+    lat = result["latency"]
+    actor = lat["actor"]["p50_ms"]
+    lines = ["call | p50 ms | p99 ms | p50 / actor p50", "--- | --- | --- | ---"]
+    labels = {"route": "svc.echo.route(x).result() (async endpoint)",
+              "route_sync": "svc.echo_sync.route(x).result() (sync endpoint, thread)",
+              "actor": "actor.echo(x).result() (sync method)",
+              "submit": "client.submit(echo, x).result()"}
+    for name, label in labels.items():
+        q = lat[name]
+        lines.append(f"{label} | {q['p50_ms']:.3f} | {q['p99_ms']:.3f} | "
+                     f"{q['p50_ms'] / actor:.2f}")
+    lines += ["", f"replicas | calls/s (endpoint takes {SERVICE_TIME * 1e3:.0f} ms, "
+                  "max_concurrency=1) | ideal calls/s", "--- | --- | ---"]
+    for row in result["throughput"]:
+        lines.append(f"{row['replicas']} | {row['calls_per_s']:.0f} | "
+                     f"{row['ideal_calls_per_s']:.0f}")
+    return "\n".join(lines)

@@ -1,0 +1,74 @@
+"""``Service.options(...).as_service(...)``: deploying a replicated service."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from distributed.protocol import pickle
+
+from dask_services.replicated._errors import DeploymentError
+from dask_services.replicated._handle import (
+    ClientTransport,
+    ReplicatedService,
+    _config_seconds,
+    _loads_exception,
+    check_names,
+)
+from dask_services.replicated._options import ReplicaOptions, unconfigured
+from dask_services.service import Service
+
+
+def as_service(cls: type, args: tuple, kwargs: dict, client: Any = None) -> Any:
+    """Deploy ``cls`` as configured by its ``service_options``; see ``Service.as_service``.
+
+    Returns the handle, or (with an asynchronous client) an awaitable of it.
+    """
+    from distributed import default_client
+
+    if not (isinstance(cls, type) and issubclass(cls, Service)):
+        raise TypeError(f"expected a subclass of dask_services.Service, got {cls!r}")
+    options = ReplicaOptions.merged(getattr(cls, "service_options", {}))
+    base = unconfigured(cls)
+    check_names(base)
+    client = client or default_client()
+    name = options.name or f"{base.__name__.lower()}-{uuid.uuid4().hex[:8]}"
+    shipped = {"router": options.router}
+    try:
+        blob = pickle.dumps((base, args, kwargs, shipped))
+    except Exception as e:
+        raise TypeError(f"the class {base.__name__} or the setup arguments of as_service() "
+                        f"cannot be pickled: {e}") from e
+    if not client.asynchronous:
+        from dask_services.client import install
+
+        install(client)
+    transport = ClientTransport(client)
+    handle = ReplicatedService(name, base, shipped, transport)
+    return transport.sync(_deploy, client, handle, blob, options)
+
+
+async def _deploy(client: Any, handle: ReplicatedService, blob: bytes,
+                  options: ReplicaOptions) -> ReplicatedService:
+    if client.asynchronous:
+        from dask_services.client import install_async
+
+        await install_async(client)
+    scheduler = client.scheduler
+    resp = await scheduler.replicated_deploy(
+        name=handle.name, blob=blob, replicas=options.replicas,
+        max_concurrency=options.max_concurrency, max_queued=options.max_queued,
+        workers=list(options.workers) if options.workers else None,
+        resources=dict(options.resources) if options.resources else None,
+    )
+    if resp["status"] != "ok":
+        raise DeploymentError(resp["error"])
+    result = await scheduler.replicated_wait(name=handle.name,
+                                             timeout=_config_seconds("deploy-timeout"))
+    if result["status"] != "ok":
+        await scheduler.replicated_shutdown(name=handle.name, timeout=0)
+        if result.get("exception"):
+            raise _loads_exception(result["exception"])
+        raise DeploymentError(f"deploying {handle.name} failed: {result['error']}")
+    await handle._refresh()
+    return handle

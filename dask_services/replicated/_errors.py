@@ -1,0 +1,29 @@
+"""Errors of replicated services."""
+
+from __future__ import annotations
+
+from dask_services.service import RPCRefused, ServiceError
+
+
+class ServiceOverloaded(ServiceError):
+    """A replica already runs ``max_concurrency`` calls and has ``max_queued`` waiting."""
+
+
+class ServiceShutdown(ServiceError):
+    """The service (or the replica) is shutting down: the call was not started."""
+
+
+class ServiceUnavailable(ServiceError):
+    """No healthy replica answered within the retries (see the message for why)."""
+
+
+class EndpointRefused(RPCRefused, AttributeError):
+    """A call asked for a method that is not marked with ``@dask_services.endpoint``."""
+
+
+class DeploymentError(ServiceError):
+    """A replicated service could not be deployed (see the message and the cause)."""
+
+
+class ReplicaGone(ServiceError):
+    """The addressed replica does not exist (any more) on that worker; internal, retried."""

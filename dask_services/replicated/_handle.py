@@ -1,0 +1,600 @@
+"""The caller's side: the handle of a deployed service, its endpoints, calls and sessions.
+
+A handle caches the replica table (id, worker, state) that the scheduler part keeps, picks
+a healthy replica with its router and sends the call straight to that replica's worker over
+the worker RPC.  Infrastructure failures (the worker is gone, the replica moved) drop the
+replica from the cache, refresh it from the scheduler and re-send the call elsewhere, with
+bounded retries and backoff.  Handles pickle: unpickled in a task or a replica they talk
+through the worker they are on.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import collections
+import concurrent.futures
+import contextvars
+import time
+import uuid
+from collections.abc import Callable, Coroutine, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import dask.config
+from dask.utils import parse_timedelta
+from distributed.core import send_recv
+from distributed.protocol.serialize import to_serialize
+
+from dask_services.replicated._errors import (
+    EndpointRefused,
+    ServiceOverloaded,
+    ServiceShutdown,
+    ServiceUnavailable,
+)
+from dask_services.replicated._options import endpoints, is_endpoint
+from dask_services.replicated._routing import LeastLoaded, ReplicaView, make_router
+from dask_services.replicated._worker import _unwrap
+from dask_services.service import ServiceId
+
+_session: contextvars.ContextVar[Session | None] = contextvars.ContextVar(
+    "dask_services_replicated_session", default=None)
+
+
+def _config_seconds(name: str) -> float:
+    return float(parse_timedelta(dask.config.get(f"dask_services.replicated.{name}")))
+
+
+def _loads_exception(blob: bytes) -> BaseException:
+    from dask_services.worker import loads_exception
+
+    return loads_exception(blob)
+
+
+# ------------------------------------------------------------------ transports
+
+
+class Transport(abc.ABC):
+    """How a handle reaches the scheduler and the workers from where it lives."""
+
+    loop: asyncio.AbstractEventLoop
+    pool: Any  # distributed ConnectionPool
+    scheduler: Any  # rpc to the scheduler
+
+    def in_loop(self) -> bool:
+        """Whether the caller runs on this transport's event loop (async code)."""
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            return False
+
+    def sync(self, fn: Callable[..., Coroutine], *args: Any, timeout: float | None = None,
+             **kwargs: Any) -> Any:
+        """Run ``fn`` on the loop: a coroutine in async code, the result otherwise."""
+        if self.in_loop():
+            return fn(*args, **kwargs)
+        cf = asyncio.run_coroutine_threadsafe(fn(*args, **kwargs), self.loop)
+        try:
+            return cf.result(timeout)
+        except concurrent.futures.TimeoutError:
+            cf.cancel()
+            raise TimeoutError(
+                f"{getattr(fn, '__name__', fn)} took longer than {timeout} s") from None
+
+    async def request(self, comm: Any, address: str, op: str, **kwargs: Any) -> Any:
+        """One request to a worker's handler ``op`` on ``comm``, a pooled connection."""
+        try:
+            return await send_recv(comm=comm, op=op, **kwargs)
+        finally:
+            self.pool.reuse(address, comm)
+
+
+class ClientTransport(Transport):
+    """Through a ``Client`` (sync or async)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.loop = client.loop.asyncio_loop
+        self.pool = client.rpc
+        self.scheduler = client.scheduler
+
+
+class WorkerTransport(Transport):
+    """Through the worker a task or a replica runs on."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.loop = worker.loop.asyncio_loop
+        self.pool = worker.rpc
+        self.scheduler = worker.scheduler
+
+
+def current_transport() -> Transport:
+    """The worker this code runs on, else the default client."""
+    from distributed import default_client
+    from distributed.worker import get_worker
+
+    try:
+        return WorkerTransport(get_worker())
+    except ValueError:
+        pass
+    try:
+        return ClientTransport(default_client())
+    except ValueError:
+        raise ValueError(
+            "a replicated service handle needs a Client or a worker to talk through: "
+            "create a distributed.Client first"
+        ) from None
+
+
+# ------------------------------------------------------------------ calls
+
+
+class Call:
+    """One call (or fan-out) under way: ``await call`` in async code, ``call.result()``
+    otherwise."""
+
+    def __init__(self, transport: Transport, coro: Coroutine, what: str) -> None:
+        self._what = what
+        self._task: asyncio.Future | None = None
+        self._cf: concurrent.futures.Future | None = None
+        if transport.in_loop():
+            self._task = asyncio.ensure_future(coro)
+            self._task.add_done_callback(_consume)  # no "never retrieved" noise if dropped
+        else:
+            self._cf = asyncio.run_coroutine_threadsafe(coro, transport.loop)
+
+    def __await__(self) -> Any:
+        if self._task is not None:
+            return self._task.__await__()
+        assert self._cf is not None
+        return asyncio.wrap_future(self._cf).__await__()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Wait (at most ``timeout`` seconds) and return the result or raise the error."""
+        if self._task is not None:
+            if not self._task.done():
+                raise RuntimeError(f"{self._what}: in async code, `await` the call instead "
+                                   "of calling .result()")
+            return self._task.result()
+        assert self._cf is not None
+        try:
+            return self._cf.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"{self._what} did not finish within {timeout} s") from None
+
+    def done(self) -> bool:
+        """Whether the call has finished."""
+        fut = self._task if self._task is not None else self._cf
+        return fut.done()  # type: ignore[union-attr]
+
+    def __repr__(self) -> str:
+        return f"<Call {self._what} {'done' if self.done() else 'pending'}>"
+
+
+class Endpoint:
+    """``svc.<endpoint>``: ``route(...)``, ``fanout(...)`` and ``submit(...)``."""
+
+    def __init__(self, handle: ReplicatedService, name: str) -> None:
+        self._handle = handle
+        self.name = name
+
+    def route(self, *args: Any, **kwargs: Any) -> Call:
+        """Send one call to one healthy replica, chosen by the router (or the session)."""
+        h = self._handle
+        session = _session.get()
+        if session is not None and session.handle is not h:
+            session = None
+        return Call(h._transport, h._call(self.name, args, kwargs, session=session),
+                    f"{h.name}.{self.name}")
+
+    def fanout(self, *args: Any, **kwargs: Any) -> Call:
+        """Call every healthy replica; the result is the list of their results."""
+        h = self._handle
+        return Call(h._transport, h._fanout(self.name, args, kwargs),
+                    f"{h.name}.{self.name} (fan-out)")
+
+    def submit(self, *args: Any, client: Any = None, **kwargs: Any) -> Any:
+        """A ``distributed.Future`` of one routed call (futures as arguments are resolved
+        first; the result can be an argument of other submits and calls)."""
+        from distributed import get_client
+
+        h = self._handle
+        if client is None:
+            transport = h._transport
+            client = (transport.client if isinstance(transport, ClientTransport)
+                      else get_client())
+        key = f"{h.name}.{self.name}-{uuid.uuid4().hex}"
+        return client.submit(_run_endpoint, h, self.name, kwargs, *args, key=key, pure=False)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(f"call a deployed endpoint with svc.{self.name}.route(...), "
+                        f".fanout(...) or .submit(...)")
+
+    def __repr__(self) -> str:
+        return f"<Endpoint {self._handle.name}.{self.name}>"
+
+
+async def _run_endpoint(handle: ReplicatedService, method: str, kwargs: dict,
+                        *args: Any) -> Any:
+    """Body of ``Endpoint.submit`` on a worker."""
+    return await handle._call(method, args, kwargs, session=None)
+
+
+class Session:
+    """Calls made inside ``with svc.session():`` go to one replica (sticky).
+
+    The replica is the least-loaded one when the first call is made; if it is lost, the
+    session moves to another healthy replica and sticks to that one.
+    """
+
+    def __init__(self, handle: ReplicatedService) -> None:
+        self.handle = handle
+        self.replica: ServiceId | None = None
+        self._token: contextvars.Token | None = None
+
+    def bind(self, replica: ServiceId | None) -> None:
+        """Stick to ``replica`` (None: choose again at the next call)."""
+        counts = self.handle._session_counts
+        if self.replica is not None:
+            counts[self.replica] -= 1
+            if counts[self.replica] <= 0:
+                del counts[self.replica]
+        self.replica = replica
+        if replica is not None:
+            counts[replica] += 1
+
+    def __enter__(self) -> Session:
+        self._token = _session.set(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._token is not None:
+            _session.reset(self._token)
+            self._token = None
+        self.bind(None)
+
+    async def __aenter__(self) -> Session:
+        return self.__enter__()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.__exit__(*exc)
+
+
+@dataclass(frozen=True)
+class _Replica:
+    id: ServiceId
+    worker: str
+    state: str
+
+
+class ReplicaPeers(Mapping):
+    """``self.peers`` of a replica: the healthy replicas as its handle last saw them.
+
+    ``await self.peers[sid].endpoint(*args)`` calls that very replica.
+    """
+
+    def __init__(self, handle: ReplicatedService) -> None:
+        self._handle = handle
+
+    def _ids(self) -> list[ServiceId]:
+        self._handle._maybe_refresh()
+        return [r.id for r in self._handle._table if r.state == "healthy"]
+
+    def __getitem__(self, sid: ServiceId) -> PeerEndpoints:
+        if sid not in self._ids():
+            raise KeyError(sid)
+        return PeerEndpoints(self._handle, ServiceId(sid))
+
+    def __iter__(self) -> Iterator[ServiceId]:
+        return iter(self._ids())
+
+    def __len__(self) -> int:
+        return len(self._ids())
+
+
+class PeerEndpoints:
+    """Endpoints of one given replica: ``await peer.method(*args)``."""
+
+    def __init__(self, handle: ReplicatedService, sid: ServiceId) -> None:
+        self._handle = handle
+        self.id = sid
+
+    def __getattr__(self, name: str) -> Callable[..., Call]:
+        self._handle._check_endpoint(name)
+
+        def call(*args: Any, **kwargs: Any) -> Call:
+            h = self._handle
+            return Call(h._transport, h._call(name, args, kwargs, pin=self.id),
+                        f"{h.name}.{name} on {self.id}")
+
+        return call
+
+
+# ------------------------------------------------------------------ the handle
+
+
+_HANDLE_NAMES = frozenset({"replicas", "metrics", "scale", "shutdown", "session", "name",
+                           "service_class", "options", "peers", "refresh", "endpoints"})
+
+
+class ReplicatedService:
+    """A deployed service: ``svc.<endpoint>.route(...)``, sessions, scaling, shutdown.
+
+    Created by ``MyService.options(...).as_service(...)``; pickles (tasks running on
+    workers can call the service through it).
+    """
+
+    def __init__(self, name: str, service_class: type, options: Mapping[str, Any],
+                 transport: Transport | None = None) -> None:
+        self.name = name
+        self.service_class = service_class
+        self.options = dict(options)
+        self._transport_ = transport
+        self._router = make_router(self.options.get("router", "least_loaded"))
+        self._sticky = getattr(self._router, "sticky", False)
+        self._own_session: Session | None = None
+        self._table: list[_Replica] = []
+        self._table_time = -1.0
+        self._refreshing: asyncio.Future | None = None
+        self._outstanding: collections.Counter = collections.Counter()
+        self._session_counts: collections.Counter = collections.Counter()
+
+    # -------------------------------------------------------- plumbing
+
+    @property
+    def _transport(self) -> Transport:
+        if self._transport_ is None:
+            self._transport_ = current_transport()
+        return self._transport_
+
+    def __reduce__(self) -> tuple:
+        return (ReplicatedService, (self.name, self.service_class, self.options))
+
+    def __getattr__(self, name: str) -> Endpoint:
+        if name.startswith("__") or name.endswith("_"):
+            raise AttributeError(name)  # protocols (copy, pickle...) look these up
+        self._check_endpoint(name)
+        return Endpoint(self, name)
+
+    def __repr__(self) -> str:
+        return f"<ReplicatedService {self.name} ({self.service_class.__name__})>"
+
+    def _check_endpoint(self, name: str) -> None:
+        if not is_endpoint(self.service_class, name):
+            raise EndpointRefused(
+                f"{name!r} is not an endpoint of {self.service_class.__name__}; only methods "
+                f"marked with @dask_services.endpoint can be called (its endpoints: "
+                f"{endpoints(self.service_class)})"
+            )
+
+    @property
+    def endpoints(self) -> list[str]:
+        """Names of the service's endpoints."""
+        return endpoints(self.service_class)
+
+    # -------------------------------------------------------- replica table
+
+    async def _refresh(self) -> None:
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.ensure_future(self._fetch_table())
+        await asyncio.shield(self._refreshing)
+
+    async def _fetch_table(self) -> None:
+        info = await self._transport.scheduler.replicated_table(name=self.name)
+        if info is None:
+            self._table = []
+            self._table_time = time.monotonic()
+            raise ServiceShutdown(f"service {self.name} was shut down (or never deployed)")
+        self._table = [_Replica(ServiceId(r["id"]), r["worker"], r["state"])
+                       for r in info["replicas"]]
+        self._table_time = time.monotonic()
+
+    def _maybe_refresh(self) -> None:
+        """Refresh the table in the background once it is older than refresh-interval."""
+        stale = time.monotonic() - self._table_time > _config_seconds("refresh-interval")
+        if stale and (self._refreshing is None or self._refreshing.done()):
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                return
+            self._refreshing = asyncio.ensure_future(self._fetch_table())
+            self._refreshing.add_done_callback(_consume)
+
+    def _drop(self, sid: ServiceId) -> None:
+        self._table = [r for r in self._table if r.id != sid]
+
+    def _healthy(self) -> list[_Replica]:
+        return [r for r in self._table if r.state == "healthy"]
+
+    def _views(self, healthy: list[_Replica]) -> list[ReplicaView]:
+        return [ReplicaView(r.id, r.worker, self._outstanding[r.id],
+                            self._session_counts[r.id]) for r in healthy]
+
+    def _choose(self, session: Session | None) -> _Replica | None:
+        healthy = self._healthy()
+        if not healthy:
+            return None
+        if session is None and self._sticky:
+            if self._own_session is None:
+                self._own_session = Session(self)
+            session = self._own_session
+        if session is not None:
+            for r in healthy:
+                if r.id == session.replica:
+                    return r
+            chosen = LeastLoaded().choose(self._views(healthy))
+            session.bind(chosen.id)
+        else:
+            chosen = self._router.choose(self._views(healthy))
+        return next(r for r in healthy if r.id == chosen.id)
+
+    # -------------------------------------------------------- calls
+
+    async def _call(self, method: str, args: tuple, kwargs: dict,
+                    session: Session | None = None, pin: ServiceId | None = None) -> Any:
+        retries = int(dask.config.get("dask_services.replicated.call-retries"))
+        delay = _config_seconds("retry-backoff")
+        max_delay = _config_seconds("retry-backoff-max")
+        connect_timeout = _config_seconds("connect-timeout")
+        if self._table_time < 0:
+            await self._refresh()
+        else:
+            self._maybe_refresh()
+        failures: list[str] = []
+        while True:
+            if pin is not None:
+                target = next((r for r in self._table if r.id == pin), None)
+                if target is None:
+                    await self._refresh()
+                    target = next((r for r in self._table if r.id == pin), None)
+                    if target is None:
+                        raise ServiceUnavailable(f"replica {pin} of {self.name} is gone")
+            else:
+                target = self._choose(session)
+            if target is not None:
+                self._outstanding[target.id] += 1
+                try:
+                    comm = await self._connect(target, connect_timeout)
+                    resp = await self._transport.request(
+                        comm, target.worker, "replicated_call", id=str(target.id),
+                        method=method, payload=to_serialize((args, kwargs)))
+                except OSError as e:
+                    failure = f"{target.id} on {target.worker}: {type(e).__name__}: {e}"
+                else:
+                    status = resp.get("status") if isinstance(resp, dict) else None
+                    if status == "ok":
+                        return _unwrap(resp["result"])
+                    if status == "error":
+                        raise _loads_exception(resp["exception"])
+                    if status == "overloaded":
+                        raise ServiceOverloaded(resp["message"])
+                    if status == "shutdown":
+                        raise ServiceShutdown(resp["message"])
+                    failure = (f"{target.id}: {resp['message']}" if status == "gone"
+                               else f"{target.id} on {target.worker}: no answer ({resp!r})")
+                finally:
+                    self._outstanding[target.id] -= 1
+                    if self._outstanding[target.id] <= 0:
+                        del self._outstanding[target.id]
+                self._drop(target.id)
+                if pin is not None:
+                    raise ServiceUnavailable(
+                        f"replica {pin} of {self.name} was lost during the call: {failure}")
+            else:
+                failure = "no healthy replica"
+            failures.append(failure)
+            if len(failures) > retries:
+                states = collections.Counter(r.state for r in self._table)
+                raise ServiceUnavailable(
+                    f"{self.name}.{method} failed after {len(failures)} attempts "
+                    f"(dask_services.replicated.call-retries={retries}); replica states: "
+                    f"{dict(states) or 'none'}; last failure: {failures[-1]}"
+                )
+            if len(failures) > 1 or target is None:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, max_delay)
+            await self._refresh()
+
+    async def _connect(self, target: _Replica, timeout: float) -> Any:
+        """A pooled connection to ``target``'s worker.
+
+        distributed retries a refused connection until its timeout, which is what a dead
+        worker does: if connecting takes a moment, ask the scheduler whether the replica
+        is still there, and give up at once (``OSError``: re-send elsewhere) if not.
+        """
+        pool = self._transport.pool
+        if any(not comm.closed() for comm in pool.available.get(target.worker, ())):
+            return await pool.connect(target.worker, timeout=timeout)  # no I/O: reuse one
+        connect = asyncio.ensure_future(pool.connect(target.worker, timeout=timeout))
+        try:
+            done, _ = await asyncio.wait({connect}, timeout=0.1)
+            while not done:
+                await self._refresh()
+                if not any(r.id == target.id and r.state == "healthy" for r in self._table):
+                    raise OSError(f"replica {target.id} left {target.worker} while connecting")
+                done, _ = await asyncio.wait({connect}, timeout=0.5)
+            return connect.result()
+        except BaseException:
+            if not connect.done():
+                connect.cancel()
+            elif not connect.cancelled() and connect.exception() is None:
+                pool.reuse(target.worker, connect.result())  # connected just in time
+            raise
+
+    async def _fanout(self, method: str, args: tuple, kwargs: dict) -> list[Any]:
+        await self._refresh()
+        targets = [r.id for r in self._healthy()]
+        if not targets:
+            raise ServiceUnavailable(f"{self.name} has no healthy replica")
+        return list(await asyncio.gather(
+            *(self._call(method, args, kwargs, pin=sid) for sid in targets)))
+
+    # -------------------------------------------------------- management
+
+    def session(self) -> Session:
+        """``with svc.session():`` (or ``async with``): every call in the block goes to one
+        replica, the least-loaded when the first call is made."""
+        return Session(self)
+
+    def peers(self) -> ReplicaPeers:
+        """The healthy replicas, by id: ``await svc.peers()[sid].endpoint(...)``."""
+        return ReplicaPeers(self)
+
+    def refresh(self) -> Any:
+        """Fetch the replica table from the scheduler now."""
+        return self._transport.sync(self._refresh)
+
+    def replicas(self) -> Any:
+        """One dict per replica: id, worker, state, in_flight, queued, last_error."""
+        return self._transport.sync(self._management, "replicated_replicas")
+
+    def metrics(self) -> Any:
+        """One dict per replica: id, worker, calls, errors, overloaded, p50_ms, p99_ms."""
+        return self._transport.sync(self._management, "replicated_metrics")
+
+    async def _management(self, op: str, **kwargs: Any) -> Any:
+        result = await getattr(self._transport.scheduler, op)(name=self.name, **kwargs)
+        if result is None:
+            raise ServiceShutdown(f"service {self.name} was shut down (or never deployed)")
+        if isinstance(result, dict) and result.get("status") == "error":
+            if result.get("exception"):
+                raise _loads_exception(result["exception"])
+            raise ServiceUnavailable(result["error"])
+        return [dict(row) for row in result] if isinstance(result, (list, tuple)) else result
+
+    def scale(self, n: int, timeout: float | None = None) -> Any:
+        """Add or remove replicas until there are ``n``; waits until they are healthy."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"scale(n) needs an integer n >= 1, got {n!r}; to stop the "
+                             "service call svc.shutdown()")
+        timeout = _config_seconds("deploy-timeout") if timeout is None else timeout
+        return self._transport.sync(self._scale, n, timeout)
+
+    async def _scale(self, n: int, timeout: float) -> None:
+        await self._management("replicated_scale", n=n, timeout=timeout)
+        await self._refresh()
+
+    def shutdown(self, timeout: float = 30) -> Any:
+        """Stop every replica: calls in flight get ``timeout`` seconds to finish, queued
+        calls fail with ``ServiceShutdown``; nothing stays on the workers."""
+        return self._transport.sync(self._shutdown, timeout)
+
+    async def _shutdown(self, timeout: float) -> None:
+        await self._transport.scheduler.replicated_shutdown(name=self.name, timeout=timeout)
+        self._table = []
+
+
+def _consume(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+def check_names(cls: type) -> None:
+    """Endpoints may not hide the handle's own methods."""
+    clash = sorted(set(endpoints(cls)) & _HANDLE_NAMES)
+    if clash:
+        raise TypeError(
+            f"endpoint(s) {clash} of {cls.__name__} clash with methods of the service "
+            "handle; rename them"
+        )

@@ -1,0 +1,111 @@
+"""``@endpoint``, deployment options and ``Service.options(...)``."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from dask_services.replicated._routing import check_router
+
+T = TypeVar("T")
+_ENDPOINT_MARK = "__dask_services_endpoint__"
+_BASE = "__dask_services_options_base__"
+
+
+def endpoint(method: Callable[..., T]) -> Callable[..., T]:
+    """Mark a method of a :class:`~dask_services.Service` as callable on a deployed service.
+
+    ``svc.method.route(...)``, ``.fanout(...)`` and ``.submit(...)`` reach only marked
+    methods.  ``async def`` endpoints run on the worker's event loop; plain ``def`` ones in
+    a thread of the replica (so they may block).
+    """
+    if not callable(method):
+        raise TypeError(f"@endpoint decorates methods, got {method!r}")
+    setattr(method, _ENDPOINT_MARK, True)
+    return method
+
+
+def is_endpoint(cls: type, name: str) -> bool:
+    """Whether ``name`` is an ``@endpoint`` method of ``cls`` (looked up on the class)."""
+    if not isinstance(name, str) or not name.isidentifier() or name.startswith("_"):
+        return False
+    attr = getattr(cls, name, None)
+    return callable(attr) and getattr(attr, _ENDPOINT_MARK, False) is True
+
+
+def endpoints(cls: type) -> list[str]:
+    """Names of the endpoints of ``cls``, sorted."""
+    return sorted(n for n in dir(cls) if is_endpoint(cls, n))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaOptions:
+    """How a service is deployed; see ``Service.options``."""
+
+    replicas: int = 1
+    max_concurrency: int = 1
+    max_queued: int = 100
+    workers: tuple[str, ...] | None = None
+    resources: Mapping[str, float] | None = None
+    router: Any = "least_loaded"
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        for field, low in (("replicas", 0), ("max_concurrency", 1), ("max_queued", 0)):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(
+                    f"options({field}=...) must be an integer >= {low}, got {value!r}"
+                )
+        if self.replicas < 1:
+            raise ValueError(f"options(replicas=...) must be >= 1, got {self.replicas}; "
+                             "to stop a service call svc.shutdown()")
+        if self.workers is not None:
+            if isinstance(self.workers, str) or not all(
+                    isinstance(w, str) for w in self.workers):
+                raise TypeError("options(workers=...) must be a list of worker addresses "
+                                f"or names, got {self.workers!r}")
+            if not self.workers:
+                raise ValueError("options(workers=[]) leaves no worker; pass None for any")
+            object.__setattr__(self, "workers", tuple(self.workers))
+        if self.resources is not None:
+            if not isinstance(self.resources, Mapping) or not all(
+                    isinstance(k, str) and isinstance(v, (int, float))
+                    for k, v in self.resources.items()):
+                raise TypeError("options(resources=...) must map resource names to "
+                                f"amounts, e.g. {{'GPU': 1}}; got {self.resources!r}")
+            object.__setattr__(self, "resources", dict(self.resources))
+        check_router(self.router)
+        if self.name is not None and (not isinstance(self.name, str) or not self.name):
+            raise TypeError(f"options(name=...) must be a non-empty string, got {self.name!r}")
+
+    @classmethod
+    def merged(cls, *layers: Mapping[str, Any]) -> ReplicaOptions:
+        """Options from layers of keyword arguments, later ones winning."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for layer in layers:
+            unknown = set(layer) - known
+            if unknown:
+                raise TypeError(
+                    f"unknown option(s) {sorted(unknown)}; the options are {sorted(known)}"
+                )
+            values.update(layer)
+        return cls(**values)
+
+
+def configured(cls: type, options: Mapping[str, Any]) -> type:
+    """A subclass of ``cls`` whose ``service_options`` add ``options`` to its own."""
+    merged = {**getattr(cls, "service_options", {}), **options}
+    ReplicaOptions.merged(merged)  # validate now, not at deployment
+    base = cls.__dict__.get(_BASE, cls)
+    return type(cls.__name__, (cls,), {
+        "service_options": merged, _BASE: base, "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
+    })
+
+
+def unconfigured(cls: type) -> type:
+    """The class the user defined (what is shipped to workers), without ``options``."""
+    return cls.__dict__.get(_BASE, cls)

@@ -1,0 +1,90 @@
+"""Per-replica admission: at most ``max_concurrency`` calls run, ``max_queued`` wait.
+
+Waiting callers each hold a future that the releasing call completes (first come, first
+served); nobody polls.  Beyond the queue a call fails at once with ``ServiceOverloaded``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+from dask_services.replicated._errors import ServiceOverloaded, ServiceShutdown
+
+
+class CallGate:
+    """An asyncio admission gate with a bounded FIFO queue."""
+
+    def __init__(self, max_concurrency: int, max_queued: int, name: str = "replica") -> None:
+        self.max_concurrency = max_concurrency
+        self.max_queued = max_queued
+        self.name = name
+        self.in_flight = 0
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._closed: BaseException | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def queued(self) -> int:
+        """Calls waiting for a slot."""
+        return len(self._waiters)
+
+    async def acquire(self) -> None:
+        """Wait for a slot; ``ServiceOverloaded`` at once when the queue is full."""
+        if self._closed is not None:
+            raise self._closed
+        if self.in_flight < self.max_concurrency and not self._waiters:
+            self._take()
+            return
+        if len(self._waiters) >= self.max_queued:
+            raise ServiceOverloaded(
+                f"{self.name} is overloaded: {self.in_flight} calls running "
+                f"(max_concurrency={self.max_concurrency}) and {len(self._waiters)} queued "
+                f"(max_queued={self.max_queued}); retry later, add replicas with "
+                "svc.scale(n), or raise max_queued in options()"
+            )
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self.release()  # the slot was handed over just as we were cancelled
+            else:
+                self._discard(fut)
+            raise
+
+    def release(self) -> None:
+        """Give a slot back: to the next waiter if any."""
+        self.in_flight -= 1
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                self._take()
+                fut.set_result(None)
+                return
+        if self.in_flight == 0:
+            self._idle.set()
+
+    def close(self, exc: BaseException | None = None) -> None:
+        """Refuse new calls and fail every queued one with ``exc``."""
+        self._closed = exc or ServiceShutdown(f"{self.name} is shutting down")
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_exception(self._closed)
+
+    async def wait_idle(self) -> None:
+        """Return once no call is running."""
+        await self._idle.wait()
+
+    def _take(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def _discard(self, fut: asyncio.Future) -> None:
+        try:
+            self._waiters.remove(fut)
+        except ValueError:
+            pass

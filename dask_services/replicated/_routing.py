@@ -1,0 +1,122 @@
+"""Choosing a replica for a call: the routers.
+
+A router is any object with one method, ``choose(replicas) -> ReplicaView``, given the
+healthy replicas (never an empty list).  Each handle owns its own router instance, so state
+such as a round-robin position is per caller.  Loads are the caller's own view: calls it
+has in flight on each replica, plus the queue length the replica reported with its last
+answer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from dask_services.service import ServiceId
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """What a router knows about one healthy replica."""
+
+    id: ServiceId
+    worker: str
+    load: int = 0  # calls this caller has in flight there, plus the replica's last queue
+    sessions: int = 0  # sessions of this caller bound to it
+
+
+@runtime_checkable
+class Router(Protocol):
+    """The one method a router has."""
+
+    def choose(self, replicas: Sequence[ReplicaView]) -> ReplicaView:
+        """Pick the replica for the next call among ``replicas`` (never empty)."""
+        ...
+
+
+class RoundRobin:
+    """Each replica in turn."""
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def choose(self, replicas: Sequence[ReplicaView]) -> ReplicaView:
+        """The next replica in id order."""
+        ordered = sorted(replicas, key=lambda r: r.id)
+        return ordered[next(self._counter) % len(ordered)]
+
+
+class LeastLoaded:
+    """The replica with the fewest calls in flight (ties: fewest sessions, then in turn)."""
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def choose(self, replicas: Sequence[ReplicaView]) -> ReplicaView:
+        """The least-loaded replica."""
+        best = min((r.load, r.sessions) for r in replicas)
+        tied = sorted((r for r in replicas if (r.load, r.sessions) == best),
+                      key=lambda r: r.id)
+        return tied[next(self._counter) % len(tied)]
+
+
+class PowerOfTwo:
+    """Two replicas at random, the less loaded of the two (cheap on many replicas)."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, replicas: Sequence[ReplicaView]) -> ReplicaView:
+        """The less loaded of two random replicas."""
+        if len(replicas) == 1:
+            return replicas[0]
+        a, b = self._rng.sample(list(replicas), 2)
+        return a if (a.load, a.sessions) <= (b.load, b.sessions) else b
+
+
+class SessionAffinity(LeastLoaded):
+    """Every call of one handle goes to one replica, chosen least-loaded, until it is gone.
+
+    The same stickiness as ``with svc.session():`` but for all calls of the handle.  The
+    handle keeps the binding; as a router this picks the least-loaded replica.
+    """
+
+    sticky = True
+
+
+ROUTERS: dict[str, type] = {
+    "round_robin": RoundRobin,
+    "least_loaded": LeastLoaded,
+    "power_of_two": PowerOfTwo,
+    "session_affinity": SessionAffinity,
+}
+
+
+def check_router(spec: Any) -> None:
+    """Raise early (a clear message) if ``spec`` cannot become a router."""
+    make_router(spec)
+
+
+def make_router(spec: Any) -> Any:
+    """A fresh router from a name, a router class, or a router instance (used as is)."""
+    if isinstance(spec, str):
+        try:
+            return ROUTERS[spec]()
+        except KeyError:
+            raise ValueError(
+                f"unknown router {spec!r}; use one of {sorted(ROUTERS)} or an object with a "
+                "`choose(replicas)` method"
+            ) from None
+    if isinstance(spec, type):
+        if not callable(getattr(spec, "choose", None)):
+            raise TypeError(f"router class {spec.__name__} has no `choose(replicas)` method")
+        return spec()
+    if callable(getattr(spec, "choose", None)):
+        return spec
+    raise TypeError(
+        f"router must be a name ({sorted(ROUTERS)}), a class or an object with a "
+        f"`choose(replicas)` method, got {spec!r}"
+    )

@@ -1,0 +1,418 @@
+"""The scheduler part: the source of truth for where replicas are and how they are.
+
+One :class:`Deployments` per scheduler, owned by the scheduler plugin
+(``scheduler.extensions["dask_services"].replicated``).  It keeps one
+:class:`~dask_services.replicated._lifecycle.ReplicaMachine` per replica slot, feeds it
+events (setup results, lost and retiring workers, failed probes, scale and shutdown) and
+carries out its actions: choose a worker, start or stop an instance over the worker RPC.
+Handles ask it for the replica table and cache it; calls never pass through here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import dask.config
+from dask.utils import parse_timedelta
+from distributed.core import Status
+from tornado.ioloop import PeriodicCallback
+
+from dask_services.replicated import _lifecycle as lc
+from dask_services.replicated._lifecycle import ReplicaState
+
+if TYPE_CHECKING:
+    from distributed.scheduler import Scheduler, WorkerState
+
+logger = logging.getLogger("dask_services")
+EVENT_TOPIC = "dask_services"
+HANDLERS = ("replicated_deploy", "replicated_wait", "replicated_table", "replicated_replicas",
+            "replicated_metrics", "replicated_scale", "replicated_shutdown")
+
+
+def _seconds(name: str) -> float:
+    return float(parse_timedelta(dask.config.get(f"dask_services.replicated.{name}")))
+
+
+@dataclass(eq=False)
+class Deployment:
+    """One deployed service: its options and its replica slots."""
+
+    name: str
+    blob: bytes  # pickled (class, setup args, setup kwargs, options): never unpickled here
+    max_concurrency: int
+    max_queued: int
+    workers: tuple[str, ...] | None
+    resources: Mapping[str, float] | None
+    slots: dict[int, lc.ReplicaMachine] = field(default_factory=dict)
+    errors: dict[int, bytes] = field(default_factory=dict)  # slot -> last setup exception
+    next_slot: int = 0
+    stopping: bool = False
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: set[asyncio.Task] = field(default_factory=set)
+
+    def notify(self) -> None:
+        """Wake whoever waits for a change of state."""
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+
+class Deployments:
+    """Every replicated service deployed on this scheduler."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.deployments: dict[str, Deployment] = {}
+        self._prefix = uuid.uuid4().hex[:6] + "-"
+        self._probing: set[str] = set()
+        self._probe: PeriodicCallback | None = None
+
+    def register(self) -> None:
+        """Install the scheduler handlers and start the health probes."""
+        for name in HANDLERS:
+            self.scheduler.handlers[name] = getattr(self, name[len("replicated_"):])
+        period = _seconds("health-check-period")
+        if period > 0:
+            self._probe = PeriodicCallback(self._probe_all, period * 1000)
+            self._probe.start()
+
+    def close(self) -> None:
+        """Stop probing (the scheduler is closing)."""
+        if self._probe is not None:
+            self._probe.stop()
+        for dep in self.deployments.values():
+            for task in dep.tasks:
+                task.cancel()
+
+    # ------------------------------------------------------------ handlers
+
+    async def deploy(self, comm: Any, name: str, blob: bytes, replicas: int,
+                     max_concurrency: int, max_queued: int, workers: list[str] | None,
+                     resources: dict | None) -> dict:
+        """Create a deployment of ``replicas`` replicas and launch them (does not wait)."""
+        if name in self.deployments:
+            return {"status": "error", "error": f"a service named {name!r} is already "
+                                                "deployed; pick another options(name=...)"}
+        dep = Deployment(name=name, blob=blob, max_concurrency=max_concurrency,
+                         max_queued=max_queued, workers=tuple(workers) if workers else None,
+                         resources=resources or None)
+        self.deployments[name] = dep
+        for _ in range(replicas):
+            self._add_slot(dep)
+        return {"status": "ok"}
+
+    async def wait(self, comm: Any, name: str, timeout: float,
+                   slots: list[int] | None = None) -> dict:
+        """Until every (given) replica is healthy, one is unhealthy, or ``timeout``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            dep = self.deployments.get(name)
+            if dep is None:
+                return {"status": "error", "error": f"service {name} was shut down"}
+            machines = {s: m for s, m in dep.slots.items()
+                        if (slots is None or s in slots) and m.state is not ReplicaState.STOPPED}
+            for s, m in machines.items():
+                if m.state is ReplicaState.UNHEALTHY:
+                    return {"status": "error", "error": m.last_error,
+                            "exception": dep.errors.get(s)}
+            if all(m.state is ReplicaState.HEALTHY for m in machines.values()):
+                return {"status": "ok"}
+            left = deadline - loop.time()
+            if left <= 0:
+                states = {str(m.id): m.state.value for m in machines.values()}
+                return {"status": "error", "error": (
+                    f"replicas of {name} not healthy after {timeout} s: {states} "
+                    "(dask_services.replicated.deploy-timeout); no eligible worker?")}
+            try:
+                await asyncio.wait_for(dep.changed.wait(), left)
+            except TimeoutError:
+                pass
+
+    def table(self, comm: Any, name: str) -> dict | None:
+        """The replica table handles cache: id, worker and state of each replica."""
+        dep = self.deployments.get(name)
+        if dep is None:
+            return None
+        return {"replicas": [
+            {"id": str(m.id), "worker": m.worker, "state": m.state.value}
+            for m in dep.slots.values() if m.state is not ReplicaState.STOPPED
+        ]}
+
+    async def replicas(self, comm: Any, name: str) -> list[dict] | None:
+        """id, worker, state, in_flight, queued and last_error of each replica."""
+        rows = await self._rows(name)
+        if rows is None:
+            return None
+        keep = ("id", "worker", "state", "in_flight", "queued", "last_error")
+        return [{k: row.get(k) for k in keep} for row in rows]
+
+    async def metrics(self, comm: Any, name: str) -> list[dict] | None:
+        """Calls, errors and latency quantiles of each replica."""
+        rows = await self._rows(name)
+        if rows is None:
+            return None
+        keep = ("id", "worker", "state", "calls", "errors", "overloaded", "p50_ms", "p99_ms")
+        return [{k: row.get(k) for k in keep} for row in rows]
+
+    async def _rows(self, name: str) -> list[dict] | None:
+        dep = self.deployments.get(name)
+        if dep is None:
+            return None
+        rows = [{"id": str(m.id), "worker": m.worker, "state": m.state.value,
+                 "last_error": m.last_error}
+                for m in dep.slots.values() if m.state is not ReplicaState.STOPPED]
+        by_worker: dict[str, list[str]] = {}
+        for row in rows:
+            if row["worker"] is not None:
+                by_worker.setdefault(row["worker"], []).append(row["id"])
+
+        async def stats(worker: str, ids: list[str]) -> dict:
+            try:
+                return await asyncio.wait_for(
+                    self.scheduler.rpc(worker).replicated_stats(ids=ids), 5)
+            except (OSError, TimeoutError):
+                return {}
+
+        found: dict[str, dict] = {}
+        for part in await asyncio.gather(*(stats(w, ids) for w, ids in by_worker.items())):
+            found.update(part)
+        for row in rows:
+            row.update(found.get(row["id"], {}))
+        return rows
+
+    async def scale(self, comm: Any, name: str, n: int, timeout: float) -> dict:
+        """Add replicas or stop the surplus (least useful first) until there are ``n``."""
+        dep = self.deployments.get(name)
+        if dep is None or dep.stopping:
+            return None  # type: ignore[return-value]
+        active = {s: m for s, m in dep.slots.items() if m.state is not ReplicaState.STOPPED}
+        if n > len(active):
+            new = [self._add_slot(dep) for _ in range(n - len(active))]
+            result = await self.wait(comm, name, timeout, slots=new)
+            if result["status"] != "ok":
+                return result
+            return {"status": "ok"}
+        order = {ReplicaState.UNHEALTHY: 0, ReplicaState.UNINITIALIZED: 1,
+                 ReplicaState.RECOVERING: 2, ReplicaState.HEALTHY: 3}
+        victims = sorted(active, key=lambda s: (order[active[s].state], -s))[:len(active) - n]
+        stops = []
+        for s in victims:
+            stops += self._apply(dep, s, dep.slots[s].handle(lc.StopRequested()),
+                                 reason="scale-down", timeout=_seconds("drain-timeout"))
+        await self._await(stops, _seconds("drain-timeout") + 10)
+        for s in victims:
+            dep.slots.pop(s, None)
+            dep.errors.pop(s, None)
+        dep.notify()
+        return {"status": "ok"}
+
+    async def shutdown(self, comm: Any, name: str, timeout: float) -> dict:
+        """Stop every replica (draining calls in flight for ``timeout`` s) and forget the
+        deployment."""
+        dep = self.deployments.get(name)
+        if dep is None or dep.stopping:
+            return {"status": "ok"}
+        dep.stopping = True
+        stops = []
+        for s, m in list(dep.slots.items()):
+            stops += self._apply(dep, s, m.handle(lc.StopRequested()), reason="shutdown",
+                                 timeout=timeout)
+        await self._await(stops, timeout + 10)
+        # Starts still under way answer "stopped" once their stop cancelled them.
+        await self._await([t for t in dep.tasks if t not in stops], 10)
+        self.deployments.pop(name, None)
+        dep.notify()
+        self._log(name, "shutdown", None, None, f"timeout={timeout}")
+        return {"status": "ok"}
+
+    # ------------------------------------------------------------ cluster events
+
+    def remove_worker(self, worker: str) -> None:
+        """A worker left: its replicas are relaunched elsewhere."""
+        self._broadcast(lc.WorkerLost(worker))
+
+    def add_worker(self, worker: str) -> None:
+        """A worker joined: replicas waiting for one are launched."""
+        self._broadcast(lc.WorkerAdded())
+
+    def worker_status(self, worker: str, status: str) -> None:
+        """A worker changed status (seen through the scheduler's event log)."""
+        if status == Status.closing_gracefully.name:
+            self._broadcast(lc.WorkerRetiring(worker))
+        elif status == Status.running.name:
+            self._broadcast(lc.WorkerAdded())
+
+    def _broadcast(self, event: lc.Event) -> None:
+        for dep in list(self.deployments.values()):
+            if dep.stopping:
+                continue
+            for s, m in list(dep.slots.items()):
+                self._apply(dep, s, m.handle(event))
+
+    # ------------------------------------------------------------ actions
+
+    def _add_slot(self, dep: Deployment) -> int:
+        slot = dep.next_slot
+        dep.next_slot += 1
+        machine = lc.ReplicaMachine(
+            base=f"{self._prefix}{dep.name}.{slot}",
+            max_setup_attempts=int(dask.config.get("dask_services.replicated.setup-attempts")),
+        )
+        dep.slots[slot] = machine
+        self._apply(dep, slot, machine.start())
+        return slot
+
+    def _apply(self, dep: Deployment, slot: int, actions: list[lc.Action],
+               reason: str = "moved", timeout: float | None = None) -> list[asyncio.Task]:
+        """Carry out ``actions``; returns the stop tasks started."""
+        stops: list[asyncio.Task] = []
+        machine = dep.slots[slot]
+        pending = list(actions)
+        while pending:
+            action = pending.pop(0)
+            if isinstance(action, lc.Launch):
+                worker = self._choose_worker(dep, action.exclude)
+                event = lc.NoWorker(action.id) if worker is None else lc.Placed(action.id,
+                                                                                 worker)
+                if worker is None:
+                    logger.warning("no eligible worker for replica %s of %s", action.id,
+                                   dep.name)
+                pending += machine.handle(event)
+            elif isinstance(action, lc.StartOn):
+                self._spawn(dep, self._start(dep, slot, action.id, action.worker))
+            elif isinstance(action, lc.Stop):
+                drain = _seconds("drain-timeout") if timeout is None else timeout
+                stops.append(self._spawn(dep, self._stop(
+                    action.worker, action.id, drain if action.drain else 0, reason)))
+            elif isinstance(action, lc.StateChanged):
+                self._log(dep.name, action.state.value, machine.id, machine.worker,
+                          machine.last_error)
+                dep.notify()
+        return stops
+
+    def _spawn(self, dep: Deployment, coro: Any) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        dep.tasks.add(task)
+        task.add_done_callback(dep.tasks.discard)
+        return task
+
+    async def _await(self, tasks: list[asyncio.Task], timeout: float) -> None:
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+
+    def _eligible(self, dep: Deployment) -> list[WorkerState]:
+        out = []
+        for ws in self.scheduler.workers.values():
+            if ws.status != Status.running:
+                continue
+            if dep.workers is not None and ws.address not in dep.workers \
+                    and str(ws.name) not in dep.workers:
+                continue
+            if dep.resources and any(ws.resources.get(k, 0) < v
+                                     for k, v in dep.resources.items()):
+                continue
+            out.append(ws)
+        return out
+
+    def _choose_worker(self, dep: Deployment, exclude: frozenset[str]) -> str | None:
+        """The eligible worker with the fewest replicas of this service, then of all."""
+        eligible = self._eligible(dep)
+        preferred = [ws for ws in eligible if ws.address not in exclude] or eligible
+        if not preferred:
+            return None
+        mine: dict[str, int] = {}
+        total: dict[str, int] = {}
+        for d in self.deployments.values():
+            for m in d.slots.values():
+                if m.worker is not None:
+                    total[m.worker] = total.get(m.worker, 0) + 1
+                    if d is dep:
+                        mine[m.worker] = mine.get(m.worker, 0) + 1
+        best = min(preferred, key=lambda ws: (mine.get(ws.address, 0),
+                                              total.get(ws.address, 0), ws.address))
+        return best.address
+
+    async def _start(self, dep: Deployment, slot: int, sid: Any, worker: str) -> None:
+        try:
+            resp = await self.scheduler.rpc(worker).replicated_start(
+                id=str(sid), name=dep.name, blob=dep.blob, max_concurrency=dep.max_concurrency,
+                max_queued=dep.max_queued, setup_timeout=_seconds("setup-timeout"),
+                peers_of=dep.name,
+            )
+        except Exception as e:  # lost connection, worker closing, no handler
+            resp = {"status": "lost", "error": f"{type(e).__name__}: {e}"}
+        machine = dep.slots.get(slot)
+        current = (self.deployments.get(dep.name) is dep and machine is not None
+                   and machine.id == sid and machine.state is not ReplicaState.STOPPED)
+        if not current:
+            if resp["status"] == "ok":  # an instance nobody wants any more
+                self._spawn(dep, self._stop(worker, sid, 0, "stale"))
+            return
+        status = resp["status"]
+        if status == "ok":
+            event: lc.Event = lc.SetupSucceeded(sid)
+        elif status == "error":
+            dep.errors[slot] = resp.get("exception")
+            event = lc.SetupFailed(sid, resp["error"])
+        elif status == "lost":
+            event = lc.LaunchLost(sid, resp["error"])
+        else:
+            return
+        self._apply(dep, slot, machine.handle(event))
+
+    async def _stop(self, worker: str, sid: Any, timeout: float, reason: str) -> None:
+        if worker not in self.scheduler.workers:
+            return
+        try:
+            await asyncio.wait_for(self.scheduler.rpc(worker).replicated_stop(
+                id=str(sid), timeout=timeout, reason=reason), timeout + 40)
+        except Exception as e:
+            logger.info("stopping replica %s on %s: %r", sid, worker, e)
+
+    # ------------------------------------------------------------ health probes
+
+    def _probe_all(self) -> None:
+        timeout = _seconds("health-check-timeout")
+        for dep in list(self.deployments.values()):
+            if dep.stopping:
+                continue
+            for slot, m in list(dep.slots.items()):
+                if m.state is ReplicaState.HEALTHY and m.id not in self._probing:
+                    self._probing.add(m.id)
+                    self._spawn(dep, self._probe_one(dep, slot, m.id, m.worker, timeout))
+
+    async def _probe_one(self, dep: Deployment, slot: int, sid: Any, worker: str,
+                         timeout: float) -> None:
+        try:
+            try:
+                resp = await asyncio.wait_for(
+                    self.scheduler.rpc(worker).replicated_health(id=str(sid), timeout=timeout),
+                    timeout + 1)
+                error = None if resp["status"] == "ok" else resp["error"]
+            except TimeoutError:
+                error = f"no answer within {timeout} s"
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+            machine = dep.slots.get(slot)
+            if error is not None and machine is not None and machine.id == sid \
+                    and not dep.stopping and worker in self.scheduler.workers:
+                logger.warning("replica %s of %s failed its health probe: %s", sid,
+                               dep.name, error)
+                self._apply(dep, slot, machine.handle(lc.ProbeFailed(sid, error)))
+        finally:
+            self._probing.discard(sid)
+
+    # ------------------------------------------------------------ events
+
+    def _log(self, name: str, what: str, sid: Any, worker: str | None,
+             detail: str | None) -> None:
+        msg = {"action": f"replica-{what}", "service": name, "replica": str(sid),
+               "worker": worker, "detail": detail}
+        self.scheduler.log_event(EVENT_TOPIC, msg)
+        logger.info("replicated service %s: replica %s on %s %s %s", name, sid, worker, what,
+                    detail or "")

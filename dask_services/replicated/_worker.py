@@ -1,0 +1,286 @@
+"""The worker part: hosts replicas and answers calls, probes, starts and stops.
+
+One :class:`ReplicaWorker` per worker, owned by the worker extension
+(``worker.extensions["dask_services"].replicated``).  Its handlers are ordinary worker RPC
+handlers: calls come straight from callers (clients or tasks), starts, stops and probes
+from the scheduler part.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from distributed.protocol import pickle
+from distributed.protocol.serialize import Serialize, ToPickle, to_serialize
+
+from dask_services.replicated._errors import ReplicaGone, ServiceOverloaded, ServiceShutdown
+from dask_services.replicated._metrics import ReplicaMetrics
+from dask_services.replicated._options import is_endpoint
+from dask_services.replicated._queue import CallGate
+from dask_services.service import Service, ServiceId
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+logger = logging.getLogger("dask_services")
+
+HANDLERS = ("replicated_start", "replicated_stop", "replicated_call", "replicated_health",
+            "replicated_stats")
+
+
+def _unwrap(obj: Any) -> Any:
+    while isinstance(obj, (Serialize, ToPickle)):
+        obj = obj.data
+    return obj
+
+
+def _dumps_exception(exc: BaseException) -> bytes:
+    from dask_services.worker import dumps_exception
+
+    return dumps_exception(exc)
+
+
+@dataclass(eq=False)
+class HostedReplica:
+    """A replica living on this worker, with its queue, thread pool and metrics."""
+
+    id: ServiceId
+    name: str
+    service: Service
+    gate: CallGate
+    executor: ThreadPoolExecutor
+    metrics: ReplicaMetrics = field(default_factory=ReplicaMetrics)
+    ready: bool = False
+    closing: bool = False
+    cancelled: bool = False
+    closed_with: BaseException | None = None  # what queued calls were failed with
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    setup_task: asyncio.Task | None = None
+    running: set[asyncio.Task] = field(default_factory=set)
+
+
+class ReplicaWorker:
+    """Replicas hosted on one worker."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.replicas: dict[ServiceId, HostedReplica] = {}
+
+    def register(self) -> None:
+        """Install the RPC handlers on the worker."""
+        for name in HANDLERS:
+            self.worker.handlers[name] = getattr(self, name[len("replicated_"):])
+
+    async def close(self) -> None:
+        """Stop every replica at once (the worker extension is going away)."""
+        await asyncio.gather(*(self._stop(r, 0, ReplicaGone(
+            f"replica {r.id} stopped: its worker is closing")) for r in list(
+            self.replicas.values())), return_exceptions=True)
+        for name in HANDLERS:
+            self.worker.handlers.pop(name, None)
+
+    # ------------------------------------------------------------ scheduler -> worker
+
+    async def start(self, comm: Any, id: str, name: str, blob: bytes, max_concurrency: int,
+                    max_queued: int, setup_timeout: float, peers_of: str) -> dict:
+        """Create replica ``id`` and run its ``setup``; answers once it is healthy or not."""
+        from dask_services.replicated._handle import ReplicatedService, WorkerTransport
+
+        sid = ServiceId(id)
+        try:
+            cls, args, kwargs, options = pickle.loads(blob)
+            service = cls()
+        except Exception as e:
+            return {"status": "error", "error": f"{type(e).__name__}: {e}",
+                    "exception": _dumps_exception(e)}
+        rep = HostedReplica(
+            id=sid, name=name, service=service,
+            gate=CallGate(max_concurrency, max_queued, f"replica {sid} of {name}"),
+            executor=ThreadPoolExecutor(max_concurrency, thread_name_prefix=f"replica-{sid}"),
+        )
+        self.replicas[sid] = rep
+        handle = ReplicatedService(peers_of, cls, options, WorkerTransport(self.worker))
+        service.id = sid
+        service.key = name
+        service.params = dict(kwargs)
+        service.service = handle
+        service.peers = handle.peers()
+        rep.setup_task = asyncio.ensure_future(self._setup(rep, args, kwargs, setup_timeout))
+        try:
+            await rep.setup_task
+        except asyncio.CancelledError:
+            if not rep.closing:
+                raise
+            return {"status": "stopped"}
+        except Exception as e:
+            logger.info("setup of replica %s of %s failed: %r", sid, name, e)
+            await self._stop(rep, 0, ServiceShutdown("setup failed"))
+            return {"status": "error", "error": f"{type(e).__name__}: {e}",
+                    "exception": _dumps_exception(e)}
+        if rep.closing:
+            return {"status": "stopped"}
+        rep.ready = True
+        return {"status": "ok"}
+
+    async def _setup(self, rep: HostedReplica, args: tuple, kwargs: dict,
+                     timeout: float) -> None:
+        setup = getattr(rep.service, "setup", None)
+        if setup is None:
+            return
+        if inspect.iscoroutinefunction(setup):
+            coro = setup(*args, **kwargs)
+        else:
+            loop = asyncio.get_running_loop()
+            coro = loop.run_in_executor(rep.executor, functools.partial(setup, *args, **kwargs))
+        try:
+            await asyncio.wait_for(coro, timeout)
+        except TimeoutError:
+            raise TimeoutError(
+                f"setup of replica {rep.id} did not finish within {timeout} s "
+                "(dask_services.replicated.setup-timeout)"
+            ) from None
+
+    async def stop(self, comm: Any, id: str, timeout: float, reason: str) -> dict:
+        """Stop replica ``id``: calls in flight get ``timeout`` seconds to finish; queued
+        calls fail (``reason="shutdown"``) or go back to their callers to be re-sent."""
+        rep = self.replicas.get(ServiceId(id))
+        if rep is None:
+            return {"status": "unknown"}
+        if reason == "shutdown":
+            exc: BaseException = ServiceShutdown(
+                f"service {rep.name} is shutting down: the call was queued on replica "
+                f"{rep.id} and never started"
+            )
+        else:
+            exc = ReplicaGone(f"replica {rep.id} is stopping ({reason})")
+        await self._stop(rep, timeout, exc)
+        return {"status": "stopped"}
+
+    async def _stop(self, rep: HostedReplica, timeout: float, exc: BaseException) -> None:
+        if rep.closing:
+            await rep.stopped.wait()  # another stop is under way
+            return
+        rep.closing = True
+        rep.closed_with = exc
+        try:
+            if rep.setup_task is not None and not rep.setup_task.done():
+                rep.setup_task.cancel()
+            rep.gate.close(exc)
+            if rep.gate.in_flight:
+                try:
+                    if timeout <= 0:
+                        raise TimeoutError
+                    await asyncio.wait_for(rep.gate.wait_idle(), timeout)
+                except TimeoutError:
+                    rep.cancelled = True
+                    for task in list(rep.running):
+                        task.cancel()
+                    await asyncio.sleep(0)  # let the cancelled calls answer their callers
+            stop = getattr(rep.service, "stop", None)
+            if stop is not None:
+                try:
+                    if inspect.iscoroutinefunction(stop):
+                        await asyncio.wait_for(stop(), 30)
+                    else:
+                        stop()
+                except Exception:
+                    logger.exception("stop() of replica %s raised", rep.id)
+        finally:
+            rep.executor.shutdown(wait=False, cancel_futures=True)
+            rep.stopped.set()
+            if self.replicas.get(rep.id) is rep:
+                del self.replicas[rep.id]
+
+    async def health(self, comm: Any, id: str, timeout: float) -> dict:
+        """Run the replica's ``check_health`` (if any) within ``timeout`` seconds."""
+        rep = self.replicas.get(ServiceId(id))
+        if rep is None or not rep.ready or rep.closing:
+            return {"status": "error", "error": f"replica {id} is not running on this worker"}
+        check = getattr(rep.service, "check_health", None)
+        if check is None:
+            return {"status": "ok"}
+        try:
+            if inspect.iscoroutinefunction(check):
+                ok = await asyncio.wait_for(check(), timeout)
+            else:
+                # Not in the replica's own threads: busy endpoints must not fail the probe.
+                ok = await asyncio.wait_for(asyncio.to_thread(check), timeout)
+        except TimeoutError:
+            return {"status": "error", "error": f"check_health() took longer than {timeout} s"}
+        except Exception as e:
+            return {"status": "error", "error": f"check_health() raised {type(e).__name__}: {e}"}
+        if ok is False:
+            return {"status": "error", "error": "check_health() returned False"}
+        return {"status": "ok"}
+
+    def stats(self, comm: Any, ids: list[str]) -> dict:
+        """In-flight and queued calls plus metrics of the replicas ``ids`` held here."""
+        out = {}
+        for id in ids:
+            rep = self.replicas.get(ServiceId(id))
+            if rep is not None:
+                out[id] = {"in_flight": rep.gate.in_flight, "queued": rep.gate.queued,
+                           **rep.metrics.summary()}
+        return out
+
+    # ------------------------------------------------------------ caller -> worker
+
+    async def call(self, comm: Any, id: str, method: str, payload: Any) -> dict:
+        """Run endpoint ``method`` on replica ``id`` within its concurrency limits."""
+        rep = self.replicas.get(ServiceId(id))
+        if rep is None or not rep.ready or rep.closing:
+            return {"status": "gone", "message": f"replica {id} is not running on "
+                                                 f"{self.worker.address}"}
+        if not is_endpoint(type(rep.service), method):
+            from dask_services.replicated._errors import EndpointRefused
+
+            return {"status": "error", "exception": _dumps_exception(EndpointRefused(
+                f"{method!r} is not an endpoint of {type(rep.service).__name__}"))}
+        args, kwargs = _unwrap(payload)
+        arrived = time.perf_counter()
+        try:
+            await rep.gate.acquire()
+        except ServiceOverloaded as e:
+            rep.metrics.overloaded += 1
+            return {"status": "overloaded", "message": str(e)}
+        except ReplicaGone as e:
+            return {"status": "gone", "message": str(e)}
+        except ServiceShutdown as e:
+            return {"status": "shutdown", "message": str(e)}
+        task = asyncio.current_task()
+        if task is not None:
+            rep.running.add(task)
+        error = True
+        try:
+            fn = getattr(rep.service, method)
+            if inspect.iscoroutinefunction(fn):
+                result = await fn(*args, **kwargs)
+            else:
+                result = await asyncio.get_running_loop().run_in_executor(
+                    rep.executor, functools.partial(fn, *args, **kwargs))
+            error = False
+        except asyncio.CancelledError:
+            if not rep.cancelled:
+                raise
+            if isinstance(rep.closed_with, ReplicaGone):  # moved or worker closing: re-send
+                return {"status": "gone", "message": str(rep.closed_with)}
+            return {"status": "shutdown", "message": (
+                f"the call was cancelled: replica {rep.id} of {rep.name} stopped before it "
+                "finished (svc.shutdown timeout)")}
+        except Exception as e:
+            return {"status": "error", "exception": _dumps_exception(e)}
+        finally:
+            rep.metrics.record(time.perf_counter() - arrived, error)
+            if task is not None:
+                rep.running.discard(task)
+            rep.gate.release()
+        return {"status": "ok", "result": to_serialize(result),
+                "load": rep.gate.in_flight + rep.gate.queued}
+

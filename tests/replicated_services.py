@@ -1,0 +1,111 @@
+"""Replicated services used by the tests (importable by worker processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+import dask_services
+
+# Events that endpoints wait for, by name: shared with the test only on in-process workers.
+GATES: dict[str, asyncio.Event] = {}
+
+
+class Adder(dask_services.Service):
+    """Adds an offset; endpoints covering every case the tests need."""
+
+    service_options = {"max_concurrency": 4}
+
+    async def setup(self, offset: int = 0, fail_if_exists: str | None = None,
+                    delays: dict | None = None) -> None:
+        if fail_if_exists is not None and os.path.exists(fail_if_exists):
+            raise FileExistsError(f"setup refused: {fail_if_exists} exists")
+        self.offset = offset
+        self.delays = delays or {}
+        self.sick = False
+        self.stopped = False
+
+    @dask_services.endpoint
+    async def add(self, x: int) -> int:
+        return x + self.offset
+
+    @dask_services.endpoint
+    async def whoami(self) -> str:
+        return str(self.id)
+
+    @dask_services.endpoint
+    async def slow_add(self, x: int, delay: float = 0.3) -> tuple[str, int]:
+        await asyncio.sleep(self.delays.get(str(self.id), delay))
+        return str(self.id), x + self.offset
+
+    @dask_services.endpoint
+    async def set_delays(self, delays: dict) -> None:
+        self.delays = delays
+
+    @dask_services.endpoint
+    def thread_name(self) -> str:
+        return threading.current_thread().name
+
+    @dask_services.endpoint
+    def sync_sleep(self, seconds: float) -> str:
+        time.sleep(seconds)
+        return str(self.id)
+
+    @dask_services.endpoint
+    async def wait_for(self, gate: str, value: int) -> int:
+        await GATES.setdefault(gate, asyncio.Event()).wait()
+        return value
+
+    @dask_services.endpoint
+    async def fail(self, message: str) -> None:
+        raise ValueError(message)
+
+    @dask_services.endpoint
+    async def make_sick(self) -> None:
+        self.sick = True
+
+    @dask_services.endpoint
+    async def ask_peer(self, x: int) -> list[int]:
+        """Calls ``add`` on every peer (replicas reach each other through ``self.peers``)."""
+        await self.service.refresh()
+        return sorted([await self.peers[sid].add(x) for sid in self.peers])
+
+    @dask_services.endpoint
+    async def pid(self) -> int:
+        return os.getpid()
+
+    async def check_health(self) -> bool:
+        return not self.sick
+
+    def helper(self) -> str:
+        return "not an endpoint"
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+
+class BadSetup(dask_services.Service):
+    """``setup`` always raises."""
+
+    async def setup(self) -> None:
+        raise KeyError("model weights not found")
+
+    @dask_services.endpoint
+    async def ping(self) -> str:
+        return "pong"
+
+
+def call_from_task(svc, x: int) -> int:
+    """A task (in a worker thread) calling the service through a pickled handle."""
+    return svc.add.route(x).result(timeout=30)
+
+
+async def call_from_async_task(svc, x: int) -> int:
+    """An async task calling the service through a pickled handle."""
+    return await svc.add.route(x)
+
+
+def inc(x: int) -> int:
+    return x + 1

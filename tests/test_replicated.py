@@ -1,0 +1,451 @@
+"""Replicated services on a cluster (in-process workers, validation on)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import pickle
+
+import pytest
+from distributed.utils_test import async_poll_for, gen_cluster
+from replicated_services import (
+    GATES,
+    Adder,
+    BadSetup,
+    call_from_async_task,
+    call_from_task,
+    inc,
+)
+
+from dask_services.replicated import (
+    DeploymentError,
+    EndpointRefused,
+    ServiceOverloaded,
+    ServiceShutdown,
+    ServiceUnavailable,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+THREE_WORKERS = [("127.0.0.1", 1)] * 3
+FAST_PROBES = {"dask_services.replicated.health-check-period": "50ms",
+               "dask_services.replicated.health-check-timeout": "2s"}
+
+
+def cluster(**kwargs):
+    """gen_cluster with validation on; afterwards the scheduler and workers are checked."""
+    kwargs.setdefault("client", True)
+    kwargs.setdefault("nthreads", THREE_WORKERS)
+    kwargs.setdefault("timeout", 45)
+
+    def decorator(fn):
+        async def body(c, s, *workers):
+            assert s.validate and all(w.state.validate for w in workers)
+            try:
+                await fn(c, s, *workers)
+            finally:
+                GATES.clear()
+            s.validate_state()
+            for w in workers:
+                w.validate_state()
+
+        body.__name__ = fn.__name__
+        return gen_cluster(**kwargs)(body)
+
+    return decorator
+
+
+def hosted(workers) -> dict[str, list[str]]:
+    """Replica ids held by each worker's extension."""
+    return {w.address: sorted(w.extensions["dask_services"].replicated.replicas)
+            for w in workers if w.status.name == "running"}
+
+
+async def assert_nothing_left(s, workers) -> None:
+    gc.collect()
+    await async_poll_for(lambda: not any(hosted(workers).values()), timeout=10)
+    assert not s.extensions["dask_services"].replicated.deployments
+
+
+async def replica_events(c, action: str) -> list[dict]:
+    """Events of the scheduler's ``dask_services`` topic with this action."""
+    return [e for _, e in await c.get_events("dask_services") if e["action"] == action]
+
+
+def healthy_count(s, svc) -> int:
+    """Healthy replicas of ``svc`` according to the scheduler."""
+    slots = s.extensions["dask_services"].replicated.deployments[svc.name].slots
+    return sum(m.state.value == "healthy" for m in slots.values())
+
+
+def healthy(rows) -> list[dict]:
+    return [r for r in rows if r["state"] == "healthy"]
+
+
+@cluster()
+async def test_route_fanout_sync_and_async_endpoints(c, s, *workers):
+    svc = await Adder.options(replicas=3).as_service(10, client=c)
+    assert await svc.add.route(1) == 11
+    assert await svc.add.route(x=5) == 15
+    ids = await svc.whoami.fanout()
+    assert len(set(ids)) == 3
+    rows = await svc.replicas()
+    assert sorted(r["id"] for r in rows) == sorted(ids)
+    assert {r["worker"] for r in rows} == {w.address for w in workers}  # spread out
+    assert all(r["state"] == "healthy" and r["in_flight"] == 0 and r["queued"] == 0
+               and r["last_error"] is None for r in rows)
+    names = await svc.thread_name.fanout()
+    assert all(n.startswith("replica-") for n in names)  # sync endpoints: replica threads
+    assert sorted(sum(hosted(workers).values(), [])) == sorted(ids)
+    metrics = await svc.metrics()
+    assert sum(m["calls"] for m in metrics) == 2 + 3 + 3
+    assert all(m["p50_ms"] >= 0 and m["p99_ms"] >= m["p50_ms"] for m in metrics)
+    await svc.shutdown()
+    await assert_nothing_left(s, workers)
+    with pytest.raises(ServiceShutdown, match="shut down"):
+        await svc.add.route(1)
+
+
+@cluster()
+async def test_endpoint_error_reaches_caller_and_replica_stays_healthy(c, s, *workers):
+    svc = await Adder.options(replicas=1).as_service(client=c)
+    with pytest.raises(ValueError, match="bad input 7"):
+        await svc.fail.route("bad input 7")
+    (row,) = await svc.replicas()
+    assert row["state"] == "healthy"
+    assert await svc.add.route(1) == 1  # same replica, still serving
+    (m,) = await svc.metrics()
+    assert (m["calls"], m["errors"]) == (2, 1)
+    await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
+@cluster()
+async def test_only_endpoints_are_callable(c, s, *workers):
+    svc = await Adder.options(replicas=1).as_service(client=c)
+    for name in ("helper", "setup", "check_health", "stop", "offset", "_call_me"):
+        with pytest.raises(EndpointRefused, match="not an endpoint of Adder"):
+            getattr(svc, name).route()
+    # The worker refuses too, whatever a caller sends.
+    with pytest.raises(EndpointRefused, match="'helper' is not an endpoint"):
+        await svc._call("helper", (), {})
+    with pytest.raises(TypeError, match=r"svc.add.route"):
+        svc.add(1)
+    await svc.shutdown()
+
+
+@cluster()
+async def test_setup_error_is_raised_by_as_service_and_nothing_stays(c, s, *workers):
+    with pytest.raises(KeyError, match="model weights not found"):
+        await BadSetup.options(replicas=2).as_service(client=c)
+    await assert_nothing_left(s, workers)
+    events = await replica_events(c, "replica-unhealthy")
+    assert events and "model weights not found" in events[0]["detail"]
+
+
+@cluster()
+async def test_setup_failing_repeatedly_shows_unhealthy_in_replicas(c, s, *workers):
+    import tempfile
+
+    marker = tempfile.mktemp(prefix="dask-services-test-")
+    svc = await Adder.options(replicas=1).as_service(5, fail_if_exists=marker, client=c)
+    open(marker, "w").close()
+    try:
+        with pytest.raises(FileExistsError, match="setup refused"):
+            await svc.scale(2)
+        rows = await svc.replicas()
+        bad = [r for r in rows if r["state"] == "unhealthy"]
+        assert len(bad) == 1 and "setup refused" in bad[0]["last_error"]
+        assert len(healthy(rows)) == 1
+        assert await svc.add.route(1) == 6  # the healthy replica still serves
+    finally:
+        import os
+
+        os.remove(marker)
+    await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
+@cluster(nthreads=[("127.0.0.1", 1)])
+async def test_overload_fails_fast_and_queue_limits_hold(c, s, w):
+    svc = await Adder.options(replicas=1, max_concurrency=1, max_queued=2).as_service(client=c)
+    running = svc.wait_for.route("g", 1)
+    queued = [svc.wait_for.route("g", i) for i in (2, 3)]
+
+    async def counts():
+        (row,) = await svc.replicas()
+        return row["in_flight"], row["queued"]
+
+    async def until(expected):
+        deadline = asyncio.get_running_loop().time() + 10
+        while await counts() != expected:
+            assert asyncio.get_running_loop().time() < deadline, await counts()
+            await asyncio.sleep(0.01)
+
+    await until((1, 2))
+    with pytest.raises(ServiceOverloaded, match="max_queued=2"):
+        await asyncio.wait_for(svc.wait_for.route("g", 4), 5)  # fails fast, not queued
+    GATES["g"].set()
+    assert [await running, *[await q for q in queued]] == [1, 2, 3]
+    (m,) = await svc.metrics()
+    assert m["overloaded"] == 1 and m["calls"] == 3
+    await svc.shutdown()
+    await assert_nothing_left(s, [w])
+
+
+@cluster(nthreads=[("127.0.0.1", 1)])
+async def test_shutdown_drains_running_calls_and_fails_queued_ones(c, s, w):
+    svc = await Adder.options(replicas=1, max_concurrency=1).as_service(client=c)
+    running = svc.wait_for.route("g", 42)
+    queued = svc.wait_for.route("g", 43)
+    ext = w.extensions["dask_services"].replicated
+    await async_poll_for(lambda: any(r.gate.queued for r in ext.replicas.values()), 10)
+    (rep,) = ext.replicas.values()
+    stopping = asyncio.ensure_future(svc.shutdown(timeout=20))
+    await async_poll_for(lambda: rep.closing, 10)
+    with pytest.raises(ServiceShutdown, match="queued .* never started"):
+        await queued
+    assert not stopping.done()  # waits for the call in flight
+    GATES["g"].set()
+    assert await running == 42
+    await stopping
+    assert rep.service.stopped  # stop() ran
+    await assert_nothing_left(s, [w])
+
+
+@cluster(nthreads=[("127.0.0.1", 1)])
+async def test_shutdown_timeout_cancels_calls_still_running(c, s, w):
+    svc = await Adder.options(replicas=1).as_service(client=c)
+    running = svc.wait_for.route("never", 1)
+    ext = w.extensions["dask_services"].replicated
+    await async_poll_for(lambda: any(r.gate.in_flight for r in ext.replicas.values()), 10)
+    await svc.shutdown(timeout=0.2)
+    with pytest.raises(ServiceShutdown, match="cancelled"):
+        await running
+    await assert_nothing_left(s, [w])
+
+
+@cluster(nthreads=[("127.0.0.1", 1)] * 2)
+async def test_least_loaded_sends_fewer_calls_to_a_slow_replica(c, s, *workers):
+    svc = await Adder.options(replicas=2, max_concurrency=8).as_service(client=c)
+    slow, fast = sorted(await svc.whoami.fanout())
+    await svc.set_delays.fanout({slow: 0.2, fast: 0.01})
+    counts = {slow: 0, fast: 0}
+
+    async def caller():
+        for _ in range(10):
+            rid, value = await svc.slow_add.route(1)
+            assert value == 1
+            counts[rid] += 1
+
+    await asyncio.gather(*(caller() for _ in range(4)))
+    assert sum(counts.values()) == 40
+    print("calls per replica (slow, fast):", counts[slow], counts[fast])
+    assert counts[slow] < 10, counts  # round robin would give it 20
+    await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
+@cluster(nthreads=[("127.0.0.1", 1)] * 2)
+async def test_round_robin_and_custom_router(c, s, *workers):
+    svc = await Adder.options(replicas=2, router="round_robin").as_service(client=c)
+    got = [await svc.whoami.route() for _ in range(6)]
+    assert got[:2] * 3 == got and len(set(got)) == 2
+    await svc.shutdown()
+
+    class Last:
+        def choose(self, replicas):
+            return max(replicas, key=lambda r: r.id)
+
+    svc = await Adder.options(replicas=2, router=Last).as_service(client=c)
+    ids = sorted(await svc.whoami.fanout())
+    assert {await svc.whoami.route() for _ in range(4)} == {ids[-1]}
+    await svc.shutdown()
+    svc = await Adder.options(replicas=2, router="power_of_two").as_service(client=c)
+    assert await svc.add.route(2) == 2
+    await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
+@cluster()
+async def test_sessions_are_sticky_and_spread_out(c, s, *workers):
+    svc = await Adder.options(replicas=3).as_service(client=c)
+    async with svc.session() as one:
+        first = [await svc.whoami.route() for _ in range(5)]
+        async with svc.session() as two:
+            second = [await svc.whoami.route() for _ in range(5)]
+            r2 = two.replica
+        third = await svc.whoami.route()
+        r1 = one.replica
+    assert set(first) == {r1} and third == r1
+    assert set(second) == {r2} and r2 != r1  # a new session takes the least-loaded one
+    assert one.replica is None and two.replica is None  # released on exit
+    sticky = await Adder.options(replicas=3, router="session_affinity").as_service(client=c)
+    assert len({await sticky.whoami.route() for _ in range(6)}) == 1
+    await sticky.shutdown()
+    await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
+@cluster()
+async def test_session_moves_when_its_replica_worker_leaves(c, s, *workers):
+    svc = await Adder.options(replicas=2).as_service(client=c)
+    async with svc.session() as sess:
+        before = await svc.whoami.route()
+        (row,) = [r for r in await svc.replicas() if r["id"] == before]
+        await next(w for w in workers if w.address == row["worker"]).close()
+        after = [await svc.whoami.route() for _ in range(4)]
+    assert len(set(after)) == 1 and after[0] != before and sess.replica is None
+    await async_poll_for(lambda: healthy_count(s, svc) == 2, timeout=20)
+    await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
+@cluster()
+async def test_scale_up_and_down(c, s, *workers):
+    svc = await Adder.options(replicas=1).as_service(3, client=c)
+    await svc.scale(3)
+    rows = await svc.replicas()
+    assert len(healthy(rows)) == 3
+    assert len(set(await svc.whoami.fanout())) == 3
+    await svc.scale(1)
+    rows = await svc.replicas()
+    assert len(rows) == 1 and rows[0]["state"] == "healthy"
+    assert sum(len(v) for v in hosted(workers).values()) == 1
+    assert await svc.add.route(1) == 4
+    with pytest.raises(ValueError, match="n >= 1"):
+        svc.scale(0)
+    await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
+@cluster()
+async def test_pickled_handle_in_tasks_and_submit_futures(c, s, *workers):
+    svc = await Adder.options(replicas=2).as_service(100, client=c)
+    clone = pickle.loads(pickle.dumps(svc))
+    assert clone.name == svc.name
+    assert await c.submit(call_from_task, svc, 1) == 101
+    assert await c.submit(call_from_async_task, svc, 2) == 102
+    f = svc.add.submit(3)
+    g = c.submit(inc, f)
+    h = svc.add.submit(f)  # a call's result as the argument of another call
+    assert await f == 103 and await g == 104 and await h == 203
+    assert sorted(await svc.ask_peer.route(1)) == [101, 101]  # replicas call their peers
+    del f, g, h
+    await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
+@cluster(config=FAST_PROBES)
+async def test_failed_health_probe_relaunches_the_replica(c, s, *workers):
+    svc = await Adder.options(replicas=2).as_service(7, client=c)
+    ids = sorted(await svc.whoami.fanout())
+    plugin = s.extensions["dask_services"].replicated
+    sick = ids[0]
+    await svc._call("make_sick", (), {}, pin=sick)
+
+    def recovered():
+        states = [(str(m.id), m.state.value) for m in plugin.deployments[svc.name].slots.values()]
+        return sick not in dict(states) and all(st == "healthy" for _, st in states)
+
+    await async_poll_for(recovered, timeout=20)
+    new_ids = sorted(await svc.whoami.fanout())
+    assert sick not in new_ids and ids[1] in new_ids
+    events = await replica_events(c, "replica-recovering")
+    assert any("health probe failed" in (e["detail"] or "") for e in events)
+    assert await svc.add.route(1) == 8
+    await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
+@cluster()
+async def test_retiring_a_worker_moves_its_replica(c, s, *workers):
+    svc = await Adder.options(replicas=2).as_service(1, client=c)
+    rows = await svc.replicas()
+    leaving = rows[0]["worker"]
+    calls = [svc.slow_add.route(i, 0.05) for i in range(20)]
+    retired = await asyncio.wait_for(c.retire_workers([leaving]), 30)
+    assert leaving in retired
+    assert [v for _, v in await asyncio.gather(*calls)] == [i + 1 for i in range(20)]
+    await async_poll_for(lambda: healthy_count(s, svc) == 2, timeout=20)
+    rows = await svc.replicas()
+    assert leaving not in {r["worker"] for r in rows}
+    assert await svc.add.route(1) == 2
+    await svc.shutdown()
+    await assert_nothing_left(s, [w for w in workers if w.address != leaving])
+
+
+@cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_placement_options(c, s, w):
+    with pytest.raises(Exception, match="not healthy after"):
+        with dask_services_config({"dask_services.replicated.deploy-timeout": "300ms"}):
+            await Adder.options(resources={"GPU": 1}).as_service(client=c)
+    await assert_nothing_left(s, [w])
+    svc = await Adder.options(workers=[w.address], name="placed").as_service(client=c)
+    assert (await svc.replicas())[0]["worker"] == w.address
+    with pytest.raises(DeploymentError, match="'placed' is already deployed"):
+        await Adder.options(name="placed").as_service(client=c)
+    await svc.shutdown()
+    await assert_nothing_left(s, [w])
+
+
+def dask_services_config(values):
+    import dask
+
+    return dask.config.set(values)
+
+
+@cluster()
+async def test_calls_in_flight_on_a_closing_worker_are_resent(c, s, *workers):
+    svc = await Adder.options(replicas=2, max_concurrency=2).as_service(10, client=c)
+    leaving = (await svc.replicas())[0]
+    calls = [svc.slow_add.route(i, 0.5) for i in range(8)]
+    ext = next(w for w in workers if w.address == leaving["worker"]).extensions[
+        "dask_services"].replicated
+    await async_poll_for(lambda: any(r.gate.in_flight for r in ext.replicas.values()), 10)
+    await next(w for w in workers if w.address == leaving["worker"]).close()
+    results = await asyncio.wait_for(asyncio.gather(*calls), 30)
+    assert [v for _, v in results] == [i + 10 for i in range(8)]
+    assert leaving["id"] not in {rid for rid, _ in results}  # answered elsewhere
+    await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
+@cluster(nthreads=[("127.0.0.1", 1)] * 2,
+         config={"dask_services.replicated.call-retries": 3,
+                 "dask_services.replicated.retry-backoff": "20ms"})
+async def test_calls_fail_clearly_when_no_replica_can_come_back(c, s, a, b):
+    svc = await Adder.options(replicas=1, workers=[a.address]).as_service(client=c)
+    assert (await svc.replicas())[0]["worker"] == a.address
+    await a.close()  # the only eligible worker: the replica cannot be relaunched
+    with pytest.raises(ServiceUnavailable, match="after 4 attempts.*'recovering'"):
+        await asyncio.wait_for(svc.add.route(1), 20)  # bounded: no hang
+    (row,) = await svc.replicas()
+    assert row["state"] == "recovering" and a.address in row["last_error"]
+    await svc.shutdown()
+    await assert_nothing_left(s, [b])
+
+
+@cluster(nthreads=[("127.0.0.1", 1)])
+async def test_replica_waits_for_an_eligible_worker_to_join(c, s, a):
+    from distributed import Worker
+
+    deploying = asyncio.ensure_future(
+        Adder.options(workers=["late"]).as_service(3, client=c))
+
+    def waiting() -> bool:
+        plugin = s.extensions.get("dask_services")  # installed by as_service
+        return plugin is not None and any(m.waiting_for_worker for d in plugin.replicated
+                                          .deployments.values() for m in d.slots.values())
+
+    await async_poll_for(waiting, timeout=10)
+    assert not deploying.done()
+    async with Worker(s.address, name="late", nthreads=1) as late:
+        svc = await asyncio.wait_for(deploying, 20)
+        (row,) = await svc.replicas()
+        assert row["worker"] == late.address and row["state"] == "healthy"
+        (rep,) = late.extensions["dask_services"].replicated.replicas.values()
+        assert rep.gate.max_concurrency == 4  # Adder.service_options, the class default
+        assert await svc.add.route(1) == 4
+        await svc.shutdown()
+        await assert_nothing_left(s, [a, late])

@@ -1,0 +1,98 @@
+"""Replicated services when worker processes are killed (LocalCluster with nannies)."""
+
+from __future__ import annotations
+
+import dask
+import pytest
+from distributed import Client, LocalCluster
+from distributed.utils_test import poll_for
+from replicated_services import Adder
+from utils import kill
+
+from dask_services.replicated import ServiceUnavailable
+
+pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    config = {"distributed.scheduler.validate": True, "distributed.worker.validate": True,
+              "dask_services.replicated.health-check-period": "200ms"}
+    with dask.config.set(config), LocalCluster(
+        n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0",
+    ) as cluster, Client(cluster) as client:
+        yield cluster, client
+
+
+def hosted(client) -> dict[str, int]:
+    """Replicas held by each worker's extension."""
+    return client.run(lambda dask_worker: len(
+        dask_worker.extensions["dask_services"].replicated.replicas))
+
+
+def all_healthy(svc, n: int, avoid: str = "") -> bool:
+    rows = svc.replicas()
+    return (len(rows) == n and all(r["state"] == "healthy" for r in rows)
+            and avoid not in {r["worker"] for r in rows})
+
+
+def test_worker_killed_while_calls_are_in_flight(cluster):
+    cluster, client = cluster
+    svc = Adder.options(replicas=2, max_concurrency=4).as_service(1000, client=client)
+    victim = svc.replicas()[0]
+    calls = [svc.slow_add.route(i, 0.2) for i in range(40)]
+    poll_for(lambda: any(r["id"] == victim["id"] and r["in_flight"] > 0
+                         for r in svc.replicas()), timeout=30)
+    kill(client, victim["worker"])
+    answered, refused = 0, []
+    for i, call in enumerate(calls):
+        try:
+            _, value = call.result(timeout=60)  # none hangs
+        except ServiceUnavailable as e:
+            refused.append(str(e))
+        else:
+            assert value == i + 1000
+            answered += 1
+    print(f"answered {answered}, refused {len(refused)}")
+    assert answered == 40, refused  # the lost calls were re-sent to the other replica
+    poll_for(lambda: all_healthy(svc, 2, avoid=victim["worker"]), timeout=60)
+    assert svc.add.route(1).result(timeout=30) == 1001
+    cluster.scheduler.validate_state()
+    svc.shutdown()
+    poll_for(lambda: not any(hosted(client).values()), timeout=10)
+    assert not cluster.scheduler.extensions["dask_services"].replicated.deployments
+
+
+def test_session_moves_when_its_replica_worker_is_killed(cluster):
+    cluster, client = cluster
+    client.wait_for_workers(3, timeout=60)
+    svc = Adder.options(replicas=3).as_service(client=client)
+    with svc.session() as session:
+        first = {svc.whoami.route().result(timeout=30) for _ in range(5)}
+        assert first == {session.replica}
+        (row,) = [r for r in svc.replicas() if r["id"] == session.replica]
+        kill(client, row["worker"])
+        moved = [svc.whoami.route().result(timeout=60) for _ in range(5)]
+        assert len(set(moved)) == 1 and moved[0] != row["id"] == next(iter(first))
+        assert session.replica == moved[0]
+    poll_for(lambda: all_healthy(svc, 3, avoid=row["worker"]), timeout=60)
+    svc.shutdown()
+    poll_for(lambda: not any(hosted(client).values()), timeout=10)
+
+
+def test_readme_example_runs(cluster):
+    import re
+    from pathlib import Path
+
+    cluster, client = cluster
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+                if "class Model" in b]
+    ns: dict = {"__name__": "readme_replicated", "client": client}
+    exec(compile(block, "README-replicated", "exec"), ns)
+    svc = ns["svc"]
+    assert ns["a"] == ns["b"]
+    assert ns["y"] == [2, 4] and ns["total"] == 6 and len(ns["everyone"]) == 3
+    with pytest.raises(Exception, match="shut down"):
+        svc.predict.route([1]).result()
+    poll_for(lambda: not any(hosted(client).values()), timeout=10)

@@ -1,0 +1,204 @@
+"""The replica lifecycle state machine on its own (no cluster, no I/O)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dask_services.replicated import _lifecycle as lc
+from dask_services.replicated._lifecycle import ReplicaMachine, ReplicaState
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def placed(m: ReplicaMachine, worker: str) -> list[lc.Action]:
+    """Answer the pending Launch by placing the replica on ``worker``."""
+    return m.handle(lc.Placed(m.id, worker))
+
+
+def healthy_on(worker: str = "a", attempts: int = 3) -> ReplicaMachine:
+    m = ReplicaMachine("svc.0", attempts)
+    assert m.start() == [lc.Launch(m.id, frozenset())]
+    assert placed(m, worker) == [lc.StartOn(m.id, worker)]
+    assert m.handle(lc.SetupSucceeded(m.id)) == [lc.StateChanged(ReplicaState.HEALTHY)]
+    return m
+
+
+def test_first_setup_makes_it_healthy():
+    m = healthy_on("a")
+    assert m.state is ReplicaState.HEALTHY
+    assert m.worker == "a" and m.id == "svc.0.1" and m.last_error is None
+
+
+def test_worker_lost_relaunches_elsewhere_with_a_new_id():
+    m = healthy_on("a")
+    old = m.id
+    actions = m.handle(lc.WorkerLost("a"))
+    assert actions == [lc.StateChanged(ReplicaState.RECOVERING),
+                       lc.Launch(m.id, frozenset({"a"}))]
+    assert m.id != old and m.worker is None
+    assert "left the cluster" in m.last_error
+    assert placed(m, "b") == [lc.StartOn(m.id, "b")]
+    assert m.handle(lc.SetupSucceeded(m.id)) == [lc.StateChanged(ReplicaState.HEALTHY)]
+    assert m.worker == "b"
+
+
+def test_events_about_other_workers_or_old_incarnations_are_ignored():
+    m = healthy_on("a")
+    old = m.id
+    assert m.handle(lc.WorkerLost("b")) == []
+    assert m.handle(lc.WorkerRetiring("b")) == []
+    m.handle(lc.WorkerLost("a"))
+    assert m.handle(lc.SetupSucceeded(old)) == []  # a late answer of the lost incarnation
+    assert m.handle(lc.ProbeFailed(old, "late")) == []
+    assert m.state is ReplicaState.RECOVERING
+
+
+def test_probe_failure_stops_the_old_instance_and_relaunches():
+    m = healthy_on("a")
+    old = m.id
+    actions = m.handle(lc.ProbeFailed(old, "timeout"))
+    assert actions == [lc.Stop(old, "a", drain=False),
+                       lc.StateChanged(ReplicaState.RECOVERING),
+                       lc.Launch(m.id, frozenset({"a"}))]
+    assert "timeout" in m.last_error
+
+
+def test_retiring_worker_drains_and_moves():
+    m = healthy_on("a")
+    old = m.id
+    actions = m.handle(lc.WorkerRetiring("a"))
+    assert actions[0] == lc.Stop(old, "a", drain=True)
+    assert actions[-1] == lc.Launch(m.id, frozenset({"a"}))
+    assert m.state is ReplicaState.RECOVERING
+
+
+def test_setup_failing_repeatedly_ends_unhealthy_with_the_error():
+    m = ReplicaMachine("svc.0", max_setup_attempts=2)
+    m.start()
+    placed(m, "a")
+    actions = m.handle(lc.SetupFailed(m.id, "ValueError: bad path"))
+    assert actions == [lc.Launch(m.id, frozenset({"a"}))]  # retried, elsewhere if possible
+    assert m.state is ReplicaState.UNINITIALIZED
+    placed(m, "b")
+    assert m.handle(lc.SetupFailed(m.id, "ValueError: bad path")) == [
+        lc.StateChanged(ReplicaState.UNHEALTHY)]
+    assert m.last_error == "ValueError: bad path"
+    assert m.handle(lc.WorkerAdded()) == []  # unhealthy is final until stopped
+    assert m.handle(lc.StopRequested()) == [lc.StateChanged(ReplicaState.STOPPED)]
+
+
+def test_a_success_resets_the_failure_count():
+    m = ReplicaMachine("svc.0", max_setup_attempts=2)
+    m.start()
+    placed(m, "a")
+    m.handle(lc.SetupFailed(m.id, "flaky"))
+    placed(m, "a")
+    m.handle(lc.SetupSucceeded(m.id))
+    m.handle(lc.WorkerLost("a"))
+    placed(m, "b")
+    assert m.handle(lc.SetupFailed(m.id, "flaky")) == [lc.Launch(m.id, frozenset({"b"}))]
+    assert m.state is ReplicaState.RECOVERING
+
+
+def test_launch_failures_that_are_not_setup_do_not_count():
+    m = ReplicaMachine("svc.0", max_setup_attempts=1)
+    m.start()
+    placed(m, "a")
+    assert m.handle(lc.LaunchLost(m.id, "CommClosedError")) == [
+        lc.Launch(m.id, frozenset({"a"}))]
+    assert m.state is ReplicaState.UNINITIALIZED
+
+
+def test_no_worker_waits_for_one():
+    m = ReplicaMachine("svc.0")
+    m.start()
+    assert m.handle(lc.NoWorker(m.id)) == []
+    assert m.waiting_for_worker
+    actions = m.handle(lc.WorkerAdded())
+    assert actions == [lc.Launch(m.id, frozenset())]
+    assert healthy_on().handle(lc.WorkerAdded()) == []
+
+
+def test_stop_from_any_state_and_stopped_is_final():
+    m = healthy_on("a")
+    old = m.id
+    assert m.handle(lc.StopRequested()) == [lc.Stop(old, "a", drain=True),
+                                            lc.StateChanged(ReplicaState.STOPPED)]
+    for event in (lc.WorkerLost("a"), lc.SetupSucceeded(m.id), lc.WorkerAdded(),
+                  lc.StopRequested()):
+        assert m.handle(event) == []
+    pending = ReplicaMachine("svc.1")
+    pending.start()  # not placed yet: nothing to stop on a worker
+    assert pending.handle(lc.StopRequested()) == [lc.StateChanged(ReplicaState.STOPPED)]
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="max_setup_attempts"):
+        ReplicaMachine("x", 0)
+    m = healthy_on()
+    with pytest.raises(RuntimeError, match="once"):
+        m.start()
+
+
+WORKERS = ["a", "b", "c"]
+
+
+def events_for(m: ReplicaMachine):
+    """A strategy of plausible events given the machine's current incarnation."""
+    return st.one_of(
+        st.sampled_from(WORKERS).map(lambda w: lc.Placed(m.id, w)),
+        st.just(lc.NoWorker(m.id)),
+        st.just(lc.WorkerAdded()),
+        st.just(lc.SetupSucceeded(m.id)),
+        st.just(lc.SetupFailed(m.id, "boom")),
+        st.just(lc.LaunchLost(m.id, "lost")),
+        st.sampled_from(WORKERS).map(lc.WorkerLost),
+        st.sampled_from(WORKERS).map(lc.WorkerRetiring),
+        st.just(lc.ProbeFailed(m.id, "slow")),
+        st.just(lc.StopRequested()),
+        st.just(lc.SetupSucceeded("svc.0.0")),  # a stale id
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data(), st.integers(1, 4))
+def test_invariants_hold_for_any_sequence_of_events(data, attempts):
+    m = ReplicaMachine("svc.0", attempts)
+    seen_ids: set = set()
+    actions = m.start()
+    was_healthy = False
+    for _ in range(30):
+        for a in actions:
+            if isinstance(a, lc.Launch):
+                assert a.id == m.id and a.id not in seen_ids  # never reused
+                seen_ids.add(a.id)
+            if isinstance(a, lc.StartOn):
+                assert a.id == m.id and a.worker == m.worker
+        prev = m.state
+        event = data.draw(events_for(m))
+        actions = m.handle(event)
+        if prev is ReplicaState.STOPPED:
+            assert actions == [] and m.state is ReplicaState.STOPPED
+        if prev is ReplicaState.UNHEALTHY and not isinstance(event, lc.StopRequested):
+            assert actions == [] and m.state is ReplicaState.UNHEALTHY
+        if m.state is ReplicaState.HEALTHY:
+            assert m.worker is not None
+            was_healthy = True
+        if m.state is ReplicaState.UNHEALTHY:
+            assert m.setup_failures >= attempts and m.last_error
+        if m.state is ReplicaState.RECOVERING:
+            assert was_healthy  # only a replica that was healthy once recovers
+        if m.state is ReplicaState.UNINITIALIZED:
+            assert not was_healthy
+        changes = [a for a in actions if isinstance(a, lc.StateChanged)]
+        assert len(changes) <= 1
+        if changes:
+            assert changes[0].state is m.state is not prev
+        else:
+            assert m.state is prev
+        launches = [a for a in actions if isinstance(a, lc.Launch)]
+        assert len(launches) <= 1
+        if launches:
+            assert m.worker is None and m.state not in lc.TERMINAL

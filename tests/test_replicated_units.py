@@ -1,0 +1,181 @@
+"""Replicated services without a cluster: admission queue, routers, options, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+import dask_services
+from dask_services.replicated import (
+    LeastLoaded,
+    PowerOfTwo,
+    ReplicaView,
+    RoundRobin,
+    ServiceOverloaded,
+    ServiceShutdown,
+)
+from dask_services.replicated._metrics import ReplicaMetrics
+from dask_services.replicated._options import ReplicaOptions, endpoints, unconfigured
+from dask_services.replicated._queue import CallGate
+from dask_services.replicated._routing import make_router
+from dask_services.service import ServiceId
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 10))
+
+
+def test_gate_admits_max_concurrency_then_queues_then_refuses():
+    async def main():
+        gate = CallGate(max_concurrency=2, max_queued=1, name="r")
+        await gate.acquire()
+        await gate.acquire()
+        assert gate.in_flight == 2
+        waiter = asyncio.ensure_future(gate.acquire())
+        await asyncio.sleep(0)
+        assert gate.queued == 1 and not waiter.done()
+        with pytest.raises(ServiceOverloaded, match="max_queued=1"):
+            await gate.acquire()
+        gate.release()  # hands the slot to the waiter
+        await waiter
+        assert gate.in_flight == 2 and gate.queued == 0
+
+    run(main())
+
+
+def test_gate_is_first_come_first_served_and_cancel_safe():
+    async def main():
+        gate = CallGate(1, 10)
+        await gate.acquire()
+        order = []
+
+        async def call(i):
+            await gate.acquire()
+            order.append(i)
+            gate.release()
+
+        tasks = [asyncio.ensure_future(call(i)) for i in range(4)]
+        await asyncio.sleep(0)
+        tasks[1].cancel()  # a caller that gave up leaves the queue
+        await asyncio.sleep(0)
+        assert gate.queued == 3
+        gate.release()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert order == [0, 2, 3]
+        assert gate.in_flight == 0
+
+    run(main())
+
+
+def test_gate_close_fails_queued_calls_and_refuses_new_ones():
+    async def main():
+        gate = CallGate(1, 5, name="replica x")
+        await gate.acquire()
+        waiter = asyncio.ensure_future(gate.acquire())
+        await asyncio.sleep(0)
+        gate.close()
+        with pytest.raises(ServiceShutdown, match="replica x"):
+            await waiter
+        with pytest.raises(ServiceShutdown):
+            await gate.acquire()
+        idle = asyncio.ensure_future(gate.wait_idle())
+        await asyncio.sleep(0)
+        assert not idle.done()  # the running call still holds its slot
+        gate.release()
+        await idle
+
+    run(main())
+
+
+def views(*loads):
+    return [ReplicaView(ServiceId(f"r{i}"), f"w{i}", load) for i, load in enumerate(loads)]
+
+
+def test_routers():
+    rr = RoundRobin()
+    assert [rr.choose(views(0, 0, 0)).id for _ in range(4)] == ["r0", "r1", "r2", "r0"]
+    ll = LeastLoaded()
+    assert ll.choose(views(3, 1, 2)).id == "r1"
+    assert {ll.choose(views(0, 0, 5)).id for _ in range(4)} == {"r0", "r1"}  # ties take turns
+    p2 = PowerOfTwo(seed=1)
+    picks = [p2.choose(views(0, 9, 9, 9)).id for _ in range(200)]
+    assert picks.count("r0") > 200 * 0.4  # r0 wins every draw it is part of (half of them)
+    assert "r0" not in {p2.choose(views(9, 0)).id for _ in range(20)}
+
+
+def test_router_specs():
+    class Mine:
+        def choose(self, replicas):
+            return replicas[-1]
+
+    assert isinstance(make_router("round_robin"), RoundRobin)
+    assert isinstance(make_router(Mine), Mine)
+    mine = Mine()
+    assert make_router(mine) is mine
+    with pytest.raises(ValueError, match="unknown router 'fastest'.*least_loaded"):
+        make_router("fastest")
+    with pytest.raises(TypeError, match="choose"):
+        make_router(42)
+
+
+class Model(dask_services.Service):
+    service_options = {"replicas": 2, "max_queued": 7}
+
+    @dask_services.endpoint
+    async def predict(self, x):
+        return x
+
+    def helper(self):
+        pass
+
+
+def test_options_chain_and_class_defaults():
+    configured = Model.options(replicas=3).options(max_concurrency=4)
+    opts = ReplicaOptions.merged(configured.service_options)
+    assert (opts.replicas, opts.max_concurrency, opts.max_queued) == (3, 4, 7)
+    assert ReplicaOptions.merged(Model.service_options).replicas == 2
+    assert configured.__name__ == "Model" and issubclass(configured, Model)
+    assert unconfigured(configured) is Model
+    assert endpoints(configured) == ["predict"]
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"replicas": 0}, "replicas"),
+    ({"replicas": 1.5}, "replicas"),
+    ({"max_concurrency": 0}, "max_concurrency"),
+    ({"max_queued": -1}, "max_queued"),
+    ({"router": "nope"}, "unknown router"),
+    ({"workers": "tcp://a"}, "list of worker"),
+    ({"workers": []}, "no worker"),
+    ({"resources": {"GPU": "one"}}, "resources"),
+    ({"replica": 2}, r"unknown option\(s\) \['replica'\]"),
+])
+def test_bad_options_fail_early(bad, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        Model.options(**bad)
+
+
+def test_endpoint_names_may_not_hide_handle_methods():
+    class Clash(dask_services.Service):
+        @dask_services.endpoint
+        def scale(self):
+            pass
+
+    from dask_services.replicated._handle import check_names
+
+    with pytest.raises(TypeError, match="scale"):
+        check_names(Clash)
+
+
+def test_metrics_quantiles():
+    m = ReplicaMetrics(window=100)
+    for i in range(1, 201):
+        m.record(i / 1000, error=(i % 50 == 0))
+    s = m.summary()
+    assert s["calls"] == 200 and s["errors"] == 4
+    assert s["p50_ms"] == pytest.approx(150) and s["p99_ms"] == pytest.approx(199)
+    assert math.isnan(ReplicaMetrics().summary()["p50_ms"])
