@@ -25,6 +25,7 @@ from distributed.protocol.serialize import Serialize, ToPickle, to_serialize
 from distributed.utils import sync
 from tornado.ioloop import PeriodicCallback
 
+from dask_services._counters import CounterReports, instance_counters
 from dask_services._host import Environment, InstanceSpec, ServiceHost, make_directory
 from dask_services.service import OutputLostError, ServiceId
 
@@ -204,6 +205,7 @@ class ServiceWorkerPlugin(WorkerPlugin):
         self.produced: dict[Key, Any] = {}
         self.outcomes: dict[Key, asyncio.Future] = {}
         self._background: set[asyncio.Task] = set()
+        self.counter_reports = CounterReports()
         for op in _STREAM_OPS:
             worker.stream_handlers[op] = self._guarded(getattr(self, "_" + op.replace("-", "_")))
         worker.handlers["service_rpc"] = self.service_rpc
@@ -223,6 +225,7 @@ class ServiceWorkerPlugin(WorkerPlugin):
                 fut.set_result(("cancelled", None))
         self.outcomes.clear()
         self.produced.clear()
+        self.counter_reports.clear()
         for op in _STREAM_OPS:
             # The scheduler may still send an op (a closing worker's stream stays open
             # until the end); an unknown op would kill the stream, so ignore it instead.
@@ -267,7 +270,17 @@ class ServiceWorkerPlugin(WorkerPlugin):
         self._spawn(self.host.all_inputs_done(ServiceId(id)))
 
     def _service_stop(self, id: str, **_: Any) -> None:
-        self._spawn(self.host.stop(ServiceId(id)))
+        self._spawn(self._stop(ServiceId(id)))
+
+    async def _stop(self, sid: ServiceId) -> None:
+        inst = self.host.instances.get(sid)
+        await self.host.stop(sid)
+        if inst is not None:
+            self.counter_reports.stopped(instance_counters(inst))
+
+    def heartbeat(self) -> dict:
+        """Counters of the instances here, for the scheduler plugin (``_counters.py``)."""
+        return self.counter_reports.heartbeat(self.host.instances.values())
 
     def _service_task_outcome(self, key: Key, error: bytes | None = None, **_: Any) -> None:
         ts = self.worker.state.tasks.get(key)
