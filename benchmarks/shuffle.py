@@ -79,7 +79,7 @@ def run_case(client: Any, label: str, nbytes: int, npartitions: int, methods: li
             results[method].peak_memory.extend(peak)
             done += 1
             progress(done, total, f"shuffle {label}", show_progress)
-    del df
+    del df, shuffled, once  # the last shuffled frame (and once) hold df's futures too
     settle(client, keep=base)
     return list(results.values())
 

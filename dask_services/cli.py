@@ -20,6 +20,12 @@ def _local_cluster(workers: int, threads: int, processes: bool) -> Any:
     )
 
 
+def show_progress(args: argparse.Namespace) -> bool:
+    """Progress bars go to stderr, only when it is a terminal and ``--quiet`` is not given
+    (stdout, e.g. ``--json``, is never touched)."""
+    return not args.quiet and sys.stderr.isatty()
+
+
 def _progress(iterable: Sequence[Any], label: str, enabled: bool) -> Any:
     """A minimal progress bar on stderr (no extra dependency)."""
     total = len(iterable)
@@ -136,7 +142,7 @@ def bench(args: argparse.Namespace) -> int:
 
         def measure(fn: Callable[[], Any], label: str) -> list[float]:
             times = []
-            for _ in _progress(range(args.repeat), label, not args.json):
+            for _ in _progress(range(args.repeat), label, show_progress(args)):
                 start = time.perf_counter()
                 inner = fn()
                 times.append(inner if isinstance(inner, float) else
@@ -189,7 +195,7 @@ def bench_shuffle(args: argparse.Namespace) -> int:
     with _local_cluster(args.workers, args.threads, True) as cluster, Client(cluster) as client:
         results = shuffle.run(client, sizes, args.repeat, npartitions=args.partitions,
                               methods=tuple(args.methods.split(",")),
-                              show_progress=not args.json)
+                              show_progress=show_progress(args))
     print(report(results, "p2p", args.json))
     return 0
 
@@ -205,7 +211,7 @@ def bench_rechunk(args: argparse.Namespace) -> int:
     with _local_cluster(args.workers, args.threads, True) as cluster, Client(cluster) as client:
         results = rechunk.run(client, sizes, args.local_size or None, args.repeat,
                               methods=tuple(args.methods.split(",")),
-                              show_progress=not args.json)
+                              show_progress=show_progress(args))
     print(report(results, "p2p", args.json, extra_columns=("first_output_s", "tasks")))
     return 0
 
@@ -228,6 +234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_bench.add_argument("--methods", default="service,p2p,tasks")
     p_bench.add_argument("--repeat", type=int, default=3)
     p_bench.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p_bench.add_argument("--quiet", action="store_true",
+                         help="no progress bar (there is none either when stderr is not a "
+                              "terminal)")
     p_bench.set_defaults(func=bench)
     args = parser.parse_args(argv)
     return int(args.func(args))

@@ -246,3 +246,28 @@ def test_status_dataframe_and_progress_bar(small_cluster, capsys):
     assert row["inputs_handed_off"] == 6 and row["outputs_produced"] == 3
     with pytest.raises(KeyError, match="no status table 'nope'"):
         dask_services.status(client, table="nope")
+
+
+@pytest.mark.slow
+def test_bench_progress_bar_on_a_terminal_keeps_json_clean(capsys, monkeypatch):
+    import json
+
+    from dask_services.cli import main
+
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)
+    assert main(["bench", "overhead", "--repeat", "2", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["repeat"] == 2  # stdout is only the JSON
+    assert re.search(r"service task \[#{30}\] 2/2", captured.err), captured.err
+
+
+def test_progress_bar_only_on_a_terminal_and_not_quiet(monkeypatch):
+    from dask_services.cli import main, show_progress
+
+    parsed = {}
+    monkeypatch.setattr("dask_services.cli.bench", lambda args: parsed.update(a=args) or 0)
+    for tty, flags, expected in [(True, [], True), (True, ["--quiet"], False),
+                                 (False, [], False)]:
+        monkeypatch.setattr("sys.stderr.isatty", lambda tty=tty: tty)
+        assert main(["bench", "shuffle", *flags]) == 0
+        assert show_progress(parsed["a"]) is expected, (tty, flags)
