@@ -47,8 +47,10 @@ def demo(args: argparse.Namespace) -> int:
 
     print(f"Starting a LocalCluster with {args.workers} worker processes ...")
     with _local_cluster(args.workers, 1, True) as cluster, Client(cluster) as client:
-        print(f"  dashboard: {client.dashboard_link}")
         dask_services.install(client)
+        print(f"  dashboard: {client.dashboard_link}")
+        if _has_services_page(client):
+            print(f"  service runs: {client.dashboard_link.rsplit('/', 1)[0]}/services")
 
         def timed(label: str, fn: Callable[[], Any]) -> Any:
             start = time.perf_counter()
@@ -108,8 +110,22 @@ def demo(args: argparse.Namespace) -> int:
 
             timed(f"shuffle of 3.2M rows, 32 partitions ({method})", run)
         print(f"     rows after each shuffle: {rows}")
-        print("\nDone. See README.md for writing your own service.")
+        print("\n5. What the scheduler saw (dask_services.status(client)):")
+        columns = ["service", "run_id", "state", "workers", "inputs_handed_off",
+                   "outputs_produced", "bytes_sent", "duration_s"]
+        print(dask_services.status(client)[columns].to_string(index=False))
+        print("\nDone. See README.md for writing your own service, and notebooks/ for tours.")
     return 0
+
+
+def _has_services_page(client: Any) -> bool:
+    """Whether the scheduler serves the dashboard's /services page (bokeh installed)."""
+
+    def check(dask_scheduler: Any) -> bool:
+        apps = getattr(getattr(dask_scheduler, "http_application", None), "applications", [])
+        return any("/services" in getattr(a, "app_paths", ()) for a in apps)
+
+    return bool(client.run_on_scheduler(check))
 
 
 def bench(args: argparse.Namespace) -> int:
