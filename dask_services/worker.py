@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from distributed.core import Status
 from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.protocol import pickle as dask_pickle
 from distributed.protocol.serialize import Serialize, ToPickle, to_serialize
 from distributed.utils import sync
 from tornado.ioloop import PeriodicCallback
@@ -57,19 +58,23 @@ def _unwrap(obj: Any) -> Any:
 
 
 def dumps_exception(exc: BaseException) -> bytes:
-    """Pickle an exception with its traceback text attached as a note."""
+    """Pickle an exception with its traceback text attached as a note.
+
+    distributed's pickle falls back to cloudpickle, so exception classes defined in
+    ``__main__`` (a notebook, a script) travel by value and keep their type.
+    """
     text = "".join(traceback.format_exception(exc))
     try:
-        payload = pickle.dumps(exc)
-        pickle.loads(payload)
+        payload = dask_pickle.dumps(exc)
+        dask_pickle.loads(payload)
     except Exception:
-        payload = pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
+        payload = dask_pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
     return pickle.dumps((payload, text))
 
 
 def loads_exception(blob: bytes) -> BaseException:
     payload, text = pickle.loads(blob)
-    exc = pickle.loads(payload)
+    exc = dask_pickle.loads(payload)
     with contextlib.suppress(Exception):
         exc.add_note("Raised by a service instance:\n" + text)
     return exc
