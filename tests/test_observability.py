@@ -216,6 +216,31 @@ async def test_dashboard_page_and_metrics_show_a_running_service(c, s, a, b):
     await assert_nothing_left(s, [a, b])
 
 
+@service_cluster(**DASHBOARD)
+async def test_a_registered_table_shows_everywhere(c, s, a, b):
+    pytest.importorskip("bokeh")
+    pytest.importorskip("prometheus_client")
+    table = _status.StatusTable(
+        name="deployed", title="Deployed things", columns=("name", "state", "load"),
+        labels=("name", "state"), figures=("load",),
+        rows=lambda plugin: [{"name": f"n{len(plugin.machines)}", "state": "up", "load": 7}],
+    )
+    _status.register_table(table)
+    try:
+        url = f"http://127.0.0.1:{s.http_server.port}"
+        result = await c.scheduler.service_status(tables=["deployed"])
+        assert [dict(r) for r in result["deployed"]] == [{"name": "n0", "state": "up", "load": 7}]
+        tables = await asyncio.to_thread(pull_tables, url + "/services")
+        assert tables["dask-services-deployed"] == {"name": ["n0"], "state": ["up"],
+                                                    "load": [7]}
+        assert "dask-services-runs" in tables
+        metrics = (await AsyncHTTPClient().fetch(url + "/metrics")).body.decode()
+        assert samples(metrics, "dask_services_deployed_load") == {
+            'name="n0",state="up"': 7.0}
+    finally:
+        _status.TABLES.pop("deployed")
+
+
 @service_cluster()
 async def test_no_dashboard_and_no_prometheus_client_are_fine(c, s, a, b, monkeypatch):
     plugin = s.extensions["dask_services"]
