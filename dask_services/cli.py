@@ -51,6 +51,9 @@ def demo(args: argparse.Namespace) -> int:
         print(f"  dashboard: {client.dashboard_link}")
         if _has_services_page(client):
             print(f"  service runs: {client.dashboard_link.rsplit('/', 1)[0]}/services")
+        else:
+            print("  (pip install 'dask-services[dashboard]' for the dashboard and its "
+                  "Services page)")
 
         def timed(label: str, fn: Callable[[], Any]) -> Any:
             start = time.perf_counter()
