@@ -87,6 +87,25 @@ def settle(client: Any, keep: int = 0, timeout: float = 30) -> None:
     client.run(_release_memory)
 
 
+def fresh_input(client: Any, make: Callable[[], Any]) -> tuple[Any, int]:
+    """Restart every worker process, then persist ``make()``; returns the persisted
+    collection and the number of tasks held with it (for :func:`settle`).
+
+    Before each measured run, so that every method starts from the same state: worker
+    processes holding only the input.  A run's peak is process memory, and a process keeps
+    heap it has once grown to (fragmented, or held by the allocator); without fresh
+    processes a method's peak depends on which method ran before it.
+    """
+    from distributed import wait
+
+    client.restart()
+    data = client.persist(make())
+    wait(data)
+    keep = held(client)
+    settle(client, keep=keep)
+    return data, keep
+
+
 def rotated(methods: list[str], repeat: int) -> list[str]:
     """The methods in a different order every repeat, so that no method always runs after
     the same one (a run can leave memory behind that the next one's peak would count)."""

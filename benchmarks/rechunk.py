@@ -22,6 +22,7 @@ from typing import Any
 
 from benchmarks.common import (
     Measurement,
+    fresh_input,
     held,
     parse_size,
     peak_memory,
@@ -51,12 +52,17 @@ def graph_size(array: Any) -> int:
 
 
 def run_case(client: Any, label: str, shape: tuple, old: tuple, new: tuple,
-             methods: list[str], repeat: int, show_progress: bool) -> list[Measurement]:
+             methods: list[str], repeat: int, show_progress: bool, fresh: bool = True
+             ) -> list[Measurement]:
     import dask.array as da
     from distributed import as_completed, wait
 
     base = held(client)
-    x = client.persist(da.random.random(shape, chunks=old))
+
+    def make() -> Any:
+        return da.random.random(shape, chunks=old)
+
+    x = client.persist(make())
     wait(x)
     keep = held(client)
     settle(client, keep=keep)
@@ -64,6 +70,9 @@ def run_case(client: Any, label: str, shape: tuple, old: tuple, new: tuple,
     total, done = repeat * len(methods), 0
     for r in range(repeat):
         for method in rotated(methods, r):  # interleaved, so drift hits every method alike
+            if fresh:
+                del x
+                x, keep = fresh_input(client, make)
             y = x.rechunk(new, method=method)
             first: list[float] = []
 
@@ -93,7 +102,7 @@ def run_case(client: Any, label: str, shape: tuple, old: tuple, new: tuple,
 
 def run(client: Any, sizes: list[str], local_size: str | None, repeat: int,
         methods: tuple[str, ...] = ("service", "p2p", "tasks"),
-        show_progress: bool = True) -> list[Measurement]:
+        show_progress: bool = True, fresh: bool = True) -> list[Measurement]:
     import dask_services
 
     dask_services.install(client)
@@ -101,9 +110,9 @@ def run(client: Any, sizes: list[str], local_size: str | None, repeat: int,
     for size in sizes:
         shape, old, new = all_to_all(parse_size(size))
         out += run_case(client, f"all-to-all {size}", shape, old, new, list(methods), repeat,
-                        show_progress)
+                        show_progress, fresh)
     if local_size:
         shape, old, new = local(parse_size(local_size))
         out += run_case(client, f"local 100->150 rows {local_size}", shape, old, new,
-                        list(methods), repeat, show_progress)
+                        list(methods), repeat, show_progress, fresh)
     return out

@@ -18,6 +18,7 @@ import pandas as pd
 
 from benchmarks.common import (
     Measurement,
+    fresh_input,
     held,
     parse_size,
     peak_memory,
@@ -49,13 +50,17 @@ def frame(nbytes: int, npartitions: int) -> Any:
 
 
 def run_case(client: Any, label: str, nbytes: int, npartitions: int, methods: list[str],
-             repeat: int, show_progress: bool) -> list[Measurement]:
+             repeat: int, show_progress: bool, fresh: bool = True) -> list[Measurement]:
     from distributed import wait
 
     # The input is persisted first, so that the timings are of the shuffles alone (making
     # the frame costs every method the same, and would only dilute the ratios).
     base = held(client)
-    df = client.persist(frame(nbytes, npartitions))
+
+    def make() -> Any:
+        return frame(nbytes, npartitions)
+
+    df = client.persist(make())
     wait(df)
     keep = held(client)
     settle(client, keep=keep)
@@ -64,6 +69,9 @@ def run_case(client: Any, label: str, nbytes: int, npartitions: int, methods: li
     total, done = repeat * len(methods), 0
     for r in range(repeat):
         for method in rotated(methods, r):  # interleaved, so drift hits every method alike
+            if fresh:
+                del df
+                df, keep = fresh_input(client, make)
             # optimized as df.persist() and df.compute() do (client.persist does not fuse)
             shuffled = df.shuffle("key", shuffle_method=method).optimize()
 
@@ -74,27 +82,28 @@ def run_case(client: Any, label: str, nbytes: int, npartitions: int, methods: li
 
             with peak_memory(client) as peak:
                 seconds = timed(once)
+            del shuffled
             settle(client, keep=keep)
             results[method].seconds.append(seconds)
             results[method].peak_memory.extend(peak)
             done += 1
             progress(done, total, f"shuffle {label}", show_progress)
-    del df, shuffled, once  # the last shuffled frame (and once) hold df's futures too
+    del df, once  # the last once() holds the last shuffled frame, and so df's futures
     settle(client, keep=base)
     return list(results.values())
 
 
 def run(client: Any, sizes: list[str], repeat: int, npartitions: int = 128,
         methods: tuple[str, ...] = ("service", "p2p", "tasks"), tiny: bool = True,
-        show_progress: bool = True) -> list[Measurement]:
+        show_progress: bool = True, fresh: bool = True) -> list[Measurement]:
     import dask_services
 
     dask_services.install(client)
     out: list[Measurement] = []
     if tiny:
         out += run_case(client, "tiny (10 x 1,000 rows)", 10 * 1000 * BYTES_PER_ROW, 10,
-                        list(methods), max(repeat, 5), show_progress)
+                        list(methods), max(repeat, 5), show_progress, fresh=False)
     for size in sizes:
         out += run_case(client, size, parse_size(size), npartitions, list(methods), repeat,
-                        show_progress)
+                        show_progress, fresh)
     return out

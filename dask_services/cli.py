@@ -214,7 +214,7 @@ def bench_shuffle(args: argparse.Namespace) -> int:
     with _local_cluster(args.workers, args.threads, True) as cluster, Client(cluster) as client:
         results = shuffle.run(client, sizes, args.repeat, npartitions=args.partitions,
                               methods=tuple(args.methods.split(",")),
-                              show_progress=show_progress(args))
+                              show_progress=show_progress(args), fresh=not args.reuse_workers)
     print(report(results, "p2p", args.json))
     return 0
 
@@ -230,7 +230,7 @@ def bench_rechunk(args: argparse.Namespace) -> int:
     with _local_cluster(args.workers, args.threads, True) as cluster, Client(cluster) as client:
         results = rechunk.run(client, sizes, args.local_size or None, args.repeat,
                               methods=tuple(args.methods.split(",")),
-                              show_progress=show_progress(args))
+                              show_progress=show_progress(args), fresh=not args.reuse_workers)
     print(report(results, "p2p", args.json, extra_columns=("first_output_s", "tasks")))
     return 0
 
@@ -256,6 +256,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_bench.add_argument("--quiet", action="store_true",
                          help="no progress bar (there is none either when stderr is not a "
                               "terminal)")
+    p_bench.add_argument("--reuse-workers", action="store_true",
+                         help="shuffle/rechunk: keep the worker processes between runs "
+                              "(faster; by default every measured run starts on restarted "
+                              "workers holding only its input, so that no method's peak "
+                              "memory counts heap another method left behind)")
     p_bench.set_defaults(func=bench)
     args = parser.parse_args(argv)
     return int(args.func(args))

@@ -28,7 +28,7 @@ from tornado.ioloop import PeriodicCallback
 
 from dask_services._counters import CounterReports, instance_counters
 from dask_services._host import Environment, InstanceSpec, ServiceHost, make_directory
-from dask_services.service import OutputLostError, ServiceId
+from dask_services.service import OutputLostError, ServiceId, StaleRunError
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -47,6 +47,7 @@ _STREAM_OPS = (
     "service-drop-output",
 )
 _RPC_OPS = ("service_rpc", "service_add_key")
+_STALE = "dask-services-stale-run"  # reply of service_rpc for an instance no longer here
 # Worker task states in which a service task cannot be waiting for its outcome.
 _NOT_RUNNING = frozenset({"cancelled", "released", "forgotten", "memory", "error"})
 
@@ -186,6 +187,8 @@ class WorkerEnvironment(Environment):
             target=str(target), source=str(source), run_id=run_id, seq=seq, method=method,
             payload=to_serialize((args, kwargs)),
         )
+        if isinstance(response, dict) and _STALE in response:
+            raise StaleRunError(response[_STALE])
         return _unwrap(response)
 
     async def run_in_executor(self, fn: Callable[..., T], *args: Any) -> T:
@@ -316,8 +319,13 @@ class ServiceWorkerPlugin(WorkerPlugin):
     async def service_rpc(self, comm: Any, target: str, source: str, run_id: int, seq: int,
                           method: str, payload: Any) -> Any:
         args, kwargs = _unwrap(payload)
-        result = await self.host.deliver(ServiceId(target), ServiceId(source), run_id, seq,
-                                         method, args, kwargs)
+        try:
+            result = await self.host.deliver(ServiceId(target), ServiceId(source), run_id,
+                                             seq, method, args, kwargs)
+        except StaleRunError as exc:
+            # Routine at the end of a run (a peer's last call races the stop): answered, not
+            # logged as a handler failure.
+            return {_STALE: str(exc)}
         return to_serialize(result)
 
     async def service_add_key(self, comm: Any, target: str, key: Key, payload: Any) -> bool:

@@ -6,7 +6,6 @@ import json
 
 import dask
 import pytest
-from distributed.protocol.serialize import to_serialize
 from distributed.utils_test import async_poll_for, gen_cluster
 from services import Recorder
 from utils import assert_nothing_left, events_of, service_cluster
@@ -32,11 +31,10 @@ async def test_message_for_an_old_run_is_refused(c, s, a, b):
     first, second = sorted({e[4]["run_id"] for e in events_of("start")})
     old = {e[3]: e[1] for e in events_of("start") if e[4]["run_id"] == first}
     new = {e[3]: e[1] for e in events_of("start") if e[4]["run_id"] == second}
+    sender = a.extensions["dask_services"].host.env
     with pytest.raises(dask_services.StaleRunError, match="no longer current"):
-        await a.rpc(b.address).service_rpc(
-            target=str(old[b.address]), source=str(old[a.address]), run_id=first, seq=0,
-            method="receive_partial", payload=to_serialize(((old[a.address], [1000]), {})),
-        )
+        await sender.send_rpc(b.address, old[b.address], old[a.address], first, 0,
+                              "receive_partial", (old[a.address], [1000]), {})
     # the message did not reach the live instance of the new run
     inst = b.extensions["dask_services"].host.instances[new[b.address]]
     assert old[a.address] not in inst.service.received
@@ -77,3 +75,23 @@ def test_cli_bench_overhead_json(capsys):
     assert main(["bench", "overhead", "--repeat", "2", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["service_task_median_s"] > 0 and result["client_submit_median_s"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("what, sizes", [("shuffle", "2MB"), ("rechunk", "2MB")])
+def test_cli_bench_json_on_restarted_workers(capsys, what, sizes):
+    from dask_services.cli import main
+
+    args = ["bench", what, "--sizes", sizes, "--repeat", "1", "--methods", "service,p2p",
+            "--partitions", "8", "--local-size", "1MB", "--json"]
+    assert main(args) == 0
+    rows = json.loads(capsys.readouterr().out)
+    cases = {row["case"] for row in rows}
+    assert len(cases) == 2  # shuffle: tiny and 2MB; rechunk: all-to-all and local
+    for case in cases:
+        by_method = {row["method"]: row for row in rows if row["case"] == case}
+        assert set(by_method) == {"service", "p2p"}
+        assert by_method["p2p"]["ratio_to_p2p"] == 1.0
+        for row in by_method.values():
+            assert row["median_s"] > 0 and row["peak_worker_memory_MB"] > 0
