@@ -89,7 +89,7 @@ def run_case(client: Any, label: str, nbytes: int, npartitions: int, methods: li
             results[method].peak_memory.extend(peak)
             done += 1
             progress(done, total, f"shuffle {label}", show_progress)
-    del df
+    del df, once  # the last once() holds the last shuffled frame, and so df's futures
     settle(client, keep=base)
     return list(results.values())
 

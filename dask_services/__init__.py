@@ -14,6 +14,7 @@ from dask_services import (
     dataframe,  # noqa: F401  (registers the "service" shuffle method)
 )
 from dask_services import config as _config  # noqa: F401  (registers config defaults)
+from dask_services._status import status
 from dask_services.client import install, install_async, service_task, submit
 from dask_services.replicated import (
     ReplicatedService,
@@ -60,6 +61,7 @@ __all__ = [
     "install_async",
     "rpc",
     "service_task",
+    "status",
     "submit",
 ]
 

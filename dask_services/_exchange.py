@@ -24,6 +24,7 @@ class PeerExchange(Service):
         self.stream: PeerStream | None = None
         self.sent_bytes = 0
         self.received_bytes = 0
+        self.spilled_total = 0  # of buffers already cleared
 
     def open_exchange(self, concierge: Concierge) -> None:
         """Create the buffer and the stream (call from ``start``)."""
@@ -46,6 +47,7 @@ class PeerExchange(Service):
             self.stream.cancel()
             self.stream = None
         if self.buffer is not None:
+            self.spilled_total += self.buffer.spilled_total
             self.buffer.clear()
             self.buffer = None
 
@@ -55,6 +57,11 @@ class PeerExchange(Service):
 
     def spilled_bytes(self) -> int:
         return self.buffer.disk_bytes if self.buffer is not None else 0
+
+    def counters(self) -> dict[str, int]:
+        spilled = self.spilled_total + (self.buffer.spilled_total if self.buffer else 0)
+        return {"bytes_sent": self.sent_bytes, "bytes_received": self.received_bytes,
+                "bytes_spilled": spilled}
 
     async def please_evict(self, nbytes: int) -> None:
         if self.buffer is not None:

@@ -43,6 +43,7 @@ class SpillBuffer:
         self._file_sizes: dict[Partition, int] = {}
         self._counter = itertools.count()
         self.memory_bytes = 0
+        self.spilled_total = 0  # bytes ever written to disk
 
     def __len__(self) -> int:
         return len(self._memory) + len(self._files)
@@ -69,6 +70,7 @@ class SpillBuffer:
                 self._files[partition] = os.path.join(self.directory, name)
         paths = {p: self._files[p] for p in memory}
         sizes = await self._run(self._write, memory, paths)
+        self.spilled_total += sum(n - self._file_sizes.get(p, 0) for p, n in sizes.items())
         self._file_sizes.update(sizes)
         del memory
         # the pieces are gone, but the allocator would keep their memory: give it back, so

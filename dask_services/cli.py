@@ -20,6 +20,12 @@ def _local_cluster(workers: int, threads: int, processes: bool) -> Any:
     )
 
 
+def show_progress(args: argparse.Namespace) -> bool:
+    """Progress bars go to stderr, only when it is a terminal and ``--quiet`` is not given
+    (stdout, e.g. ``--json``, is never touched)."""
+    return not args.quiet and sys.stderr.isatty()
+
+
 def _progress(iterable: Sequence[Any], label: str, enabled: bool) -> Any:
     """A minimal progress bar on stderr (no extra dependency)."""
     total = len(iterable)
@@ -41,8 +47,13 @@ def demo(args: argparse.Namespace) -> int:
 
     print(f"Starting a LocalCluster with {args.workers} worker processes ...")
     with _local_cluster(args.workers, 1, True) as cluster, Client(cluster) as client:
-        print(f"  dashboard: {client.dashboard_link}")
         dask_services.install(client)
+        print(f"  dashboard: {client.dashboard_link}")
+        if _has_services_page(client):
+            print(f"  service runs: {client.dashboard_link.rsplit('/', 1)[0]}/services")
+        else:
+            print("  (pip install 'dask-services[dashboard]' for the dashboard and its "
+                  "Services page)")
 
         def timed(label: str, fn: Callable[[], Any]) -> Any:
             start = time.perf_counter()
@@ -102,8 +113,22 @@ def demo(args: argparse.Namespace) -> int:
 
             timed(f"shuffle of 3.2M rows, 32 partitions ({method})", run)
         print(f"     rows after each shuffle: {rows}")
-        print("\nDone. See README.md for writing your own service.")
+        print("\n5. What the scheduler saw (dask_services.status(client)):")
+        columns = ["service", "run_id", "state", "workers", "inputs_handed_off",
+                   "outputs_produced", "bytes_sent", "duration_s"]
+        print(dask_services.status(client)[columns].to_string(index=False))
+        print("\nDone. See README.md for writing your own service, and notebooks/ for tours.")
     return 0
+
+
+def _has_services_page(client: Any) -> bool:
+    """Whether the scheduler serves the dashboard's /services page (bokeh installed)."""
+
+    def check(dask_scheduler: Any) -> bool:
+        apps = getattr(getattr(dask_scheduler, "http_application", None), "applications", [])
+        return any("/services" in getattr(a, "app_paths", ()) for a in apps)
+
+    return bool(client.run_on_scheduler(check))
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -138,7 +163,7 @@ def bench(args: argparse.Namespace) -> int:
 
         def measure(fn: Callable[[], Any], label: str) -> list[float]:
             times = []
-            for _ in _progress(range(args.repeat), label, not args.json):
+            for _ in _progress(range(args.repeat), label, show_progress(args)):
                 start = time.perf_counter()
                 inner = fn()
                 times.append(inner if isinstance(inner, float) else
@@ -191,7 +216,7 @@ def bench_shuffle(args: argparse.Namespace) -> int:
     with _local_cluster(args.workers, args.threads, True) as cluster, Client(cluster) as client:
         results = shuffle.run(client, sizes, args.repeat, npartitions=args.partitions,
                               methods=tuple(args.methods.split(",")),
-                              show_progress=not args.json, fresh=not args.reuse_workers)
+                              show_progress=show_progress(args), fresh=not args.reuse_workers)
     print(report(results, "p2p", args.json))
     return 0
 
@@ -207,7 +232,7 @@ def bench_rechunk(args: argparse.Namespace) -> int:
     with _local_cluster(args.workers, args.threads, True) as cluster, Client(cluster) as client:
         results = rechunk.run(client, sizes, args.local_size or None, args.repeat,
                               methods=tuple(args.methods.split(",")),
-                              show_progress=not args.json, fresh=not args.reuse_workers)
+                              show_progress=show_progress(args), fresh=not args.reuse_workers)
     print(report(results, "p2p", args.json, extra_columns=("first_output_s", "tasks")))
     return 0
 
@@ -245,6 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_bench.add_argument("--calls", type=int, default=1000,
                          help="replicated: calls per latency measurement")
     p_bench.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p_bench.add_argument("--quiet", action="store_true",
+                         help="no progress bar (there is none either when stderr is not a "
+                              "terminal)")
     p_bench.add_argument("--reuse-workers", action="store_true",
                          help="shuffle/rechunk: keep the worker processes between runs "
                               "(faster; by default every measured run starts on restarted "

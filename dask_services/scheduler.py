@@ -25,6 +25,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.serialize import ToPickle
 
 from dask_services import _run_state as rs
+from dask_services import _status
 from dask_services._host import InstanceSpec
 from dask_services.graph import (
     OutputClaimSpec,
@@ -62,6 +63,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         self.placements: dict[str, dict[Key, str]] = {}  # placement group -> index -> worker
         self._run_ids = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:6] + "-"
+        self.history = _status.RunHistory()  # figures of live and recent runs
 
     # ------------------------------------------------------------- set-up
 
@@ -80,12 +82,28 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
 
         self.replicated = Deployments(scheduler)  # replicated services
         self.replicated.register()
+        scheduler.handlers["service_status"] = self.status
+        from dask_services import _observe
+
+        _observe.attach(self, scheduler)
         await scheduler.register_worker_plugin(
             None, ServiceWorkerPlugin(), name=EXTENSION, idempotent=True
         )
 
     def heartbeat(self, ws: Any, data: Any) -> None:  # scheduler-extension protocol
-        pass
+        self.history.worker_report(ws.address, data.get("instances", ()))
+
+    def status(self, tables: list[str] | None = None) -> dict[str, list[dict]]:
+        """Rows of the status tables (``_status.py``), for ``dask_services.status()``."""
+        return _status.collect(self, tables)
+
+    async def close(self) -> None:
+        from dask_services import _observe
+
+        if getattr(self, "replicated", None) is not None:
+            self.replicated.close()
+        _observe.detach(self)
+        self.history.clear()
 
     def _guard(self, handler: Any) -> Any:
         def run(**msg: Any) -> None:
@@ -256,6 +274,8 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             machine = self.machines.pop(key)
             if machine.live_run is not None:
                 self._apply_stop(machine.live_run, "forgotten")
+                self._log(key, rs.Log("cancelled", machine.live_run.run_id, "forgotten"),
+                          machine)
             definition = self.definitions.pop(key)
             for h, i in zip(definition.handoff_keys, definition.input_keys, strict=True):
                 self.handoff_of.pop(h, None)
@@ -270,10 +290,6 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                     self.cut.pop(o, None)
                     self.produced_at.pop(o, None)
                     self.restrictions.pop(o, None)
-
-    async def close(self) -> None:
-        if getattr(self, "replicated", None) is not None:
-            self.replicated.close()
 
     def log_event(self, topic: Any, msg: Any) -> None:
         # Worker status changes reach plugins only through the event log; retiring a
@@ -557,9 +573,15 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
 
     # ------------------------------------------------------------- events
 
-    def _log(self, service_key: Key, action: rs.Log) -> None:
+    def _log(self, service_key: Key, action: rs.Log,
+             machine: rs.ServiceTaskMachine | None = None) -> None:
         definition = self.definitions.get(service_key)
         name = definition.service_class.__name__ if definition else "?"
+        machine = machine or self.machines.get(service_key)
+        if machine is not None:
+            self.history.logged(name, service_key, action.action, action.run_id,
+                                action.detail, machine.run, len(machine.input_keys),
+                                machine.restarts)
         msg = {"action": action.action, "service": name, "key": str(service_key),
                "run_id": action.run_id, "detail": action.detail}
         self.scheduler.log_event(EVENT_TOPIC, msg)

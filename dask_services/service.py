@@ -192,6 +192,16 @@ class Service(abc.ABC):
         """Bytes the instance keeps on disk."""
         return 0
 
+    def counters(self) -> Mapping[str, int]:
+        """Cumulative figures of this instance, shown by ``dask_services.status()``, the
+        dashboard's ``/services`` page and the Prometheus metrics (summed over the run).
+
+        Known names: ``bytes_sent`` and ``bytes_received`` (data exchanged with peers) and
+        ``bytes_spilled`` (data written to disk); missing ones count as 0.  Called on the
+        worker's event loop at every heartbeat and once after ``stop``: keep it cheap.
+        """
+        return {}
+
     async def please_evict(self, nbytes: int) -> None:
         """The worker is under memory pressure: free about ``nbytes`` if you can."""
 

@@ -21,10 +21,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from distributed.core import Status
 from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.protocol import pickle as dask_pickle
 from distributed.protocol.serialize import Serialize, ToPickle, to_serialize
 from distributed.utils import sync
 from tornado.ioloop import PeriodicCallback
 
+from dask_services._counters import CounterReports, instance_counters
 from dask_services._host import Environment, InstanceSpec, ServiceHost, make_directory
 from dask_services.service import OutputLostError, ServiceId, StaleRunError
 
@@ -57,19 +59,23 @@ def _unwrap(obj: Any) -> Any:
 
 
 def dumps_exception(exc: BaseException) -> bytes:
-    """Pickle an exception with its traceback text attached as a note."""
+    """Pickle an exception with its traceback text attached as a note.
+
+    distributed's pickle falls back to cloudpickle, so exception classes defined in
+    ``__main__`` (a notebook, a script) travel by value and keep their type.
+    """
     text = "".join(traceback.format_exception(exc))
     try:
-        payload = pickle.dumps(exc)
-        pickle.loads(payload)
+        payload = dask_pickle.dumps(exc)
+        dask_pickle.loads(payload)
     except Exception:
-        payload = pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
+        payload = dask_pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
     return pickle.dumps((payload, text))
 
 
 def loads_exception(blob: bytes) -> BaseException:
     payload, text = pickle.loads(blob)
-    exc = pickle.loads(payload)
+    exc = dask_pickle.loads(payload)
     with contextlib.suppress(Exception):
         exc.add_note("Raised by a service instance:\n" + text)
     return exc
@@ -207,6 +213,7 @@ class ServiceWorkerPlugin(WorkerPlugin):
         self.produced: dict[Key, Any] = {}
         self.outcomes: dict[Key, asyncio.Future] = {}
         self._background: set[asyncio.Task] = set()
+        self.counter_reports = CounterReports()
         for op in _STREAM_OPS:
             worker.stream_handlers[op] = self._guarded(getattr(self, "_" + op.replace("-", "_")))
         worker.handlers["service_rpc"] = self.service_rpc
@@ -231,6 +238,7 @@ class ServiceWorkerPlugin(WorkerPlugin):
                 fut.set_result(("cancelled", None))
         self.outcomes.clear()
         self.produced.clear()
+        self.counter_reports.clear()
         for op in _STREAM_OPS:
             # The scheduler may still send an op (a closing worker's stream stays open
             # until the end); an unknown op would kill the stream, so ignore it instead.
@@ -275,7 +283,17 @@ class ServiceWorkerPlugin(WorkerPlugin):
         self._spawn(self.host.all_inputs_done(ServiceId(id)))
 
     def _service_stop(self, id: str, **_: Any) -> None:
-        self._spawn(self.host.stop(ServiceId(id)))
+        self._spawn(self._stop(ServiceId(id)))
+
+    async def _stop(self, sid: ServiceId) -> None:
+        inst = self.host.instances.get(sid)
+        await self.host.stop(sid)
+        if inst is not None:
+            self.counter_reports.stopped(instance_counters(inst))
+
+    def heartbeat(self) -> dict:
+        """Counters of the instances here, for the scheduler plugin (``_counters.py``)."""
+        return self.counter_reports.heartbeat(self.host.instances.values())
 
     def _service_task_outcome(self, key: Key, error: bytes | None = None, **_: Any) -> None:
         ts = self.worker.state.tasks.get(key)

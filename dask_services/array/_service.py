@@ -152,6 +152,7 @@ class ArrayRechunk(PeerExchange):
 
     @rpc
     async def receive(self, batch: list[Piece]) -> None:
+        """Peer RPC: pieces of this instance's output chunks."""
         assert self.buffer is not None
         items = []
         for j, offset, piece in batch:

@@ -138,6 +138,7 @@ class DataFrameShuffle(PeerExchange):
 
     @rpc
     async def receive(self, index: int, batch: Batch) -> None:
+        """Peer RPC: keep the pieces of input ``index`` that belong to this instance."""
         assert self.buffer is not None
         pieces = []
         for frame, partitions, bounds, nbytes in batch:

@@ -51,6 +51,7 @@ class AllReduce(Service):
 
     @rpc
     async def receive_partial(self, source: ServiceId, partial: list[Any]) -> None:
+        """Peer RPC: ``source``'s partial result; the last one completes the total."""
         self.received[source] = partial
         if len(self.received) < len(self.peers):
             return

@@ -46,6 +46,7 @@ class SampleSort(Service):
 
     @rpc
     async def receive_samples(self, source: ServiceId, sample: list[Any]) -> None:
+        """Peer RPC (leader): ``source``'s sample; with all of them, pick splitters."""
         self.samples[source] = sample
         if len(self.samples) < len(self.peers):
             return
@@ -56,6 +57,7 @@ class SampleSort(Service):
 
     @rpc
     async def receive_splitters(self, splitters: list[Any]) -> None:
+        """Peer RPC: the leader's splitters; send each peer its bucket of values."""
         wanted = set(self.concierge.wanted_outputs)
         buckets: dict[ServiceId, dict[Any, list[Any]]] = {sid: {} for sid in self.peers}
         for out in self.concierge.wanted_outputs:
@@ -70,6 +72,7 @@ class SampleSort(Service):
 
     @rpc
     async def receive_bucket(self, source: ServiceId, buckets: dict[Any, list[Any]]) -> None:
+        """Peer RPC: ``source``'s values for this instance's outputs."""
         self.incoming[source] = buckets
         if len(self.incoming) < len(self.peers):
             return

@@ -1,0 +1,227 @@
+"""What the scheduler knows about service runs, as tables of rows: for ``status()``, the
+dashboard page and the Prometheus metrics alike.
+
+The scheduler plugin keeps one :class:`RunHistory`.  It is fed by the plugin's log lines (a
+run started, finished, failed, was restarted or cancelled) and by the workers' heartbeats,
+which carry each live instance's byte counters (``Service.counters()``) and, once, the final
+counters of every instance stopped since the previous heartbeat.  Live runs are read from
+the state machine's ``Run`` objects, so their figures are always current; ended runs are
+kept, up to ``dask_services.status.recent-runs`` of them, the oldest forgotten first.
+
+Every table is a :class:`StatusTable` in :data:`TABLES`: a name, its columns, which columns
+label a Prometheus sample and which are figures, and a function ``rows(plugin)``.  Another
+table (say, of deployed long-lived services) is one more ``register_table(...)`` call: the
+dashboard page shows it, ``status(client, table=name)`` returns it and ``/metrics`` exports
+its figures, with no change anywhere else.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import dask.config
+
+from dask_services._run_state import Run
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from dask_services.scheduler import ServiceSchedulerPlugin
+
+Key = Hashable
+COUNTERS = ("bytes_sent", "bytes_received", "bytes_spilled")
+
+
+@dataclass(frozen=True)
+class StatusTable:
+    """One table of the status page: ``rows(plugin)`` returns a list of dicts.
+
+    ``labels`` name a row in Prometheus (string columns), ``figures`` are exported as one
+    gauge each (``dask_services_<name>_<figure>``); every column is shown on the page.
+    """
+
+    name: str
+    title: str
+    columns: tuple[str, ...]
+    labels: tuple[str, ...]
+    figures: tuple[str, ...]
+    rows: Callable[[ServiceSchedulerPlugin], list[dict[str, Any]]]
+
+
+TABLES: dict[str, StatusTable] = {}
+
+
+def register_table(table: StatusTable) -> StatusTable:
+    """Add (or replace) a table shown by ``status()``, the dashboard and ``/metrics``."""
+    TABLES[table.name] = table
+    return table
+
+
+# ---------------------------------------------------------------- runs
+
+
+@dataclass(eq=False)
+class RunRecord:
+    """One run of one service task, live or ended."""
+
+    service: str
+    key: str
+    run_id: int
+    workers: tuple[str, ...]
+    inputs: int
+    restarts: int
+    started: float
+    run: Run | None  # while live: the machine's own Run, updated in place
+    state: str = "running"
+    detail: str = ""
+    ended: float | None = None
+    inputs_handed_off: int = 0
+    outputs_wanted: int = 0
+    outputs_produced: int = 0
+    counters: dict[str, dict[str, int]] = field(default_factory=dict)  # instance -> counters
+
+    def row(self, now: float) -> dict[str, Any]:
+        run = self.run
+        if run is not None:
+            self.inputs_handed_off = len(run.handed_off)
+            self.outputs_wanted = len(run.wanted)
+            self.outputs_produced = len(run.produced)
+        state = self.state
+        if run is not None and state == "running":
+            state = run.phase.value
+        totals = {c: sum(int(v.get(c, 0)) for v in self.counters.values()) for c in COUNTERS}
+        return {
+            "service": self.service,
+            "key": self.key,
+            "run_id": self.run_id,
+            "state": state,
+            "workers": len(self.workers),
+            "worker_addresses": ", ".join(self.workers),
+            "inputs": self.inputs,
+            "inputs_handed_off": self.inputs_handed_off,
+            "outputs_wanted": self.outputs_wanted,
+            "outputs_produced": self.outputs_produced,
+            **totals,
+            "restarts": self.restarts,
+            "detail": self.detail,
+            "started": self.started,
+            "duration_s": round((self.ended or now) - self.started, 3),
+        }
+
+
+ENDED = {"finished": "finished", "failed": "failed", "restarted": "restarted",
+         "cancelled": "cancelled"}
+
+
+class RunHistory:
+    """Records of the live runs and of the ``recent-runs`` most recently ended ones."""
+
+    def __init__(self, keep: int | None = None) -> None:
+        if keep is None:
+            keep = int(dask.config.get("dask_services.status.recent-runs", 100))
+        self.keep = max(0, keep)
+        self.records: OrderedDict[int, RunRecord] = OrderedDict()  # run id -> record
+        self.ended: OrderedDict[int, None] = OrderedDict()  # ended run ids, oldest first
+        self.totals: dict[tuple[str, str], int] = {}  # (service, action) -> count
+
+    def logged(self, service: str, key: Key, action: str, run_id: int, detail: str,
+               run: Run | None, inputs: int, restarts: int) -> None:
+        """A log line of the state machine (see ``_run_state.Log``)."""
+        self.totals[service, action] = self.totals.get((service, action), 0) + 1
+        if action == "started" and run is not None and run.run_id == run_id:
+            self.records[run_id] = RunRecord(
+                service=service, key=str(key), run_id=run_id, workers=run.participants,
+                inputs=inputs, restarts=restarts, started=time.time(), run=run,
+            )
+            return
+        record = self.records.get(run_id)
+        if record is None or action not in ENDED or record.ended is not None:
+            return
+        record.row(time.time())  # freeze the live figures
+        record.run = None
+        record.state = ENDED[action]
+        record.detail = detail
+        record.ended = time.time()
+        self.ended[run_id] = None
+        while len(self.ended) > self.keep:
+            old, _ = self.ended.popitem(last=False)
+            self.records.pop(old, None)
+
+    def worker_report(self, worker: str, instances: Iterable[Mapping[str, Any]]) -> None:
+        """Counters of instances on ``worker`` (from its heartbeat)."""
+        for item in instances:
+            record = self.records.get(int(item.get("run_id", -1)))
+            if record is not None:
+                record.counters[str(item.get("id"))] = {
+                    c: int(item.get(c, 0)) for c in COUNTERS
+                }
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Live runs first (newest first), then ended runs (most recent first)."""
+        now = time.time()
+        live = [r for r in self.records.values() if r.ended is None]
+        ended = [r for r in self.records.values() if r.ended is not None]
+        live.sort(key=lambda r: -r.run_id)
+        ended.sort(key=lambda r: -(r.ended or 0))
+        return [r.row(now) for r in live + ended]
+
+    def clear(self) -> None:
+        self.records.clear()
+        self.ended.clear()
+        self.totals.clear()
+
+
+RUN_COLUMNS = (
+    "service", "key", "run_id", "state", "workers", "inputs", "inputs_handed_off",
+    "outputs_wanted", "outputs_produced", "bytes_sent", "bytes_received", "bytes_spilled",
+    "restarts", "detail", "duration_s", "worker_addresses",
+)
+
+register_table(StatusTable(
+    name="runs",
+    title="Service runs (live, then recent)",
+    columns=RUN_COLUMNS,
+    labels=("service", "key", "run_id", "state"),
+    figures=("workers", "inputs", "inputs_handed_off", "outputs_wanted", "outputs_produced",
+             "bytes_sent", "bytes_received", "bytes_spilled", "restarts", "duration_s"),
+    rows=lambda plugin: plugin.history.rows(),
+))
+
+
+def collect(plugin: ServiceSchedulerPlugin, tables: Sequence[str] | None = None
+            ) -> dict[str, list[dict[str, Any]]]:
+    """The rows of every table (or of ``tables``), as the scheduler handler returns them."""
+    names = list(TABLES) if tables is None else [t for t in tables if t in TABLES]
+    return {name: TABLES[name].rows(plugin) for name in names}
+
+
+# ---------------------------------------------------------------- client side
+
+
+def status(client: Any = None, table: str = "runs") -> pd.DataFrame:
+    """The live and recent service runs on ``client``'s cluster, as a DataFrame.
+
+    One row per run: service class, service task key, run id, state (``starting``,
+    ``running``, ``inputs-done``, ``finished``, ``failed``, ``restarted``, ``cancelled``),
+    participating workers, inputs handed off, outputs produced, bytes sent, received and
+    spilled (summed over the run's instances, as of the workers' last heartbeat), restarts
+    of the service task before this run, the error or restart reason, and the duration.
+    ``table`` picks another registered table.  The same figures are on the dashboard's
+    ``/services`` page and in the scheduler's Prometheus metrics.
+    """
+    import pandas as pd
+    from distributed import default_client
+
+    from dask_services.client import install
+
+    client = client or default_client()
+    install(client)
+    result = client.sync(client.scheduler.service_status, tables=[table])
+    if table not in result:
+        raise KeyError(f"no status table {table!r}; tables: {sorted(result)}")
+    columns = TABLES[table].columns if table in TABLES else None
+    return pd.DataFrame(result[table], columns=columns)

@@ -1,0 +1,298 @@
+"""What users see of runs: status(), the dashboard page, Prometheus metrics, events, logs,
+progress bars."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+
+import dask
+import dask.dataframe as dd
+import pandas as pd
+import pytest
+from distributed import progress
+from distributed.utils_test import async_poll_for, poll_for
+from services import Recorder
+from tornado.httpclient import AsyncHTTPClient
+from utils import assert_nothing_left, service_cluster
+
+import dask_services
+from dask_services import _metrics, _status
+from dask_services._run_state import Run
+from dask_services.examples import AllReduce
+from dask_services.service import ServiceId
+
+pytestmark = pytest.mark.timeout(90)
+
+DASHBOARD = {"scheduler_kwargs": {"dashboard": True, "dashboard_address": ":0"}}
+
+
+def inc(x):
+    return x + 1
+
+
+def runs(s) -> list[dict]:
+    return s.extensions["dask_services"].status()["runs"]
+
+
+def run_row(s, key) -> dict | None:
+    return next((r for r in runs(s) if r["key"] == str(key)), None)
+
+
+# ------------------------------------------------------------------ figures
+
+
+@service_cluster(config={"dask_services.shuffle.buffer-fraction": 1e-12})
+async def test_status_counts_inputs_outputs_and_bytes_of_a_shuffle(c, s, a, b):
+    pdf = pd.DataFrame({"k": range(4000), "x": range(4000)})
+    df = dd.from_pandas(pdf, npartitions=8).shuffle("k", shuffle_method="service")
+    result = await c.compute(df)
+    assert len(result) == 4000
+    (row,) = runs(s)
+
+    def final() -> bool:  # the last counters arrive with the heartbeat after stop
+        r = runs(s)[0]
+        return r["bytes_sent"] > 0 and r["bytes_spilled"] > 0
+    await async_poll_for(final, timeout=10)
+    row = runs(s)[0]
+    assert row["service"] == "DataFrameShuffle", row
+    assert row["state"] == "finished"
+    assert row["workers"] == 2 and a.address in row["worker_addresses"]
+    assert row["inputs"] == row["inputs_handed_off"] == 8
+    assert row["outputs_wanted"] == row["outputs_produced"] == 8
+    # received counts the pieces an instance keeps for itself too
+    assert row["bytes_received"] >= row["bytes_sent"] > 0
+    assert row["restarts"] == 0 and row["duration_s"] > 0
+    await assert_nothing_left(s, [a, b])
+    for w in (a, b):  # the final counters were taken by a heartbeat
+        await async_poll_for(lambda w=w: not w.extensions["dask_services"]
+                             .counter_reports.final, timeout=5)
+
+
+@service_cluster()
+async def test_restarts_and_failures_in_status_events_and_logs(c, s, a, b, caplog):
+    caplog.set_level(logging.INFO, logger="dask_services")
+    xs = [dask.delayed(inc)(i) for i in range(4)]
+    restarted = dask_services.service_task(Recorder, xs, outputs=2, restart_runs=1)
+    assert await c.gather(c.compute(restarted)) == [10, 10]
+    failing = c.compute(dask_services.service_task(Recorder, xs[:2], outputs=1,
+                                                   fail_in="add_key"))
+    assert isinstance(await failing[0].exception(), ValueError)
+
+    events = [e for _, e in await c.get_events("dask_services")]
+    key = str(events[0]["key"])
+    mine = [(e["action"], e["run_id"]) for e in events if e["key"] == key]
+    first, second = mine[0][1], mine[-1][1]
+    assert mine == [("started", first), ("restarted", first), ("started", second),
+                    ("finished", second)]
+    assert all(e["service"] == "Recorder" for e in events)
+    assert "asked by the test" in events[1]["detail"]
+    failed = [e for e in events if e["action"] == "failed"]
+    assert len(failed) == 1 and "boom in add_key" in failed[0]["detail"]
+
+    lines = [r.getMessage() for r in caplog.records if r.name == "dask_services"]
+    for action, run_id in mine:
+        assert any(f"run {run_id} {action}" in line and "Recorder" in line and key in line
+                   for line in lines), (action, lines)
+    assert any("failed" in line and "boom in add_key" in line for line in lines)
+
+    by_run = {r["run_id"]: r for r in runs(s)}
+    assert by_run[first]["state"] == "restarted"
+    assert by_run[first]["detail"] == "asked by the test"
+    assert by_run[second]["state"] == "finished" and by_run[second]["restarts"] == 1
+    (failed_row,) = [r for r in by_run.values() if r["state"] == "failed"]
+    assert "boom in add_key" in failed_row["detail"]
+    del failing
+    await assert_nothing_left(s, [a, b])
+
+
+@service_cluster()
+async def test_a_run_forgotten_while_live_is_shown_cancelled(c, s, a, b):
+    xs = [dask.delayed(inc)(i) for i in range(4)]
+    outs = c.compute(dask_services.service_task(Recorder, xs, outputs=2, gate="never"))
+    await async_poll_for(lambda: runs(s) and runs(s)[0]["state"] == "inputs-done", timeout=10)
+    del outs
+    await async_poll_for(lambda: runs(s)[0]["state"] == "cancelled", timeout=10)
+    events = [e["action"] for _, e in await c.get_events("dask_services")]
+    assert events == ["started", "cancelled"]
+    await assert_nothing_left(s, [a, b])
+
+
+@service_cluster(config={"dask_services.status.recent-runs": 2})
+async def test_recent_runs_are_bounded_by_config(c, s, a, b):
+    for i in range(4):
+        await c.gather(dask_services.submit(AllReduce, [c.submit(inc, i)], outputs=1))
+    rows = runs(s)
+    assert [r["state"] for r in rows] == ["finished", "finished"]
+    assert len(s.extensions["dask_services"].history.records) == 2
+    started = [e for _, e in await c.get_events("dask_services") if e["action"] == "started"]
+    assert [r["run_id"] for r in rows] == [e["run_id"] for e in started][:-3:-1]
+
+
+def test_history_keeps_live_runs_and_ignores_unknown_counters():
+    history = _status.RunHistory(keep=1)
+    live = [Run(i, ("w1",), {"w1": ServiceId(f"x-{i}.0")}, ("o",), {}, ServiceId(f"x-{i}.0"))
+            for i in range(3)]
+    for run in live:
+        history.logged("S", f"k{run.run_id}", "started", run.run_id, "", run, 1, 0)
+    history.logged("S", "k0", "finished", 0, "done", None, 1, 0)
+    history.logged("S", "k1", "failed", 1, "boom", None, 1, 0)
+    history.worker_report("w1", [{"id": "x-2.0", "run_id": 2, "bytes_sent": 5},
+                                 {"id": "gone", "run_id": 0, "bytes_sent": 7}])
+    rows = history.rows()
+    assert [(r["run_id"], r["state"]) for r in rows] == [(2, "starting"), (1, "failed")]
+    assert rows[0]["bytes_sent"] == 5 and rows[1]["detail"] == "boom"
+    assert history.totals == {("S", "started"): 3, ("S", "finished"): 1, ("S", "failed"): 1}
+
+
+# ------------------------------------------------------------------ dashboard and metrics
+
+
+def pull_tables(url: str) -> dict[str, dict]:
+    """Open the Bokeh page as a browser does (HTTP, then its websocket); its tables' data."""
+    from bokeh.client import pull_session
+    from bokeh.models import DataTable
+    from tornado.ioloop import IOLoop
+
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        session = pull_session(url=url, io_loop=IOLoop.current())
+        try:
+            return {t.name: dict(t.source.data) for t in session.document.select(
+                {"type": DataTable})}
+        finally:
+            session.close()
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
+def samples(text: str, name: str) -> dict[str, float]:
+    """``{labels: value}`` of one metric in Prometheus text format."""
+    found = re.findall(rf"^{name}\{{(.*?)\}} (\S+)$", text, flags=re.M)
+    return {labels: float(value) for labels, value in found}
+
+
+@service_cluster(**DASHBOARD)
+async def test_dashboard_page_and_metrics_show_a_running_service(c, s, a, b):
+    pytest.importorskip("bokeh")
+    pytest.importorskip("prometheus_client")
+    url = f"http://127.0.0.1:{s.http_server.port}"
+    http = AsyncHTTPClient()
+    xs = [dask.delayed(inc)(i) for i in range(4)]
+    outs = c.compute(dask_services.service_task(Recorder, xs, outputs=2, gate="g"))
+    await async_poll_for(lambda: runs(s) and runs(s)[0]["state"] == "inputs-done", timeout=10)
+    key = runs(s)[0]["key"]
+
+    status_page = (await http.fetch(url + "/status")).body.decode()
+    assert 'href="services"' in status_page  # in the navigation bar
+    page = await http.fetch(url + "/services")
+    assert page.code == 200
+    tables = await asyncio.to_thread(pull_tables, url + "/services")
+    table = tables["dask-services-runs"]
+    i = table["key"].index(key)
+    assert table["service"][i] == "Recorder"
+    assert table["state"][i] == "inputs-done"
+    assert table["inputs_handed_off"][i] == 4 and table["outputs_produced"][i] == 0
+
+    metrics = (await http.fetch(url + "/metrics")).body.decode()
+    handed = samples(metrics, "dask_services_runs_inputs_handed_off")
+    (labels,) = [k for k in handed if key in k]
+    assert 'service="Recorder"' in labels and 'state="inputs-done"' in labels
+    assert handed[labels] == 4
+    assert samples(metrics, "dask_services_run_events_total") == {
+        'action="started",service="Recorder"': 1.0}
+
+    Recorder.gates["g"].set()
+    assert await c.gather(outs) == [10, 10]
+    metrics = (await http.fetch(url + "/metrics")).body.decode()
+    produced = samples(metrics, "dask_services_runs_outputs_produced")
+    assert produced[next(k for k in produced if key in k)] == 2
+    assert 'action="finished",service="Recorder"' in samples(
+        metrics, "dask_services_run_events_total")
+    del outs
+    await assert_nothing_left(s, [a, b])
+
+
+@service_cluster(**DASHBOARD)
+async def test_a_registered_table_shows_everywhere(c, s, a, b):
+    pytest.importorskip("bokeh")
+    pytest.importorskip("prometheus_client")
+    table = _status.StatusTable(
+        name="deployed", title="Deployed things", columns=("name", "state", "load"),
+        labels=("name", "state"), figures=("load",),
+        rows=lambda plugin: [{"name": f"n{len(plugin.machines)}", "state": "up", "load": 7}],
+    )
+    _status.register_table(table)
+    try:
+        url = f"http://127.0.0.1:{s.http_server.port}"
+        result = await c.scheduler.service_status(tables=["deployed"])
+        assert [dict(r) for r in result["deployed"]] == [{"name": "n0", "state": "up", "load": 7}]
+        tables = await asyncio.to_thread(pull_tables, url + "/services")
+        assert tables["dask-services-deployed"] == {"name": ["n0"], "state": ["up"],
+                                                    "load": [7]}
+        assert "dask-services-runs" in tables
+        metrics = (await AsyncHTTPClient().fetch(url + "/metrics")).body.decode()
+        assert samples(metrics, "dask_services_deployed_load") == {
+            'name="n0",state="up"': 7.0}
+    finally:
+        _status.TABLES.pop("deployed")
+
+
+@service_cluster()
+async def test_no_dashboard_and_no_prometheus_client_are_fine(c, s, a, b, monkeypatch):
+    plugin = s.extensions["dask_services"]
+    assert not any("services" in str(getattr(app, "app_paths", ""))
+                   for app in s.http_application.applications)
+    monkeypatch.setitem(__import__("sys").modules, "prometheus_client", None)
+    assert _metrics.register(plugin) is False
+    await c.gather(dask_services.submit(AllReduce, [c.submit(inc, 1)], outputs=1))
+    assert runs(s)[0]["state"] == "finished"
+
+
+# ------------------------------------------------------------------ client side
+
+
+@pytest.mark.slow
+def test_status_dataframe_and_progress_bar(small_cluster, capsys):
+    _, client, _ = small_cluster
+    futures = dask_services.submit(AllReduce, client.map(inc, range(6)), outputs=3)
+    progress(futures, notebook=False)  # outputs are ordinary keys: waits, draws the bar
+    out = capsys.readouterr().out
+    assert "100% Completed" in out
+    assert client.gather(futures) == [21, 21, 21]
+    poll_for(lambda: dask_services.status(client).state.tolist() == ["finished"], timeout=10)
+    df = dask_services.status(client)
+    assert list(df.columns) == list(_status.RUN_COLUMNS)
+    (row,) = df.to_dict("records")
+    assert row["service"] == "AllReduce" and row["workers"] == 2
+    assert row["inputs_handed_off"] == 6 and row["outputs_produced"] == 3
+    with pytest.raises(KeyError, match="no status table 'nope'"):
+        dask_services.status(client, table="nope")
+
+
+@pytest.mark.slow
+def test_bench_progress_bar_on_a_terminal_keeps_json_clean(capsys, monkeypatch):
+    import json
+
+    from dask_services.cli import main
+
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)
+    assert main(["bench", "overhead", "--repeat", "2", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["repeat"] == 2  # stdout is only the JSON
+    assert re.search(r"service task \[#{30}\] 2/2", captured.err), captured.err
+
+
+def test_progress_bar_only_on_a_terminal_and_not_quiet(monkeypatch):
+    from dask_services.cli import main, show_progress
+
+    parsed = {}
+    monkeypatch.setattr("dask_services.cli.bench", lambda args: parsed.update(a=args) or 0)
+    for tty, flags, expected in [(True, [], True), (True, ["--quiet"], False),
+                                 (False, [], False)]:
+        monkeypatch.setattr("sys.stderr.isatty", lambda tty=tty: tty)
+        assert main(["bench", "shuffle", *flags]) == 0
+        assert show_progress(parsed["a"]) is expected, (tty, flags)
