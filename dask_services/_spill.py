@@ -107,6 +107,10 @@ class SpillBuffer:
                 raise
         return sizes
 
+    def nbytes(self, partition: Partition) -> int:
+        """Bytes buffered for ``partition``: in memory (as estimated when added) and on disk."""
+        return self._memory_bytes.get(partition, 0) + self._file_sizes.get(partition, 0)
+
     async def take(self, partition: Partition) -> list[Any]:
         """Every piece of ``partition`` (from memory and disk); the buffer forgets them."""
         pieces = self._memory.pop(partition, [])

@@ -151,3 +151,24 @@ def test_split_puts_every_row_in_its_partition_in_order(rows, groups, seed, min_
 
 def batch_partitions(batch) -> list[int]:
     return [p for _, partitions, _, _ in batch for p in partitions]
+
+
+@given(st.lists(st.integers(0, 100)), st.integers(1, 150))
+def test_size_batches_keep_order_and_stay_within_the_limit(sizes, limit):
+    items = list(enumerate(sizes))
+    batches = _service.size_batches(items, lambda item: item[1], limit)
+    assert [item for batch in batches for item in batch] == items
+    assert all(batch for batch in batches)
+    for batch in batches:
+        assert len(batch) == 1 or sum(n for _, n in batch) <= limit
+    # greedy: a batch is only closed when the next item would not fit
+    for batch, following in zip(batches, batches[1:], strict=False):
+        assert sum(n for _, n in batch) + following[0][1] > limit
+
+
+def test_assemble_many_assembles_each_output_in_input_partition_order():
+    frames = [pd.DataFrame({"x": np.arange(n)}) for n in (5, 7, 3)]
+    pieces = [[(1, f.iloc[2:]), (0, f.iloc[:2])] for f in frames]
+    out = _service.assemble_many(pieces, frames[0].iloc[:0], ignore_index=False)
+    for got, f in zip(out, frames, strict=True):
+        pd.testing.assert_frame_equal(got, f)

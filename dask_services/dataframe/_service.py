@@ -14,7 +14,7 @@ one after the other): pieces in input-partition order, so rows keep their relati
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import dask
@@ -31,6 +31,7 @@ Key = Hashable
 
 Batch = list[tuple[pd.DataFrame, list[int], list[int], int]]
 MIN_GROUP_BYTES = 2**20  # smaller groups of one input partition are sent together
+ASSEMBLY_BATCH_BYTES = 4 * 2**20  # small outputs are assembled several per worker-thread call
 
 
 def split_by_destination(
@@ -85,6 +86,27 @@ def _take(data: pd.DataFrame, order: np.ndarray, ranges: list[tuple[int, int, in
     for _, a, b in ranges:
         bounds.append(bounds[-1] + b - a)
     return (data.take(rows), [p for p, _, _ in ranges], bounds, int(len(rows) * bytes_per_row))
+
+
+def size_batches(items: list[Any], size: Callable[[Any], int], limit: int) -> list[list[Any]]:
+    """``items`` cut, in order, into runs whose sizes add up to at most ``limit`` (an item
+    larger than ``limit`` is a run of its own)."""
+    batches: list[list[Any]] = []
+    total = 0
+    for item in items:
+        n = size(item)
+        if not batches or total + n > limit:
+            batches.append([])
+            total = 0
+        batches[-1].append(item)
+        total += n
+    return batches
+
+
+def assemble_many(pieces: list[list[tuple[int, pd.DataFrame]]], meta: pd.DataFrame,
+                  ignore_index: bool) -> list[pd.DataFrame]:
+    """:func:`assemble` for several output partitions in one call."""
+    return [assemble(p, meta, ignore_index) for p in pieces]
 
 
 def assemble(pieces: list[tuple[int, pd.DataFrame]], meta: pd.DataFrame,
@@ -156,19 +178,24 @@ class DataFrameShuffle(PeerExchange):
         await self.stream.finish()
         owned = [out for out in self.concierge.wanted_outputs
                  if self.concierge.owner(out) == self.id]
-        # in partition order, so that received groups are freed one after the other
+        # in partition order, so that received groups are freed one after the other; small
+        # outputs several per worker-thread call (a call costs more than assembling them)
+        owned.sort(key=self.partition_of.__getitem__)
+        buffered = self.buffer.nbytes
         trim = TrimAfter()
-        for out in sorted(owned, key=self.partition_of.__getitem__):
+        for batch in size_batches(owned, lambda out: buffered(self.partition_of[out]),
+                                  ASSEMBLY_BATCH_BYTES):
             held = self.buffer.memory_bytes
-            pieces = await self.buffer.take(self.partition_of[out])
-            frame = await self.concierge.run_in_executor(
-                assemble, pieces, self.meta, self.ignore_index
+            pieces = [await self.buffer.take(self.partition_of[out]) for out in batch]
+            frames = await self.concierge.run_in_executor(
+                assemble_many, pieces, self.meta, self.ignore_index
             )
             del pieces
             if trim.freed_bytes(held - self.buffer.memory_bytes):
                 await self.concierge.run_in_executor(release_freed_memory)
-            await self.concierge.produce_key(out, frame)
-
+            for out, frame in zip(batch, frames, strict=True):
+                await self.concierge.produce_key(out, frame)
+            del frames
 
 
 def group_partitions(owner: dict[int, ServiceId], groups: int
