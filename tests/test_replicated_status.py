@@ -135,3 +135,14 @@ def test_status_dataframe_of_replicas(small_cluster):
         svc.shutdown()
     df = dask_services.status(client, table="replicas")
     assert df.empty and list(df.columns) == list(COLUMNS)
+
+
+def test_dashboard_does_not_resend_a_table_with_nan_figures():
+    from dask_services.dashboard import _same
+
+    nan = math.nan
+    assert _same({"p50_ms": [nan, 1.0], "state": ["a", "b"]},
+                 {"p50_ms": [nan, 1.0], "state": ["a", "b"]})
+    assert not _same({"p50_ms": [nan, 1.0]}, {"p50_ms": [0.5, 1.0]})
+    assert not _same({"p50_ms": [nan]}, {"p50_ms": [nan, 1.0]})
+    assert not _same({"p50_ms": [nan]}, {"p99_ms": [nan]})
