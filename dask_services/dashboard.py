@@ -53,12 +53,27 @@ class ServicesPage:
         for name, rows in tables.items():
             columns = _status.TABLES[name].columns
             data = {c: [_cell(row.get(c)) for row in rows] for c in columns}
-            if data != dict(self.sources[name].data):
+            if not _same(data, dict(self.sources[name].data)):
                 self.sources[name].data = data
 
 
 def _cell(value: Any) -> Any:
     return value if isinstance(value, (int, float, str)) else str(value)
+
+
+def _same(new: dict[str, list], old: dict[str, Any]) -> bool:
+    """Equal columns, NaN equal to NaN (a replica's latency before its first call): an
+    unchanged table is not sent to the browser again."""
+    if new.keys() != old.keys():
+        return False
+    for name, values in new.items():
+        before = list(old[name])
+        if len(values) != len(before):
+            return False
+        for x, y in zip(values, before, strict=True):
+            if x != y and not (x != x and y != y):  # NaN is the only value unequal to itself
+                return False
+    return True
 
 
 def services_doc(scheduler: Scheduler, extra: dict, doc: Any) -> None:

@@ -92,6 +92,8 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
 
     def heartbeat(self, ws: Any, data: Any) -> None:  # scheduler-extension protocol
         self.history.worker_report(ws.address, data.get("instances", ()))
+        if getattr(self, "replicated", None) is not None:
+            self.replicated.worker_report(ws.address, data.get("replicas", ()))
 
     def status(self, tables: list[str] | None = None) -> dict[str, list[dict]]:
         """Rows of the status tables (``_status.py``), for ``dask_services.status()``."""

@@ -292,8 +292,11 @@ class ServiceWorkerPlugin(WorkerPlugin):
             self.counter_reports.stopped(instance_counters(inst))
 
     def heartbeat(self) -> dict:
-        """Counters of the instances here, for the scheduler plugin (``_counters.py``)."""
-        return self.counter_reports.heartbeat(self.host.instances.values())
+        """Counters of the instances here (``_counters.py``) and figures of the replicas
+        here (``replicated/_table.py``), for the scheduler plugin."""
+        data = self.counter_reports.heartbeat(self.host.instances.values())
+        data["replicas"] = self.replicated.report()
+        return data
 
     def _service_task_outcome(self, key: Key, error: bytes | None = None, **_: Any) -> None:
         ts = self.worker.state.tasks.get(key)

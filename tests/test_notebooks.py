@@ -9,12 +9,14 @@ import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 FILES = sorted(NOTEBOOKS.glob("*.ipynb"))
-PLOTS = {"01-shuffle.ipynb", "02-rechunk.ipynb"}  # notebooks that draw a figure
+# notebooks that draw a figure
+PLOTS = {"01-shuffle.ipynb", "02-rechunk.ipynb", "04-replicated.ipynb"}
 
 
 def test_there_are_notebooks():
     names = {f.name for f in FILES}
-    assert {"01-shuffle.ipynb", "02-rechunk.ipynb", "03-write-a-service.ipynb"} <= names
+    assert {"01-shuffle.ipynb", "02-rechunk.ipynb", "03-write-a-service.ipynb",
+            "04-replicated.ipynb"} <= names
 
 
 @pytest.mark.timeout(30)

@@ -15,6 +15,7 @@ options), ``_handle`` (the caller's side), ``_deploy`` (``as_service``), ``_sche
 
 from __future__ import annotations
 
+from dask_services.replicated import _table  # noqa: F401  (registers the "replicas" table)
 from dask_services.replicated._errors import (
     DeploymentError,
     EndpointRefused,

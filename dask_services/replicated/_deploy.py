@@ -60,6 +60,7 @@ async def _deploy(client: Any, handle: ReplicatedService, blob: bytes,
         max_concurrency=options.max_concurrency, max_queued=options.max_queued,
         workers=list(options.workers) if options.workers else None,
         resources=dict(options.resources) if options.resources else None,
+        cls=handle.service_class.__name__,
     )
     if resp["status"] != "ok":
         raise DeploymentError(resp["error"])

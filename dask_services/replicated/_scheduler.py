@@ -24,6 +24,7 @@ from tornado.ioloop import PeriodicCallback
 
 from dask_services.replicated import _lifecycle as lc
 from dask_services.replicated._lifecycle import ReplicaState
+from dask_services.replicated._table import ReplicaReports
 
 if TYPE_CHECKING:
     from distributed.scheduler import Scheduler, WorkerState
@@ -48,6 +49,7 @@ class Deployment:
     max_queued: int
     workers: tuple[str, ...] | None
     resources: Mapping[str, float] | None
+    cls: str = ""  # the service class's name, for the status table
     slots: dict[int, lc.ReplicaMachine] = field(default_factory=dict)
     errors: dict[int, bytes] = field(default_factory=dict)  # slot -> last setup exception
     next_slot: int = 0
@@ -70,6 +72,7 @@ class Deployments:
         self._prefix = uuid.uuid4().hex[:6] + "-"
         self._probing: set[str] = set()
         self._probe: PeriodicCallback | None = None
+        self.reports = ReplicaReports()  # figures of each replica, from worker heartbeats
 
     def register(self) -> None:
         """Install the scheduler handlers and start the health probes."""
@@ -92,14 +95,14 @@ class Deployments:
 
     async def deploy(self, comm: Any, name: str, blob: bytes, replicas: int,
                      max_concurrency: int, max_queued: int, workers: list[str] | None,
-                     resources: dict | None) -> dict:
+                     resources: dict | None, cls: str = "") -> dict:
         """Create a deployment of ``replicas`` replicas and launch them (does not wait)."""
         if name in self.deployments:
             return {"status": "error", "error": f"a service named {name!r} is already "
                                                 "deployed; pick another options(name=...)"}
         dep = Deployment(name=name, blob=blob, max_concurrency=max_concurrency,
                          max_queued=max_queued, workers=tuple(workers) if workers else None,
-                         resources=resources or None)
+                         resources=resources or None, cls=cls)
         self.deployments[name] = dep
         for _ in range(replicas):
             self._add_slot(dep)
@@ -208,6 +211,7 @@ class Deployments:
         for s in victims:
             dep.slots.pop(s, None)
             dep.errors.pop(s, None)
+        self.reports.prune(self.placed())
         dep.notify()
         return {"status": "ok"}
 
@@ -226,9 +230,22 @@ class Deployments:
         # Starts still under way answer "stopped" once their stop cancelled them.
         await self._await([t for t in dep.tasks if t not in stops], 10)
         self.deployments.pop(name, None)
+        self.reports.prune(self.placed())
         dep.notify()
         self._log(name, "shutdown", None, None, f"timeout={timeout}")
         return {"status": "ok"}
+
+    # ------------------------------------------------------------ status
+
+    def placed(self) -> dict[str, str]:
+        """Incarnation id -> worker of every replica placed on a worker (not stopped)."""
+        return {str(m.id): m.worker for dep in self.deployments.values()
+                for m in dep.slots.values()
+                if m.worker is not None and m.state is not ReplicaState.STOPPED}
+
+    def worker_report(self, worker: str, records: Any) -> None:
+        """Figures of the replicas on ``worker``, from its heartbeat (``_table.py``)."""
+        self.reports.update(worker, records, self.placed())
 
     # ------------------------------------------------------------ cluster events
 
@@ -293,6 +310,8 @@ class Deployments:
                 self._log(dep.name, action.state.value, machine.id, machine.worker,
                           machine.last_error)
                 dep.notify()
+        if actions:  # a replaced or stopped incarnation's figures go at once
+            self.reports.prune(self.placed())
         return stops
 
     def _spawn(self, dep: Deployment, coro: Any) -> asyncio.Task:

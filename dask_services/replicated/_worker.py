@@ -230,6 +230,13 @@ class ReplicaWorker:
                            **rep.metrics.summary()}
         return out
 
+    def report(self) -> list[dict]:
+        """The figures of every replica ready here, for the worker's heartbeat: id,
+        in-flight and queued calls, and the metrics summary (see ``_table.py``)."""
+        return [{"id": str(rep.id), "in_flight": rep.gate.in_flight,
+                 "queued": rep.gate.queued, **rep.metrics.summary()}
+                for rep in self.replicas.values() if rep.ready and not rep.closing]
+
     # ------------------------------------------------------------ caller -> worker
 
     async def call(self, comm: Any, id: str, method: str, payload: Any) -> dict:

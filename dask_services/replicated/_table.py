@@ -1,0 +1,103 @@
+"""The ``replicas`` status table: one row per replica of every deployed service.
+
+The scheduler knows where each replica is and how it is (``Deployments``: service, class,
+incarnation id, worker, state, last error); the call figures (in flight, queued, calls,
+errors, calls refused as overloaded, p50/p99 latency) live on the replica's worker.  They
+travel to the scheduler the way the run byte counters do: the worker extension's
+``heartbeat()`` adds ``{"replicas": [...]}`` (``ReplicaWorker.report()``), and the scheduler
+plugin hands it to :class:`ReplicaReports`.  So the figures are as of the worker's last
+heartbeat (0.5 s on a small cluster), with no extra messages and nothing to poll.
+
+Only the current incarnations of placed replicas are kept, so the table is bounded by
+the number of replicas deployed; a shut-down service leaves no row and no report behind.
+Rows are registered as ``_status.TABLES["replicas"]``: the dashboard's ``/services`` page,
+``dask_services.status(client, table="replicas")`` and the ``dask_services_replicas_*``
+Prometheus gauges all read them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from dask_services._status import StatusTable, register_table
+
+if TYPE_CHECKING:
+    from dask_services.replicated._scheduler import Deployments
+    from dask_services.scheduler import ServiceSchedulerPlugin
+
+FIGURES = ("in_flight", "queued", "calls", "errors", "overloaded", "p50_ms", "p99_ms")
+
+
+class ReplicaReports:
+    """The latest figures of each placed replica, by incarnation id."""
+
+    def __init__(self) -> None:
+        self.figures: dict[str, dict[str, Any]] = {}
+
+    def update(self, worker: str, records: Iterable[Mapping[str, Any]],
+               placed: Mapping[str, str]) -> None:
+        """Take the records of ``worker``'s heartbeat; ``placed`` maps each current
+        incarnation id to its worker (a record of another one is stale and dropped)."""
+        self.prune(placed)
+        for record in records:
+            rid = str(record.get("id"))
+            if placed.get(rid) == worker:
+                self.figures[rid] = {f: _number(record.get(f)) for f in FIGURES}
+
+    def prune(self, placed: Mapping[str, str]) -> None:
+        """Forget the figures of incarnations no longer placed."""
+        for rid in [r for r in self.figures if r not in placed]:
+            del self.figures[rid]
+
+    def get(self, rid: str) -> dict[str, Any]:
+        """Figures of incarnation ``rid``: zeros (NaN latencies) before its first report."""
+        found = self.figures.get(rid)
+        if found is None:
+            return {f: (math.nan if f.endswith("_ms") else 0) for f in FIGURES}
+        return dict(found)
+
+
+def _number(value: Any) -> float | int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return math.nan
+    return value
+
+
+def rows(deployments: Deployments) -> list[dict[str, Any]]:
+    """One row per replica (not stopped) of every deployed service, by service and slot."""
+    out = []
+    for name in sorted(deployments.deployments):
+        dep = deployments.deployments[name]
+        for slot, m in sorted(dep.slots.items()):
+            if m.state.value == "stopped":
+                continue
+            rid = str(m.id)
+            out.append({
+                "service": name, "class": dep.cls, "slot": slot, "replica": rid,
+                "worker": m.worker or "", "state": m.state.value,
+                "healthy": int(m.state.value == "healthy"),
+                "incarnation": m.incarnation,
+                **deployments.reports.get(rid),
+                "last_error": m.last_error or "",
+            })
+    return out
+
+
+def _plugin_rows(plugin: ServiceSchedulerPlugin) -> list[dict[str, Any]]:
+    deployments = getattr(plugin, "replicated", None)
+    return [] if deployments is None else rows(deployments)
+
+
+COLUMNS = ("service", "class", "slot", "replica", "worker", "state", "healthy",
+           "incarnation", *FIGURES, "last_error")
+
+TABLE = register_table(StatusTable(
+    name="replicas",
+    title="Replicated services: replicas",
+    columns=COLUMNS,
+    labels=("service", "class", "replica", "worker", "state"),
+    figures=("healthy", "incarnation", *FIGURES),
+    rows=_plugin_rows,
+))
