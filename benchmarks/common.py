@@ -110,9 +110,11 @@ def new_workers(client: Any, timeout: float = 120) -> None:
     client.wait_for_workers(n, timeout=timeout)
 
 
-def fresh_input(client: Any, make: Callable[[], Any]) -> tuple[Any, int]:
-    """Restart every worker process, then persist ``make()``; returns the persisted
-    collection and the number of tasks held with it (for :func:`settle`).
+def fresh_input(client: Any, make: Callable[[], Any], previous: Any = None
+                ) -> tuple[Any, int]:
+    """Cancel ``previous`` (the input of the run before), replace every worker process,
+    then persist ``make()``; returns the persisted collection and the number of tasks held
+    with it (for :func:`settle`).
 
     Before each measured run, so that every method starts from the same state: worker
     processes holding only the input.  A run's peak is process memory, and a process keeps
@@ -121,6 +123,11 @@ def fresh_input(client: Any, make: Callable[[], Any]) -> tuple[Any, int]:
     """
     from distributed import wait
 
+    if previous is not None:
+        # Cancelled, not just dropped: graphs built from it (and caches of dask's
+        # expressions) may still hold its futures, and the workers' removal would then
+        # recompute it.
+        client.cancel(client.futures_of(previous))
     new_workers(client)
     data = client.persist(make())
     wait(data)

@@ -72,8 +72,7 @@ def run_case(client: Any, label: str, shape: tuple, old: tuple, new: tuple,
     for r in range(repeat):
         for method in rotated(methods, r):  # interleaved, so drift hits every method alike
             if fresh:
-                del x
-                x, keep = fresh_input(client, make)
+                x, keep = fresh_input(client, make, previous=x)
             y = x.rechunk(new, method=method)
             first: list[float] = []
 
@@ -94,9 +93,10 @@ def run_case(client: Any, label: str, shape: tuple, old: tuple, new: tuple,
             m.peak_memory.extend(peak)
             m.extra.setdefault("first_output_s", []).extend(first)
             m.extra.setdefault("tasks", []).append(graph_size(y) - graph_size(x))
+            del y  # its graph holds x's futures, which new_workers must not see
             done += 1
             progress(done, total, f"rechunk {label}", show_progress)
-    del x, y  # the last rechunked array's graph holds x's futures too
+    del x
     settle(client, keep=base)
     return list(results.values())
 

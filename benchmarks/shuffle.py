@@ -71,8 +71,7 @@ def run_case(client: Any, label: str, nbytes: int, npartitions: int, methods: li
     for r in range(repeat):
         for method in rotated(methods, r):  # interleaved, so drift hits every method alike
             if fresh:
-                del df
-                df, keep = fresh_input(client, make)
+                df, keep = fresh_input(client, make, previous=df)
             # optimized as df.persist() and df.compute() do (client.persist does not fuse)
             shuffled = df.shuffle("key", shuffle_method=method).optimize()
 
@@ -83,13 +82,13 @@ def run_case(client: Any, label: str, nbytes: int, npartitions: int, methods: li
 
             with peak_memory(client) as peak:
                 seconds = timed(once)
-            del shuffled
+            del shuffled, once  # they hold df's futures, which new_workers must not see
             settle(client, keep=keep)
             results[method].seconds.append(seconds)
             results[method].peak_memory.extend(peak)
             done += 1
             progress(done, total, f"shuffle {label}", show_progress)
-    del df, once  # the last once() holds the last shuffled frame, and so df's futures
+    del df
     settle(client, keep=base)
     return list(results.values())
 
