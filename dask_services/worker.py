@@ -439,14 +439,31 @@ def hand_off_on_worker(handoff_key: Key, service_key: Key, input_key: Key,
     worker, ext = _worker_extension()
     loop = worker.loop.asyncio_loop
     lent = LentThread(loop)
+    outcome: list[tuple[bool, Any]] = []
 
     async def hand_off() -> int | None:
         _lent_thread.set(lent)
-        return await ext.hand_off(handoff_key, service_key, input_key, value)
+        try:
+            result = await ext.hand_off(handoff_key, service_key, input_key, value)
+        except BaseException as exc:
+            outcome.append((False, exc))
+            raise
+        else:
+            outcome.append((True, result))
+            return result
+        finally:
+            # Give the thread back at once: through the future below it would wait for
+            # two more turns of a busy event loop (about 0.9 ms a hand-off, measured).
+            lent.close()
 
     done = asyncio.run_coroutine_threadsafe(hand_off(), loop)
-    done.add_done_callback(lambda _: lent.close())
+    done.add_done_callback(lambda _: lent.close())  # the coroutine never ran (loop closed)
     lent.serve()
+    if outcome:
+        ok, result = outcome[0]
+        if ok:
+            return result
+        raise result
     return done.result()
 
 
