@@ -56,6 +56,10 @@ class Run:
     landed: set[Key] = field(default_factory=set)  # produced and in memory (or gone)
     concluded: bool = False
 
+    def __post_init__(self) -> None:
+        # membership tests once per event: a tuple would make a run quadratic in its outputs
+        self.wanted_set = frozenset(self.wanted)
+
     @property
     def live(self) -> bool:
         return self.phase in LIVE_PHASES
@@ -256,6 +260,7 @@ class ServiceTaskMachine:
     ) -> None:
         self.key = key
         self.input_keys = tuple(input_keys)
+        self.input_key_set = frozenset(self.input_keys)
         self.output_keys = tuple(output_keys)
         self.max_restarts = max_restarts
         self.restarts = 0
@@ -307,7 +312,10 @@ class ServiceTaskMachine:
     def _maybe_conclude(self, run: Run) -> list[Action]:
         """The service task finishes once every produced output has landed in memory, so
         that each output is attached to it again (and can be recomputed through it)."""
-        if run.phase is Phase.FINISHED and not run.concluded and run.landed >= set(run.produced):
+        # landed only ever holds produced keys (see _on_OutputLanded), so equal sizes mean
+        # every produced output landed
+        if run.phase is Phase.FINISHED and not run.concluded \
+                and len(run.landed) == len(run.produced):
             run.concluded = True
             return self._conclude(None)
         return []
@@ -391,7 +399,7 @@ class ServiceTaskMachine:
 
     def _on_InputHandedOff(self, ev: InputHandedOff) -> list[Action]:
         run = self._current(ev.run_id)
-        if run is None or ev.key not in self.input_keys:
+        if run is None or ev.key not in self.input_key_set:
             return []
         run.handed_off.add(ev.key)
         return self._maybe_barrier(run) + self._maybe_finished(run)
@@ -400,13 +408,13 @@ class ServiceTaskMachine:
         run = self._current(ev.run_id)
         if run is None:
             return [DropOutput(ev.key, ev.worker)]
-        if ev.key not in run.wanted or ev.key in run.produced:
+        if ev.key not in run.wanted_set or ev.key in run.produced:
             return [DropOutput(ev.key, ev.worker), *self._reject_produced(run, ev)]
         run.produced[ev.key] = ev.worker
         return [ReleaseOutput(ev.key, ev.worker), *self._maybe_finished(run)]
 
     def _reject_produced(self, run: Run, ev: OutputProduced) -> list[Action]:
-        if ev.key not in run.wanted:
+        if ev.key not in run.wanted_set:
             return self._fail(
                 run,
                 ProduceKeyError(

@@ -265,7 +265,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         elif finish == "waiting":
             machine = self.machines.get(service_key)
             run = machine.live_run if machine is not None else None
-            if run is not None and key not in run.wanted:
+            if run is not None and key not in run.wanted_set:
                 # e.g. lost while a run that does not know it is under way
                 self._later(self._restart_for_new_outputs, service_key)
 
@@ -570,7 +570,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         if machine is None or sts is None:
             return
         run = machine.live_run
-        if run is not None and set(self._wanted(service_key)) - set(run.wanted):
+        if run is not None and not run.wanted_set.issuperset(self._wanted(service_key)):
             self._apply(service_key, machine.handle(rs.WantedGrew("more outputs were asked for")))
 
     # ------------------------------------------------------------- events
