@@ -8,7 +8,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -195,6 +195,3 @@ def _cell(value: float | None) -> str:
         return "-"
     return f"{int(value)}" if float(value).is_integer() else f"{value:.3f}"
 
-
-def as_dict(m: Measurement) -> dict:
-    return asdict(m)

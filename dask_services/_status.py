@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import dask.config
 
+from dask_services._counters import COUNTERS
 from dask_services._run_state import Run
 
 if TYPE_CHECKING:
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
     from dask_services.scheduler import ServiceSchedulerPlugin
 
 Key = Hashable
-COUNTERS = ("bytes_sent", "bytes_received", "bytes_spilled")
 
 
 @dataclass(frozen=True)
@@ -113,8 +113,7 @@ class RunRecord:
         }
 
 
-ENDED = {"finished": "finished", "failed": "failed", "restarted": "restarted",
-         "cancelled": "cancelled"}
+ENDED = frozenset({"finished", "failed", "restarted", "cancelled"})  # actions ending a run
 
 
 class RunHistory:
@@ -143,7 +142,7 @@ class RunHistory:
             return
         record.row(time.time())  # freeze the live figures
         record.run = None
-        record.state = ENDED[action]
+        record.state = action
         record.detail = detail
         record.ended = time.time()
         self.ended[run_id] = None
