@@ -31,3 +31,14 @@ def small_cluster(tmp_path):
         n_workers=2, threads_per_worker=1, memory_limit="600MB", dashboard_address=":0",
     ) as cluster, Client(cluster) as client:
         yield cluster, client, tmp_path
+
+
+@pytest.fixture(autouse=True)
+def _fresh_replica_gates():
+    """Gates of the replicated-service test classes hold asyncio events bound to one
+    test's loop: every test starts and ends without any, even after a failure."""
+    from replicated_services import GATES
+
+    GATES.clear()
+    yield
+    GATES.clear()

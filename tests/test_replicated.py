@@ -377,7 +377,7 @@ async def test_retiring_a_worker_moves_its_replica(c, s, *workers):
 
 @cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_placement_options(c, s, w):
-    with pytest.raises(Exception, match="not healthy after"):
+    with pytest.raises(DeploymentError, match="not healthy after"):
         with dask_services_config({"dask_services.replicated.deploy-timeout": "300ms"}):
             await Adder.options(resources={"GPU": 1}).as_service(client=c)
     await assert_nothing_left(s, [w])

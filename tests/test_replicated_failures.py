@@ -9,7 +9,7 @@ from distributed.utils_test import poll_for
 from replicated_services import Adder
 from utils import kill
 
-from dask_services.replicated import ServiceUnavailable
+from dask_services.replicated import ServiceShutdown, ServiceUnavailable
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]
 
@@ -93,6 +93,6 @@ def test_readme_example_runs(cluster):
     svc = ns["svc"]
     assert ns["a"] == ns["b"]
     assert ns["y"] == [2, 4] and ns["total"] == 6 and len(ns["everyone"]) == 3
-    with pytest.raises(Exception, match="shut down"):
+    with pytest.raises(ServiceShutdown, match="shut down"):
         svc.predict.route([1]).result()
     poll_for(lambda: not any(hosted(client).values()), timeout=10)

@@ -11,12 +11,11 @@ from dask_services.replicated._errors import DeploymentError
 from dask_services.replicated._handle import (
     ClientTransport,
     ReplicatedService,
-    _config_seconds,
-    _loads_exception,
     check_names,
 )
-from dask_services.replicated._options import ReplicaOptions, unconfigured
+from dask_services.replicated._options import ReplicaOptions, config_seconds, unconfigured
 from dask_services.service import Service
+from dask_services.worker import loads_exception
 
 
 def as_service(cls: type, args: tuple, kwargs: dict, client: Any = None) -> Any:
@@ -65,11 +64,11 @@ async def _deploy(client: Any, handle: ReplicatedService, blob: bytes,
     if resp["status"] != "ok":
         raise DeploymentError(resp["error"])
     result = await scheduler.replicated_wait(name=handle.name,
-                                             timeout=_config_seconds("deploy-timeout"))
+                                             timeout=config_seconds("deploy-timeout"))
     if result["status"] != "ok":
         await scheduler.replicated_shutdown(name=handle.name, timeout=0)
         if result.get("exception"):
-            raise _loads_exception(result["exception"])
+            raise loads_exception(result["exception"])
         raise DeploymentError(f"deploying {handle.name} failed: {result['error']}")
     await handle._refresh()
     return handle

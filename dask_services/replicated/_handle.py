@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import dask.config
-from dask.utils import parse_timedelta
 from distributed.core import send_recv
 from distributed.protocol.serialize import to_serialize
 
@@ -32,23 +31,13 @@ from dask_services.replicated._errors import (
     ServiceShutdown,
     ServiceUnavailable,
 )
-from dask_services.replicated._options import endpoints, is_endpoint
+from dask_services.replicated._options import config_seconds, endpoints, is_endpoint
 from dask_services.replicated._routing import LeastLoaded, ReplicaView, make_router
-from dask_services.replicated._worker import _unwrap
 from dask_services.service import ServiceId
+from dask_services.worker import _unwrap, loads_exception
 
 _session: contextvars.ContextVar[Session | None] = contextvars.ContextVar(
     "dask_services_replicated_session", default=None)
-
-
-def _config_seconds(name: str) -> float:
-    return float(parse_timedelta(dask.config.get(f"dask_services.replicated.{name}")))
-
-
-def _loads_exception(blob: bytes) -> BaseException:
-    from dask_services.worker import loads_exception
-
-    return loads_exception(blob)
 
 
 # ------------------------------------------------------------------ transports
@@ -338,6 +327,9 @@ class ReplicatedService:
         self._table_time = -1.0
         self._refreshing: asyncio.Future | None = None
         self._outstanding: collections.Counter = collections.Counter()
+        # calls running or queued on each replica (from every caller), as its last answer
+        # to this handle said
+        self._reported: dict[ServiceId, int] = {}
         self._session_counts: collections.Counter = collections.Counter()
 
     # -------------------------------------------------------- plumbing
@@ -392,7 +384,7 @@ class ReplicatedService:
 
     def _maybe_refresh(self) -> None:
         """Refresh the table in the background once it is older than refresh-interval."""
-        stale = time.monotonic() - self._table_time > _config_seconds("refresh-interval")
+        stale = time.monotonic() - self._table_time > config_seconds("refresh-interval")
         if stale and (self._refreshing is None or self._refreshing.done()):
             try:
                 asyncio.get_running_loop()
@@ -408,7 +400,8 @@ class ReplicatedService:
         return [r for r in self._table if r.state == "healthy"]
 
     def _views(self, healthy: list[_Replica]) -> list[ReplicaView]:
-        return [ReplicaView(r.id, r.worker, self._outstanding[r.id],
+        return [ReplicaView(r.id, r.worker,
+                            max(self._outstanding[r.id], self._reported.get(r.id, 0)),
                             self._session_counts[r.id]) for r in healthy]
 
     def _choose(self, session: Session | None) -> _Replica | None:
@@ -434,9 +427,9 @@ class ReplicatedService:
     async def _call(self, method: str, args: tuple, kwargs: dict,
                     session: Session | None = None, pin: ServiceId | None = None) -> Any:
         retries = int(dask.config.get("dask_services.replicated.call-retries"))
-        delay = _config_seconds("retry-backoff")
-        max_delay = _config_seconds("retry-backoff-max")
-        connect_timeout = _config_seconds("connect-timeout")
+        delay = config_seconds("retry-backoff")
+        max_delay = config_seconds("retry-backoff-max")
+        connect_timeout = config_seconds("connect-timeout")
         if self._table_time < 0:
             await self._refresh()
         else:
@@ -464,9 +457,10 @@ class ReplicatedService:
                 else:
                     status = resp.get("status") if isinstance(resp, dict) else None
                     if status == "ok":
+                        self._reported[target.id] = int(resp.get("load", 0))
                         return _unwrap(resp["result"])
                     if status == "error":
-                        raise _loads_exception(resp["exception"])
+                        raise loads_exception(resp["exception"])
                     if status == "overloaded":
                         raise ServiceOverloaded(resp["message"])
                     if status == "shutdown":
@@ -559,7 +553,7 @@ class ReplicatedService:
             raise ServiceShutdown(f"service {self.name} was shut down (or never deployed)")
         if isinstance(result, dict) and result.get("status") == "error":
             if result.get("exception"):
-                raise _loads_exception(result["exception"])
+                raise loads_exception(result["exception"])
             raise ServiceUnavailable(result["error"])
         return [dict(row) for row in result] if isinstance(result, (list, tuple)) else result
 
@@ -568,7 +562,7 @@ class ReplicatedService:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"scale(n) needs an integer n >= 1, got {n!r}; to stop the "
                              "service call svc.shutdown()")
-        timeout = _config_seconds("deploy-timeout") if timeout is None else timeout
+        timeout = config_seconds("deploy-timeout") if timeout is None else timeout
         return self._transport.sync(self._scale, n, timeout)
 
     async def _scale(self, n: int, timeout: float) -> None:

@@ -2,9 +2,9 @@
 
 A router is any object with one method, ``choose(replicas) -> ReplicaView``, given the
 healthy replicas (never an empty list).  Each handle owns its own router instance, so state
-such as a round-robin position is per caller.  Loads are the caller's own view: calls it
-has in flight on each replica, plus the queue length the replica reported with its last
-answer.
+such as a round-robin position is per caller.  Loads are the caller's own view: the
+larger of the calls it has in flight on a replica and the calls running or queued there
+(from every caller) that the replica reported with its last answer to it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class ReplicaView:
 
     id: ServiceId
     worker: str
-    load: int = 0  # calls this caller has in flight there, plus the replica's last queue
+    load: int = 0  # max(calls of this caller in flight there, the replica's last report)
     sessions: int = 0  # sessions of this caller bound to it
 
 

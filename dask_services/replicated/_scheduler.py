@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import dask.config
-from dask.utils import parse_timedelta
 from distributed.core import Status
 from tornado.ioloop import PeriodicCallback
 
 from dask_services.replicated import _lifecycle as lc
 from dask_services.replicated._lifecycle import ReplicaState
+from dask_services.replicated._options import config_seconds
 from dask_services.replicated._table import ReplicaReports
 
 if TYPE_CHECKING:
@@ -33,10 +33,6 @@ logger = logging.getLogger("dask_services")
 EVENT_TOPIC = "dask_services"
 HANDLERS = ("replicated_deploy", "replicated_wait", "replicated_table", "replicated_replicas",
             "replicated_metrics", "replicated_scale", "replicated_shutdown")
-
-
-def _seconds(name: str) -> float:
-    return float(parse_timedelta(dask.config.get(f"dask_services.replicated.{name}")))
 
 
 @dataclass(eq=False)
@@ -78,7 +74,7 @@ class Deployments:
         """Install the scheduler handlers and start the health probes."""
         for name in HANDLERS:
             self.scheduler.handlers[name] = getattr(self, name[len("replicated_"):])
-        period = _seconds("health-check-period")
+        period = config_seconds("health-check-period")
         if period > 0:
             self._probe = PeriodicCallback(self._probe_all, period * 1000)
             self._probe.start()
@@ -206,8 +202,8 @@ class Deployments:
         stops = []
         for s in victims:
             stops += self._apply(dep, s, dep.slots[s].handle(lc.StopRequested()),
-                                 reason="scale-down", timeout=_seconds("drain-timeout"))
-        await self._await(stops, _seconds("drain-timeout") + 10)
+                                 reason="scale-down", timeout=config_seconds("drain-timeout"))
+        await self._await(stops, config_seconds("drain-timeout") + 10)
         for s in victims:
             dep.slots.pop(s, None)
             dep.errors.pop(s, None)
@@ -269,7 +265,8 @@ class Deployments:
             if dep.stopping:
                 continue
             for s, m in list(dep.slots.items()):
-                self._apply(dep, s, m.handle(event))
+                self._apply(dep, s, m.handle(event), prune=False)
+        self.reports.prune(self.placed())  # once, not once per slot
 
     # ------------------------------------------------------------ actions
 
@@ -285,8 +282,10 @@ class Deployments:
         return slot
 
     def _apply(self, dep: Deployment, slot: int, actions: list[lc.Action],
-               reason: str = "moved", timeout: float | None = None) -> list[asyncio.Task]:
-        """Carry out ``actions``; returns the stop tasks started."""
+               reason: str = "moved", timeout: float | None = None,
+               prune: bool = True) -> list[asyncio.Task]:
+        """Carry out ``actions``; returns the stop tasks started.  ``prune=False``: the
+        caller forgets the figures of replaced incarnations itself."""
         stops: list[asyncio.Task] = []
         machine = dep.slots[slot]
         pending = list(actions)
@@ -303,14 +302,14 @@ class Deployments:
             elif isinstance(action, lc.StartOn):
                 self._spawn(dep, self._start(dep, slot, action.id, action.worker))
             elif isinstance(action, lc.Stop):
-                drain = _seconds("drain-timeout") if timeout is None else timeout
+                drain = config_seconds("drain-timeout") if timeout is None else timeout
                 stops.append(self._spawn(dep, self._stop(
                     action.worker, action.id, drain if action.drain else 0, reason)))
             elif isinstance(action, lc.StateChanged):
                 self._log(dep.name, action.state.value, machine.id, machine.worker,
                           machine.last_error)
                 dep.notify()
-        if actions:  # a replaced or stopped incarnation's figures go at once
+        if actions and prune:  # a replaced or stopped incarnation's figures go at once
             self.reports.prune(self.placed())
         return stops
 
@@ -360,7 +359,7 @@ class Deployments:
         try:
             resp = await self.scheduler.rpc(worker).replicated_start(
                 id=str(sid), name=dep.name, blob=dep.blob, max_concurrency=dep.max_concurrency,
-                max_queued=dep.max_queued, setup_timeout=_seconds("setup-timeout"),
+                max_queued=dep.max_queued, setup_timeout=config_seconds("setup-timeout"),
                 peers_of=dep.name,
             )
         except Exception as e:  # lost connection, worker closing, no handler
@@ -396,7 +395,7 @@ class Deployments:
     # ------------------------------------------------------------ health probes
 
     def _probe_all(self) -> None:
-        timeout = _seconds("health-check-timeout")
+        timeout = config_seconds("health-check-timeout")
         for dep in list(self.deployments.values()):
             if dep.stopping:
                 continue

@@ -18,13 +18,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from distributed.protocol import pickle
-from distributed.protocol.serialize import Serialize, ToPickle, to_serialize
+from distributed.protocol.serialize import to_serialize
 
 from dask_services.replicated._errors import ReplicaGone, ServiceOverloaded, ServiceShutdown
 from dask_services.replicated._metrics import ReplicaMetrics
 from dask_services.replicated._options import is_endpoint
 from dask_services.replicated._queue import CallGate
 from dask_services.service import Service, ServiceId
+from dask_services.worker import _unwrap, dumps_exception
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -33,18 +34,6 @@ logger = logging.getLogger("dask_services")
 
 HANDLERS = ("replicated_start", "replicated_stop", "replicated_call", "replicated_health",
             "replicated_stats")
-
-
-def _unwrap(obj: Any) -> Any:
-    while isinstance(obj, (Serialize, ToPickle)):
-        obj = obj.data
-    return obj
-
-
-def _dumps_exception(exc: BaseException) -> bytes:
-    from dask_services.worker import dumps_exception
-
-    return dumps_exception(exc)
 
 
 @dataclass(eq=False)
@@ -97,33 +86,34 @@ class ReplicaWorker:
         try:
             cls, args, kwargs, options = pickle.loads(blob)
             service = cls()
+            handle = ReplicatedService(peers_of, cls, options, WorkerTransport(self.worker))
+            service.id = sid
+            service.key = name
+            service.params = dict(kwargs)
+            service.service = handle
+            service.peers = handle.peers()
         except Exception as e:
             return {"status": "error", "error": f"{type(e).__name__}: {e}",
-                    "exception": _dumps_exception(e)}
+                    "exception": dumps_exception(e)}
         rep = HostedReplica(
             id=sid, name=name, service=service,
             gate=CallGate(max_concurrency, max_queued, f"replica {sid} of {name}"),
             executor=ThreadPoolExecutor(max_concurrency, thread_name_prefix=f"replica-{sid}"),
         )
         self.replicas[sid] = rep
-        handle = ReplicatedService(peers_of, cls, options, WorkerTransport(self.worker))
-        service.id = sid
-        service.key = name
-        service.params = dict(kwargs)
-        service.service = handle
-        service.peers = handle.peers()
         rep.setup_task = asyncio.ensure_future(self._setup(rep, args, kwargs, setup_timeout))
         try:
             await rep.setup_task
         except asyncio.CancelledError:
-            if not rep.closing:
+            if not rep.closing:  # the start request itself was cancelled: leave nothing
+                await asyncio.shield(self._stop(rep, 0, ReplicaGone(f"start of {sid} cancelled")))
                 raise
             return {"status": "stopped"}
         except Exception as e:
             logger.info("setup of replica %s of %s failed: %r", sid, name, e)
             await self._stop(rep, 0, ServiceShutdown("setup failed"))
             return {"status": "error", "error": f"{type(e).__name__}: {e}",
-                    "exception": _dumps_exception(e)}
+                    "exception": dumps_exception(e)}
         if rep.closing:
             return {"status": "stopped"}
         rep.ready = True
@@ -180,16 +170,18 @@ class ReplicaWorker:
                     await asyncio.wait_for(rep.gate.wait_idle(), timeout)
                 except TimeoutError:
                     rep.cancelled = True
-                    for task in list(rep.running):
+                    running = list(rep.running)
+                    for task in running:
                         task.cancel()
-                    await asyncio.sleep(0)  # let the cancelled calls answer their callers
+                    if running:  # the cancelled calls answer their callers first
+                        await asyncio.wait(running, timeout=1)
             stop = getattr(rep.service, "stop", None)
             if stop is not None:
                 try:
                     if inspect.iscoroutinefunction(stop):
                         await asyncio.wait_for(stop(), 30)
-                    else:
-                        stop()
+                    else:  # never on the event loop
+                        await asyncio.wait_for(asyncio.to_thread(stop), 30)
                 except Exception:
                     logger.exception("stop() of replica %s raised", rep.id)
         finally:
@@ -248,7 +240,7 @@ class ReplicaWorker:
         if not is_endpoint(type(rep.service), method):
             from dask_services.replicated._errors import EndpointRefused
 
-            return {"status": "error", "exception": _dumps_exception(EndpointRefused(
+            return {"status": "error", "exception": dumps_exception(EndpointRefused(
                 f"{method!r} is not an endpoint of {type(rep.service).__name__}"))}
         args, kwargs = _unwrap(payload)
         arrived = time.perf_counter()
@@ -282,7 +274,7 @@ class ReplicaWorker:
                 f"the call was cancelled: replica {rep.id} of {rep.name} stopped before it "
                 "finished (svc.shutdown timeout)")}
         except Exception as e:
-            return {"status": "error", "exception": _dumps_exception(e)}
+            return {"status": "error", "exception": dumps_exception(e)}
         finally:
             rep.metrics.record(time.perf_counter() - arrived, error)
             if task is not None:
