@@ -121,7 +121,6 @@ def fresh_input(client: Any, make: Callable[[], Any], previous: Any = None
     heap it has once grown to (fragmented, or held by the allocator); without fresh
     processes a method's peak depends on which method ran before it.
     """
-    from distributed import wait
 
     if previous is not None:
         # Cancelled, not just dropped: graphs built from it (and caches of dask's
@@ -129,6 +128,14 @@ def fresh_input(client: Any, make: Callable[[], Any], previous: Any = None
         # recompute it.
         client.cancel(client.futures_of(previous))
     new_workers(client)
+    return persist_input(client, make)
+
+
+def persist_input(client: Any, make: Callable[[], Any]) -> tuple[Any, int]:
+    """Persist ``make()`` and wait for it; returns it and the number of tasks held with it
+    (for :func:`settle`)."""
+    from distributed import wait
+
     data = client.persist(make())
     wait(data)
     keep = held(client)

@@ -27,6 +27,7 @@ from benchmarks.common import (
     held,
     parse_size,
     peak_memory,
+    persist_input,
     progress,
     rotated,
     settle,
@@ -63,10 +64,7 @@ def run_case(client: Any, label: str, shape: tuple, old: tuple, new: tuple,
     def make() -> Any:
         return da.random.random(shape, chunks=old)
 
-    x = client.persist(make())
-    wait(x)
-    keep = held(client)
-    settle(client, keep=keep)
+    x, keep = persist_input(client, make)
     results = {m: Measurement(label, m, nbytes=x.nbytes) for m in methods}
     total, done = repeat * len(methods), 0
     for r in range(repeat):

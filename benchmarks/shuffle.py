@@ -23,6 +23,7 @@ from benchmarks.common import (
     held,
     parse_size,
     peak_memory,
+    persist_input,
     progress,
     rotated,
     settle,
@@ -61,10 +62,7 @@ def run_case(client: Any, label: str, nbytes: int, npartitions: int, methods: li
     def make() -> Any:
         return frame(nbytes, npartitions)
 
-    df = client.persist(make())
-    wait(df)
-    keep = held(client)
-    settle(client, keep=keep)
+    df, keep = persist_input(client, make)
     true_bytes = int(client.compute(df.memory_usage(deep=True).sum()).result())
     results = {m: Measurement(label, m, nbytes=true_bytes) for m in methods}
     total, done = repeat * len(methods), 0

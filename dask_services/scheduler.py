@@ -103,7 +103,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         from dask_services import _observe
 
         if getattr(self, "replicated", None) is not None:
-            self.replicated.close()
+            await self.replicated.close()
         _observe.detach(self)
         self.history.clear()
 

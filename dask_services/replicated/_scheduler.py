@@ -79,13 +79,18 @@ class Deployments:
             self._probe = PeriodicCallback(self._probe_all, period * 1000)
             self._probe.start()
 
-    def close(self) -> None:
-        """Stop probing (the scheduler is closing)."""
+    async def close(self) -> None:
+        """Stop probing and everything under way, remove the handlers (the scheduler is
+        closing)."""
         if self._probe is not None:
             self._probe.stop()
-        for dep in self.deployments.values():
-            for task in dep.tasks:
-                task.cancel()
+        tasks = [task for dep in self.deployments.values() for task in dep.tasks]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for name in HANDLERS:
+            if self.scheduler.handlers.get(name) == getattr(self, name[len("replicated_"):]):
+                del self.scheduler.handlers[name]
 
     # ------------------------------------------------------------ handlers
 
