@@ -9,7 +9,7 @@ import time
 
 import pandas as pd
 import pytest
-from distributed import wait
+from distributed import Event, wait
 from distributed.diagnostics import MemorySampler
 from distributed.utils_test import poll_for
 from utils import assert_lean_run, kill, live_run, pid_of
@@ -96,15 +96,27 @@ def test_worker_killed_mid_merge(small_cluster):
     cluster.scheduler.validate_state()
 
 
+def _held_back_until_joined(part, partition_info=None):
+    if partition_info is not None and partition_info["number"] == 0:
+        Event(JOINED).wait(timeout=60)  # the run cannot finish before the worker joined
+    return part
+
+
+JOINED = "dask-services-test-worker-joined"
+
+
 def test_worker_joining_mid_shuffle_does_no_harm(small_cluster):
     cluster, client, _ = small_cluster
-    df = frame(100_000_000, npartitions=60)
+    source = frame(100_000_000, npartitions=60)
+    df = source.map_partitions(_held_back_until_joined, meta=source._meta)
+    joined = Event(JOINED, client=client)
     shuffled = client.persist(df.shuffle("key", shuffle_method="service"))
     poll_for(lambda: live_run(cluster, lambda r: len(r.handed_off) >= 3), timeout=120)
     run_id = live_run(cluster).run_id
     cluster.scale(3)
     client.wait_for_workers(3)
     joined_while_running = live_run(cluster) is not None
+    joined.set()
     wait(shuffled)
     assert joined_while_running
     result = pd.concat(client.gather(client.futures_of(shuffled)))
