@@ -15,7 +15,7 @@ from distributed import progress
 from distributed.utils_test import async_poll_for, poll_for
 from services import Recorder
 from tornado.httpclient import AsyncHTTPClient
-from utils import assert_nothing_left, service_cluster
+from utils import DASHBOARD, assert_nothing_left, pull_tables, samples, service_cluster
 
 import dask_services
 from dask_services import _metrics, _status
@@ -24,9 +24,6 @@ from dask_services.examples import AllReduce
 from dask_services.service import ServiceId
 
 pytestmark = pytest.mark.timeout(90)
-
-DASHBOARD = {"scheduler_kwargs": {"dashboard": True, "dashboard_address": ":0"}}
-
 
 def inc(x):
     return x + 1
@@ -147,32 +144,6 @@ def test_history_keeps_live_runs_and_ignores_unknown_counters():
 
 
 # ------------------------------------------------------------------ dashboard and metrics
-
-
-def pull_tables(url: str) -> dict[str, dict]:
-    """Open the Bokeh page as a browser does (HTTP, then its websocket); its tables' data."""
-    from bokeh.client import pull_session
-    from bokeh.models import DataTable
-    from tornado.ioloop import IOLoop
-
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    try:
-        session = pull_session(url=url, io_loop=IOLoop.current())
-        try:
-            return {t.name: dict(t.source.data) for t in session.document.select(
-                {"type": DataTable})}
-        finally:
-            session.close()
-    finally:
-        asyncio.set_event_loop(None)
-        loop.close()
-
-
-def samples(text: str, name: str) -> dict[str, float]:
-    """``{labels: value}`` of one metric in Prometheus text format."""
-    found = re.findall(rf"^{name}\{{(.*?)\}} (\S+)$", text, flags=re.M)
-    return {labels: float(value) for labels, value in found}
 
 
 @service_cluster(**DASHBOARD)

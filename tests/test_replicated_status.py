@@ -8,9 +8,8 @@ import math
 import pytest
 from distributed.utils_test import async_poll_for, poll_for
 from replicated_services import GATES, Adder
-from test_observability import DASHBOARD, pull_tables, samples
 from tornado.httpclient import AsyncHTTPClient
-from utils import service_cluster
+from utils import DASHBOARD, pull_tables, samples, service_cluster
 
 import dask_services
 from dask_services.replicated._table import COLUMNS, ReplicaReports

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import gc
 import os
+import re
 import signal
 
 from distributed.utils_test import async_poll_for, gen_cluster
@@ -121,3 +123,34 @@ def assert_lean_run(client, samples, limit: float, directory) -> None:
     restarts = [e for _, e in client.get_events("dask_services") if e["action"] == "restarted"]
     assert not restarts, restarts  # no worker was killed for memory on the way
     poll_for(lambda: not spill_files(directory), timeout=30)
+
+
+# ------------------------------------------------------------------ dashboard and metrics
+
+DASHBOARD = {"scheduler_kwargs": {"dashboard": True, "dashboard_address": ":0"}}
+
+
+def pull_tables(url: str) -> dict[str, dict]:
+    """Open the Bokeh page as a browser does (HTTP, then its websocket); its tables' data."""
+    from bokeh.client import pull_session
+    from bokeh.models import DataTable
+    from tornado.ioloop import IOLoop
+
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        session = pull_session(url=url, io_loop=IOLoop.current())
+        try:
+            return {t.name: dict(t.source.data) for t in session.document.select(
+                {"type": DataTable})}
+        finally:
+            session.close()
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
+def samples(text: str, name: str) -> dict[str, float]:
+    """``{labels: value}`` of one metric in Prometheus text format."""
+    found = re.findall(rf"^{name}\{{(.*?)\}} (\S+)$", text, flags=re.M)
+    return {labels: float(value) for labels, value in found}

@@ -78,14 +78,19 @@ class Transport(abc.ABC):
             self.pool.reuse(address, comm)
 
 
+def _connect(transport: Transport, owner: Any) -> None:
+    """Loop, connection pool and scheduler rpc of a ``Client`` or a ``Worker``."""
+    transport.loop = owner.loop.asyncio_loop
+    transport.pool = owner.rpc
+    transport.scheduler = owner.scheduler
+
+
 class ClientTransport(Transport):
     """Through a ``Client`` (sync or async)."""
 
     def __init__(self, client: Any) -> None:
         self.client = client
-        self.loop = client.loop.asyncio_loop
-        self.pool = client.rpc
-        self.scheduler = client.scheduler
+        _connect(self, client)
 
 
 class WorkerTransport(Transport):
@@ -93,9 +98,7 @@ class WorkerTransport(Transport):
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
-        self.loop = worker.loop.asyncio_loop
-        self.pool = worker.rpc
-        self.scheduler = worker.scheduler
+        _connect(self, worker)
 
 
 def current_transport() -> Transport:
