@@ -146,7 +146,7 @@ _lent_thread: contextvars.ContextVar[LentThread | None] = contextvars.ContextVar
 
 
 class WorkerEnvironment(Environment):
-    def __init__(self, ext: ServiceWorkerPlugin) -> None:
+    def __init__(self, ext: ServiceWorker) -> None:
         self.ext = ext
         worker = ext.worker
         self.address = worker.address
@@ -202,12 +202,29 @@ class WorkerEnvironment(Environment):
 
 
 class ServiceWorkerPlugin(WorkerPlugin):
-    """Worker extension carrying out service tasks; see ``design/architecture.md``."""
+    """Gives every worker its own :class:`ServiceWorker`.
+
+    The plugin object itself may be shared: the scheduler hands in-process workers (a
+    ``LocalCluster(processes=False)``) one and the same object, so it keeps no state.
+    """
 
     name = EXTENSION
     idempotent = True
 
     def setup(self, worker: Worker) -> None:
+        if EXTENSION not in worker.extensions:
+            ServiceWorker(worker)
+
+    async def teardown(self, worker: Worker) -> None:
+        ext = worker.extensions.get(EXTENSION)
+        if isinstance(ext, ServiceWorker):
+            await ext.close()
+
+
+class ServiceWorker:
+    """Worker extension carrying out service tasks; see ``design/architecture.md``."""
+
+    def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.host = ServiceHost(WorkerEnvironment(self))
         self.produced: dict[Key, Any] = {}
@@ -229,7 +246,8 @@ class ServiceWorkerPlugin(WorkerPlugin):
         self.replicated = ReplicaWorker(worker)  # replicas of replicated services
         self.replicated.register()
 
-    async def teardown(self, worker: Worker) -> None:
+    async def close(self) -> None:
+        worker = self.worker
         self._memory_check.stop()
         await self.replicated.close()
         await self.host.stop_all()
@@ -415,7 +433,7 @@ class ServiceWorkerPlugin(WorkerPlugin):
             self._evicting = False
 
 
-def _worker_extension() -> tuple[Worker, ServiceWorkerPlugin]:
+def _worker_extension() -> tuple[Worker, ServiceWorker]:
     from distributed.worker import get_worker
 
     worker = get_worker()

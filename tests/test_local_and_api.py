@@ -158,3 +158,26 @@ async def test_metrics_reach_the_scheduler(c, s, a, b):
     outs[0].release()
     del outs
     await assert_nothing_left(s, [a, b])
+
+
+def test_in_process_cluster_gives_every_worker_its_own_extension():
+    # LocalCluster(processes=False) talks over inproc comms, which hand every worker the
+    # very same plugin object; a shuffle there used to wait forever
+    import dask.dataframe as dd
+    import pandas as pd
+    from distributed import Client, LocalCluster
+
+    pdf = pd.DataFrame({"a": np.arange(300) % 13, "b": np.arange(300.0)})
+    with dask.config.set({"distributed.scheduler.validate": True,
+                          "distributed.worker.validate": True}), \
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                         dashboard_address=":0") as cluster, Client(cluster) as client:
+        assert cluster.scheduler_address.startswith("inproc://")
+        df = dd.from_pandas(pdf, npartitions=6)
+        got = df.shuffle("a", shuffle_method="service").compute()
+        pd.testing.assert_frame_equal(got.sort_values("b"), pdf)
+        owners = client.run(
+            lambda dask_worker: dask_worker.extensions["dask_services"].worker.address
+        )
+        assert owners == {address: address for address in owners}
+        client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.validate_state())
