@@ -27,6 +27,7 @@ from distributed.protocol.serialize import ToPickle
 from dask_services import _run_state as rs
 from dask_services import _status
 from dask_services._host import InstanceSpec
+from dask_services._streams import flush
 from dask_services.graph import (
     OutputClaimSpec,
     ServiceDefinition,
@@ -420,10 +421,13 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             elif isinstance(action, rs.Log):
                 self._log(service_key, action)
 
-    def _send(self, worker: str, msg: dict) -> None:
+    def _send(self, worker: str, msg: dict, now: bool = False) -> None:
+        """Send ``msg`` to ``worker``; ``now`` for a run's control messages (``_streams``)."""
         comm = self.scheduler.stream_comms.get(worker)
         if comm is not None:
             comm.send(msg)
+            if now:
+                flush(comm)
 
     def _apply_start(self, service_key: Key, run: rs.Run) -> None:
         definition = self.definitions[service_key]
@@ -440,15 +444,16 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                 wanted=run.wanted, owners=run.owners, leader=run.leader,
                 service_class=definition.service_class, params=definition.params,
             )
-            self._send(worker, {"op": "service-start", "spec": ToPickle(spec)})
+            self._send(worker, {"op": "service-start", "spec": ToPickle(spec)}, now=True)
 
     def _broadcast(self, run: rs.Run, op: str) -> None:
         for worker, sid in run.ids.items():
-            self._send(worker, {"op": op, "id": str(sid)})
+            self._send(worker, {"op": op, "id": str(sid)}, now=True)
 
     def _apply_stop(self, run: rs.Run, reason: str) -> None:
         for worker, sid in run.ids.items():
-            self._send(worker, {"op": "service-stop", "id": str(sid), "reason": reason})
+            self._send(worker, {"op": "service-stop", "id": str(sid), "reason": reason},
+                       now=True)
 
     def _notify(self, service_key: Key, worker: str, error: BaseException | None) -> None:
         ts = self.scheduler.tasks.get(service_key)
@@ -464,10 +469,10 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                 ))
             return
         if error is None:
-            self._send(worker, {"op": "service-task-outcome", "key": service_key})
+            self._send(worker, {"op": "service-task-outcome", "key": service_key}, now=True)
         else:
             self._send(worker, {"op": "service-task-outcome", "key": service_key,
-                                "error": dumps_exception(error)})
+                                "error": dumps_exception(error)}, now=True)
 
     def _release_output(self, service_key: Key, key: Key, worker: str) -> None:
         """Cut the edge service task -> output and let the output run on ``worker``."""
@@ -496,6 +501,8 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         self.produced_at[key] = worker
         if ots.state == "waiting" and not ots.waiting_on:
             self.scheduler.transitions({key: "processing"}, stimulus_id=f"service-produced-{key}")
+            # the claim's compute-task message: the value is ready and waits only for it
+            flush(self.scheduler.stream_comms.get(worker))
 
     # ------------------------------------------------------------- restarts
 

@@ -28,6 +28,7 @@ from tornado.ioloop import PeriodicCallback
 
 from dask_services._counters import CounterReports, instance_counters
 from dask_services._host import Environment, InstanceSpec, ServiceHost, make_directory
+from dask_services._streams import flush
 from dask_services.service import OutputLostError, ServiceId, StaleRunError
 
 if TYPE_CHECKING:
@@ -154,7 +155,10 @@ class WorkerEnvironment(Environment):
         self.memory_limit = worker.memory_manager.memory_limit or None
 
     def _send(self, msg: dict) -> None:
-        self.ext.worker.batched_stream.send(msg)
+        """A run's message to the scheduler, sent at once (see ``_streams``)."""
+        stream = self.ext.worker.batched_stream
+        stream.send(msg)
+        flush(stream)
 
     def started(self, spec: InstanceSpec) -> None:
         self._send({"op": "service-started", "service_key": spec.service_key,

@@ -6,10 +6,12 @@ these are the versions it was written and tested against.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from importlib.metadata import version
 
 import pytest
+from distributed.utils_test import gen_test
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -67,3 +69,52 @@ def test_task_spec_fusion_hook():
         __import__("dask._task_spec", fromlist=["fuse_linear_task_spec"]).fuse_linear_task_spec
     )
     assert Task.__call__ is not GraphNode.__call__
+
+
+def test_batched_send_internals_we_use():
+    # dask_services._streams.flush sends a run's control messages without waiting out the
+    # stream's interval
+    from distributed.batched import BatchedSend
+
+    stream = BatchedSend(interval="10ms")
+    for attr in ("buffer", "next_deadline", "waker"):
+        assert hasattr(stream, attr), attr
+    assert "time() < self.next_deadline" in inspect.getsource(BatchedSend._background_send)
+
+
+@gen_test()
+async def test_flush_sends_without_waiting_out_the_interval():
+    from distributed.batched import BatchedSend
+
+    from dask_services._streams import flush
+
+    class Comm:
+        def __init__(self) -> None:
+            self.batches: list = []
+            self.arrived = asyncio.Event()
+
+        async def write(self, msg, serializers=None, on_error=None) -> int:
+            self.batches.append(msg)
+            self.arrived.set()
+            return 1
+
+        def closed(self) -> bool:
+            return False
+
+        async def close(self) -> None:
+            pass
+
+    async def next_batch() -> list:
+        await asyncio.wait_for(comm.arrived.wait(), 10)
+        comm.arrived.clear()
+        return comm.batches[-1]
+
+    stream, comm = BatchedSend(interval="1h"), Comm()
+    stream.start(comm)
+    stream.send("first")  # an idle stream sends at once, then waits an hour before the next
+    assert await next_batch() == ["first"]
+    stream.send("second")
+    flush(stream)
+    assert await next_batch() == ["second"]
+    stream.please_stop = True
+    stream.waker.set()
