@@ -18,9 +18,9 @@ def test_shuffle_lower_is_wrapped():
     assert Shuffle._lower is _expr._lower, "Shuffle._lower was replaced after registration"
     assert _expr._dask_lower.__qualname__ == "Shuffle._lower"
     # the operands ServiceShuffle is built with, in this order
-    assert SimpleShuffle._parameters[:6] == [
+    assert SimpleShuffle._parameters == [
         "frame", "partitioning_index", "npartitions_out", "ignore_index", "options",
-        "original_partitioning_index",
+        "original_partitioning_index", "_partitions",
     ]
     # every hash shuffle goes through Shuffle(..., method) with a "_partitions" column
     src = inspect.getsource(RearrangeByColumn._lower)
@@ -35,3 +35,36 @@ def test_unknown_methods_still_refused_by_dask():
     df = dd.from_pandas(pd.DataFrame({"a": [1, 2, 3]}), npartitions=2)
     with pytest.raises(ValueError, match="not supported"):
         df.shuffle("a", shuffle_method="nope").compute(scheduler="sync")
+
+
+def test_partitioning_step_we_take_in():
+    # ServiceShuffle takes AssignPartitioningIndex's operands and computes its column in
+    # the instances (dataframe/_partitioning.py)
+    from dask.dataframe.dask_expr._shuffle import AssignPartitioningIndex
+
+    assert AssignPartitioningIndex._parameters == [
+        "frame", "partitioning_index", "index_name", "npartitions_out", "meta",
+        "index_shuffle",
+    ]
+    params = list(inspect.signature(AssignPartitioningIndex.operation).parameters)
+    assert params == ["df", "index", "name", "npartitions", "meta", "index_shuffle"]
+    src = inspect.getsource(AssignPartitioningIndex.operation)
+    assert "_is_numeric_cast_type(dtype)" in src and "np.float64" in src
+    assert "partitioning_index(index, npartitions)" in src
+
+
+def test_service_shuffle_has_no_partitioning_tasks():
+    import dask.dataframe as dd
+    import pandas as pd
+    from dask.utils import key_split
+
+    import dask_services  # noqa: F401
+
+    df = dd.from_pandas(pd.DataFrame({"a": range(20), "b": 1.0}), npartitions=4)
+    for shuffled in (df.shuffle("a", shuffle_method="service"),
+                     df.shuffle("a", shuffle_method="service")[["b"]],
+                     df.shuffle("a", shuffle_method="service").b):
+        graph = shuffled.optimize().__dask_graph__()
+        names = {key_split(k) for k in graph}
+        assert "assignpartitioningindex" not in names and "operation" not in names, names
+        assert sum(key_split(k) == "shuffle-handoff" for k in graph) == 4

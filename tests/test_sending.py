@@ -131,7 +131,8 @@ def test_split_puts_every_row_in_its_partition_in_order(rows, groups, seed, min_
     owner = {p: ServiceId("a" if p % 3 else "b") for p in range(10)}  # 10, 11 unwanted
     destination = group_partitions(owner, groups)
     with mock.patch.object(_service, "MIN_GROUP_BYTES", min_group_bytes):
-        out = split_by_destination(df, "_p", destination, nbytes=rows * 16)
+        out = split_by_destination(df.drop(columns="_p"), df["_p"].to_numpy(), destination,
+                                   nbytes=rows * 16)
     seen = {}
     for sid, batch in out.items():
         if min_group_bytes == 0:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import functools
 
-from dask.dataframe.dask_expr._shuffle import Shuffle, SimpleShuffle
+from dask.dataframe.dask_expr._expr import Expr
+from dask.dataframe.dask_expr._shuffle import AssignPartitioningIndex, Shuffle, SimpleShuffle
 from dask.utils import get_default_shuffle_method
 
 from dask_services.graph import ServiceDefinition, build_service_graph
@@ -21,11 +22,29 @@ METHOD = "service"
 
 
 class ServiceShuffle(SimpleShuffle):
-    """A hash shuffle carried out by one :class:`DataFrameShuffle` service task."""
+    """A hash shuffle carried out by one :class:`DataFrameShuffle` service task.
+
+    ``assign`` folds dask's ``AssignPartitioningIndex`` into the shuffle: when set, ``frame``
+    is that expression's input and every instance computes the target-partition column
+    itself (with dask's own function), instead of a task per input partition doing it.
+    """
+
+    _parameters = [*SimpleShuffle._parameters, "assign"]
+    _defaults = {**SimpleShuffle._defaults, "assign": None}
 
     @functools.cached_property
     def _meta(self):
+        if self.operand("assign") is not None:
+            meta = self.frame._meta
+            return meta.to_frame() if meta.ndim == 1 else meta
         return self.frame._meta.drop(columns=self.partitioning_index)
+
+    def _simplify_up(self, parent, dependents):
+        if self.operand("assign") is not None:
+            # ``frame`` lacks the partitioning column; projections and filters were
+            # pushed down before lowering already
+            return None
+        return super()._simplify_up(parent, dependents)
 
     def _layer(self) -> dict:
         from dask_services.dataframe._service import DataFrameShuffle
@@ -40,6 +59,7 @@ class ServiceShuffle(SimpleShuffle):
             params={
                 "meta": self._meta,
                 "column": self.partitioning_index,
+                "assign": self.operand("assign"),
                 "parts_out": parts_out,
                 "input_index": {k: k[1] for k in input_keys},
                 "ignore_index": bool(self.ignore_index),
@@ -64,13 +84,27 @@ def _lower(self: Shuffle):
         from dask_services.client import _maybe_install_default_client
 
         _maybe_install_default_client()
+        frame, assign = self.frame, None
+        if (isinstance(frame, AssignPartitioningIndex)
+                and frame.operand("index_name") == self.partitioning_index
+                and not isinstance(frame.operand("partitioning_index"), Expr)):
+            assign = (
+                frame.operand("partitioning_index"),
+                frame.operand("index_name"),
+                frame.operand("npartitions_out"),
+                frame.operand("meta"),
+                frame.operand("index_shuffle"),
+            )
+            frame = frame.frame
         return ServiceShuffle(
-            self.frame,
+            frame,
             self.partitioning_index,
             self.npartitions_out,
             self.ignore_index,
             self.options,
             self.original_partitioning_index,
+            None,
+            assign,
         )
     return _dask_lower(self)
 

@@ -1,7 +1,7 @@
 """The DataFrame shuffle as a service.
 
-Every instance splits the partitions handed to it by the precomputed target-partition
-column (the same column dask's ``tasks`` method uses, so rows land in the same output
+Every instance splits the partitions handed to it by each row's output partition (computed
+as dask's ``tasks`` method computes it, ``_partitioning.py``, so rows land in the same output
 partitions) and sends one message per destination instance per input partition, holding
 the rows of that instance's partitions in a few groups (``shuffle.groups``).  Sends run in
 the background within ``shuffle.bytes-in-flight``, so a hand-off returns as soon as its
@@ -24,6 +24,7 @@ from dask.sizeof import sizeof
 
 from dask_services._exchange import PeerExchange
 from dask_services._memory import TrimAfter, release_freed_memory
+from dask_services.dataframe._partitioning import Assign, target_partitions
 from dask_services.service import ServiceId, rpc
 
 Key = Hashable
@@ -35,25 +36,24 @@ ASSEMBLY_BATCH_BYTES = 4 * 2**20  # small outputs are assembled several per work
 
 
 def split_by_destination(
-    df: pd.DataFrame, column: Any, destination: dict[int, tuple[ServiceId, int]],
+    data: pd.DataFrame, parts: np.ndarray, destination: dict[int, tuple[ServiceId, int]],
     nbytes: int,
 ) -> dict[ServiceId, Batch]:
-    """Rows of ``df`` grouped per destination instance, then per group of partitions.
+    """Rows of ``data`` grouped per destination instance, then per group of partitions.
 
-    ``destination`` maps a wanted output partition to ``(instance, group)``.  Returns
+    ``parts`` holds every row's output partition; ``destination`` maps a wanted output
+    partition to ``(instance, group)``.  Returns
     ``{sid: [(frame, partitions, bounds, frame_bytes), ...]}``, one entry per group: ``frame``
     holds that group's rows sorted by target partition (stable, so rows keep their order
-    within a partition) without ``column``; partition ``partitions[j]`` is
+    within a partition); partition ``partitions[j]`` is
     ``frame.iloc[bounds[j]:bounds[j + 1]]``; ``frame_bytes`` is ``nbytes`` (the size of
-    ``df``) in proportion to the rows.  Every group is its own copy, so that the receiver
+    ``data``) in proportion to the rows.  Every group is its own copy, so that the receiver
     frees a group's memory once it has assembled that group's partitions; consecutive
     groups smaller than ``MIN_GROUP_BYTES`` are merged.  Rows for unwanted partitions are
     dropped.
     """
-    if not len(df):
+    if not len(data):
         return {}
-    parts = df[column].to_numpy()
-    data = df.drop(columns=[column])
     order = np.argsort(parts, kind="stable")
     sorted_parts = parts[order]
     uniq, starts = np.unique(sorted_parts, return_index=True)
@@ -63,7 +63,7 @@ def split_by_destination(
         target = destination.get(p)
         if target is not None:
             by_group.setdefault(target, []).append((p, a, b))
-    bytes_per_row = nbytes / len(df)
+    bytes_per_row = nbytes / len(data)
     out: dict[ServiceId, Batch] = {}
     pending: dict[ServiceId, list[tuple[int, int, int]]] = {}
     for (sid, _), ranges in sorted(by_group.items(), key=lambda item: item[0][1]):
@@ -77,6 +77,21 @@ def split_by_destination(
     for sid, ranges in pending.items():
         out.setdefault(sid, []).append(_take(data, order, ranges, bytes_per_row))
     return out
+
+
+def split_input(
+    df: pd.DataFrame | pd.Series, assign: Assign | None, column: Any,
+    destination: dict[int, tuple[ServiceId, int]], nbytes: int,
+) -> dict[ServiceId, Batch]:
+    """:func:`split_by_destination` of one input partition.  Its rows' output partitions
+    are in ``column``, or, with ``assign`` (the shuffle took dask's partitioning step in),
+    computed here as dask computes them, so rows go where ``tasks`` sends them."""
+    if assign is None:
+        return split_by_destination(df.drop(columns=[column]), df[column].to_numpy(),
+                                    destination, nbytes)
+    parts = target_partitions(df, assign)
+    return split_by_destination(df.to_frame() if df.ndim == 1 else df, parts, destination,
+                                nbytes)
 
 
 def _take(data: pd.DataFrame, order: np.ndarray, ranges: list[tuple[int, int, int]],
@@ -131,9 +146,11 @@ class DataFrameShuffle(PeerExchange):
 
     async def start(self, id, key, peers, input_keys, output_keys, concierge, leader, *,
                     meta: pd.DataFrame, column: Any, parts_out: list[int],
-                    input_index: dict, ignore_index: bool = False, **kwargs: Any) -> None:
+                    input_index: dict, ignore_index: bool = False,
+                    assign: Assign | None = None, **kwargs: Any) -> None:
         self.meta = meta
         self.column = column
+        self.assign = assign
         self.ignore_index = ignore_index
         self.input_index = input_index
         self.partition_of = dict(zip(output_keys, parts_out, strict=True))
@@ -147,7 +164,7 @@ class DataFrameShuffle(PeerExchange):
         assert self.stream is not None
         index = self.input_index[key]
         batches = await self.concierge.run_in_executor(
-            split_by_destination, data, self.column, self.destination, sizeof(data)
+            split_input, data, self.assign, self.column, self.destination, sizeof(data)
         )
         del data
         for sid, batch in batches.items():
