@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import dask
 from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.protocol.pickle import dumps
 from distributed.protocol.serialize import ToPickle
 
 from dask_services import _run_state as rs
@@ -88,7 +89,9 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
 
         _observe.attach(self, scheduler)
         await scheduler.register_worker_plugin(
-            None, ServiceWorkerPlugin(), name=EXTENSION, idempotent=True
+            # pickled, so that every worker gets its own object (inproc comms would hand
+            # in-process workers one and the same)
+            None, dumps(ServiceWorkerPlugin()), name=EXTENSION, idempotent=True
         )
 
     def heartbeat(self, ws: Any, data: Any) -> None:  # scheduler-extension protocol

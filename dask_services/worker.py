@@ -147,7 +147,7 @@ _lent_thread: contextvars.ContextVar[LentThread | None] = contextvars.ContextVar
 
 
 class WorkerEnvironment(Environment):
-    def __init__(self, ext: ServiceWorker) -> None:
+    def __init__(self, ext: ServiceWorkerPlugin) -> None:
         self.ext = ext
         worker = ext.worker
         self.address = worker.address
@@ -206,29 +206,23 @@ class WorkerEnvironment(Environment):
 
 
 class ServiceWorkerPlugin(WorkerPlugin):
-    """Gives every worker its own :class:`ServiceWorker`.
+    """Worker extension carrying out service tasks; see ``design/architecture.md``.
 
-    The plugin object itself may be shared: the scheduler hands in-process workers (a
-    ``LocalCluster(processes=False)``) one and the same object, so it keeps no state.
+    One object per worker: register it pickled (``Scheduler.register_worker_plugin`` takes
+    bytes), since in-process workers (``LocalCluster(processes=False)``, inproc comms)
+    would otherwise all be handed the same object.
     """
 
     name = EXTENSION
     idempotent = True
 
     def setup(self, worker: Worker) -> None:
-        if EXTENSION not in worker.extensions:
-            ServiceWorker(worker)
-
-    async def teardown(self, worker: Worker) -> None:
-        ext = worker.extensions.get(EXTENSION)
-        if isinstance(ext, ServiceWorker):
-            await ext.close()
-
-
-class ServiceWorker:
-    """Worker extension carrying out service tasks; see ``design/architecture.md``."""
-
-    def __init__(self, worker: Worker) -> None:
+        if getattr(self, "worker", worker) is not worker:
+            raise RuntimeError(
+                "one ServiceWorkerPlugin object was given to two workers; register it "
+                "pickled (distributed.protocol.pickle.dumps(plugin)) so that every worker "
+                "gets its own"
+            )
         self.worker = worker
         self.host = ServiceHost(WorkerEnvironment(self))
         self.produced: dict[Key, Any] = {}
@@ -250,8 +244,7 @@ class ServiceWorker:
         self.replicated = ReplicaWorker(worker)  # replicas of replicated services
         self.replicated.register()
 
-    async def close(self) -> None:
-        worker = self.worker
+    async def teardown(self, worker: Worker) -> None:
         self._memory_check.stop()
         await self.replicated.close()
         await self.host.stop_all()
@@ -437,7 +430,7 @@ class ServiceWorker:
             self._evicting = False
 
 
-def _worker_extension() -> tuple[Worker, ServiceWorker]:
+def _worker_extension() -> tuple[Worker, ServiceWorkerPlugin]:
     from distributed.worker import get_worker
 
     worker = get_worker()
