@@ -1,7 +1,7 @@
 """Background peer sends with a bound on bytes in flight: shared by the shuffle and rechunk.
 
-A hand-off should give its thread back as soon as its data is on its way, not once every
-peer has acknowledged it; but unbounded background sends would hold any amount of memory.
+A hand-off should return as soon as its data is on its way, not once every peer has
+acknowledged it; but unbounded background sends would hold any amount of memory.
 :class:`SendWindow` starts sends in the background while fewer than ``limit`` bytes are in
 flight and makes the caller wait otherwise.  A failed send is raised from the next ``send``
 or from ``flush``, so no error is lost.

@@ -40,6 +40,9 @@ class ServiceDefinition:
     output_keys: tuple[Key, ...]
     placement: str | None = None
     name: str = field(default="")
+    # output key -> the input key it needs most: an output is placed on the worker that
+    # holds that input when the run starts, as far as the outputs stay balanced
+    affinity: dict[Key, Key] | None = None
 
     def __dask_tokenize__(self) -> tuple:
         from dask.tokenize import tokenize
@@ -68,13 +71,33 @@ def _executing_key() -> Key | None:
     return getattr(thread_state, "key", None)
 
 
-def _hand_off(handoff_key: Key, service_key: Key, input_key: Key, value: Any) -> Any:
-    if _executing_key() == handoff_key:
-        from dask_services.worker import hand_off_on_worker
+def _worker_executing(key: Key) -> Any | None:
+    """The worker executing task ``key`` on its event loop in this context, if any.
 
-        run_id = hand_off_on_worker(handoff_key, service_key, input_key, value)
-        return HandOffReceipt(input_key, run_id)
+    ``None`` under dask's local schedulers, even when they run inside a worker's task: the
+    worker must be executing this very key.
+    """
+    from distributed.worker import _worker_cvar
+
+    worker = _worker_cvar.get(None)
+    if worker is None:
+        return None
+    ts = worker.state.tasks.get(key)
+    if ts is None or ts.state not in ("executing", "long-running", "resumed"):
+        return None
+    return worker
+
+
+def _hand_off(handoff_key: Key, service_key: Key, input_key: Key, value: Any) -> Any:
     return value  # local scheduler: pass the input through to the service task
+
+
+async def _hand_off_on_worker(handoff_key: Key, service_key: Key, input_key: Key,
+                              value: Any) -> HandOffReceipt:
+    from dask_services.worker import hand_off_on_worker
+
+    run_id = await hand_off_on_worker(handoff_key, service_key, input_key, value)
+    return HandOffReceipt(input_key, run_id)
 
 
 def _run_service_task(definition: ServiceDefinition, service_key: Key, *inputs: Any) -> Any:
@@ -102,11 +125,27 @@ def _claim_output(produced: dict | None, key: Key) -> Any:
 
 
 class HandOffSpec(Task):
-    """Run spec of a hand-off task."""
+    """Run spec of a hand-off task: ``(handoff_key, service_key, input_key, TaskRef(input))``.
+
+    On a worker it is a coroutine, which distributed runs on the worker's event loop: the
+    hand-off is mostly the instance's ``add_key`` there, and its CPU work goes to a worker
+    thread through ``concierge.run_in_executor``, so a task thread would only wait.
+    """
 
     @property
     def block_fusion(self) -> bool:
         return True
+
+    @property
+    def is_coro(self) -> bool:
+        return True
+
+    def __call__(self, values: Any = ()) -> Any:
+        handoff_key, service_key, input_key, ref = self.args
+        value = values[ref.key]
+        if _worker_executing(handoff_key) is None:
+            return self.func(handoff_key, service_key, input_key, value)
+        return _hand_off_on_worker(handoff_key, service_key, input_key, value)
 
 
 class ServiceTaskSpec(Task):
@@ -126,7 +165,8 @@ class OutputClaimSpec(Task):
 
     On a cluster the scheduler plugin removes the dependency before the claim runs, so the
     value of the service task is absent from ``values``; the claim then returns what the
-    local instance produced.
+    local instance produced.  There it is a coroutine, run on the worker's event loop: it
+    only takes a value out of a dict, which is not worth a hop to a task thread.
     """
 
     @property
@@ -137,10 +177,20 @@ class OutputClaimSpec(Task):
     def block_fusion(self) -> bool:
         return True
 
+    @property
+    def is_coro(self) -> bool:
+        return True
+
     def __call__(self, values: Any = ()) -> Any:
         service_key = self.service_key
         produced = values[service_key] if service_key in values else None
-        return self.func(produced, *self.args[1:])
+        if _worker_executing(self.args[1]) is None:
+            return self.func(produced, *self.args[1:])
+        return _claim_output_async(produced, *self.args[1:])
+
+
+async def _claim_output_async(produced: dict | None, key: Key) -> Any:
+    return _claim_output(produced, key)
 
 
 def build_service_graph(

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import logging
 import pickle
-import queue
 import shutil
-import threading
 import traceback
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -82,70 +79,6 @@ def loads_exception(blob: bytes) -> BaseException:
     return exc
 
 
-class LentThread:
-    """The thread of a hand-off task, lent to the instance while ``add_key`` runs.
-
-    A hand-off holds one of the worker's ``nthreads`` slots while its input is handed over;
-    CPU work that ``add_key`` sends to ``concierge.run_in_executor`` runs *in that thread*
-    instead of waiting for another slot (which, on a one-thread worker, never comes).
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.lock = threading.Lock()
-        self.closed = False
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future | None:
-        """Queue ``fn(*args)`` for the lent thread; None once the thread is given back."""
-        fut = self.loop.create_future()
-        with self.lock:
-            if self.closed:
-                return None
-            self.queue.put((fn, args, fut))
-        return fut
-
-    def serve(self) -> None:
-        """Run queued work in this thread until ``close()``."""
-        while True:
-            item = self.queue.get()
-            if item is None:
-                with self.lock:
-                    self.closed = True
-                while not self.queue.empty():  # submitted before the door closed
-                    item = self.queue.get()
-                    if item is not None:
-                        self._run(*item)
-                return
-            self._run(*item)
-
-    def close(self) -> None:
-        self.queue.put(None)
-
-    def _run(self, fn: Callable[..., Any], args: tuple, fut: asyncio.Future) -> None:
-        try:
-            result = fn(*args)
-        except BaseException as e:  # noqa: B036 - handed to the awaiting coroutine
-            self.loop.call_soon_threadsafe(_set_exception, fut, e)
-        else:
-            self.loop.call_soon_threadsafe(_set_result, fut, result)
-
-
-def _set_result(fut: asyncio.Future, value: Any) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
-
-
-_lent_thread: contextvars.ContextVar[LentThread | None] = contextvars.ContextVar(
-    "dask_services_lent_thread", default=None
-)
-
-
 class WorkerEnvironment(Environment):
     def __init__(self, ext: ServiceWorkerPlugin) -> None:
         self.ext = ext
@@ -196,11 +129,6 @@ class WorkerEnvironment(Environment):
         return _unwrap(response)
 
     async def run_in_executor(self, fn: Callable[..., T], *args: Any) -> T:
-        lent = _lent_thread.get()
-        if lent is not None:
-            fut = lent.submit(fn, *args)
-            if fut is not None:
-                return await fut
         executor = self.ext.worker.executors["default"]
         return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
 
@@ -448,38 +376,11 @@ def _ignore_stream_op(**msg: Any) -> None:
     """Stream handler left in place once the extension is gone: the op has no one to do it."""
 
 
-def hand_off_on_worker(handoff_key: Key, service_key: Key, input_key: Key,
-                       value: Any) -> int | None:
-    """Body of a hand-off task on a worker (runs in a worker thread, which it lends)."""
-    worker, ext = _worker_extension()
-    loop = worker.loop.asyncio_loop
-    lent = LentThread(loop)
-    outcome: list[tuple[bool, Any]] = []
-
-    async def hand_off() -> int | None:
-        _lent_thread.set(lent)
-        try:
-            result = await ext.hand_off(handoff_key, service_key, input_key, value)
-        except BaseException as exc:
-            outcome.append((False, exc))
-            raise
-        else:
-            outcome.append((True, result))
-            return result
-        finally:
-            # Give the thread back at once: through the future below it would wait for
-            # two more turns of a busy event loop (about 0.9 ms a hand-off, measured).
-            lent.close()
-
-    done = asyncio.run_coroutine_threadsafe(hand_off(), loop)
-    done.add_done_callback(lambda _: lent.close())  # the coroutine never ran (loop closed)
-    lent.serve()
-    if outcome:
-        ok, result = outcome[0]
-        if ok:
-            return result
-        raise result
-    return done.result()
+async def hand_off_on_worker(handoff_key: Key, service_key: Key, input_key: Key,
+                             value: Any) -> int | None:
+    """Body of a hand-off task on a worker (a coroutine, run on the event loop)."""
+    _, ext = _worker_extension()
+    return await ext.hand_off(handoff_key, service_key, input_key, value)
 
 
 def wait_for_service_task(service_key: Key) -> None:
