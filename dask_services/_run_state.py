@@ -367,12 +367,8 @@ class ServiceTaskMachine:
             for i, w in enumerate(participants)
         }
         wanted = tuple(ev.wanted)
-        owners = {}
-        for i, key in enumerate(wanted):
-            worker = (ev.placement or {}).get(key)
-            if worker not in ids:
-                worker = participants[i % len(participants)]
-            owners[key] = ids[worker]
+        owners = {key: ids[w] for key, w in
+                  _owners(wanted, participants, ev.placement or {}).items()}
         run = Run(
             run_id=ev.run_id,
             participants=participants,
@@ -497,3 +493,24 @@ class ServiceTaskMachine:
         self.run = None
         self.restarts = 0
         return []
+
+
+def _owners(wanted: Sequence[Key], participants: Sequence[str],
+            placement: dict[Key, str]) -> dict[Key, str]:
+    """The worker of every wanted output: its place in ``placement`` where that is a
+    participant; the others round-robin, or, once some are placed, each to the participant
+    with the fewest outputs so far."""
+    present = set(participants)
+    chosen = {key: placement[key] for key in wanted if placement.get(key) in present}
+    load = dict.fromkeys(participants, 0)
+    for worker in chosen.values():
+        load[worker] += 1
+    rest = [key for key in wanted if key not in chosen]
+    for i, key in enumerate(rest):
+        if chosen:
+            worker = min(participants, key=load.__getitem__)
+        else:
+            worker = participants[i % len(participants)]
+        chosen[key] = worker
+        load[worker] += 1
+    return {key: chosen[key] for key in wanted}

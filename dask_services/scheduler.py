@@ -139,6 +139,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                 new_services.append(ts)
         for ts in new_services:
             self._register(ts)
+            self._order_inputs(ts.run_spec.definition)
         for key in tasks:
             ts = tasks_.get(key)
             if ts is not None and isinstance(ts.run_spec, (ServiceTaskSpec, OutputClaimSpec)):
@@ -161,6 +162,22 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             self.handoffs_of_input.setdefault(i, set()).add(h)
         for o in definition.output_keys:
             self.output_of[o] = key
+
+    def _order_inputs(self, definition: ServiceDefinition) -> None:
+        """Hand-offs (and inputs computed by the same graph) run in the order of the
+        service's inputs.  dask.order sees every input reach every output through the
+        service task, so the order it gives them carries no meaning: for a rechunk it
+        scatters the hand-offs, and outputs whose inputs are near each other wait until
+        late.  The tasks keep the priorities they had, shared out anew."""
+        tasks = self.scheduler.tasks
+        for keys in (definition.handoff_keys, definition.input_keys):
+            states = [tasks.get(k) for k in keys]
+            if any(ts is None or ts.state != "released" or ts.priority is None
+                   for ts in states):
+                continue  # not all new: leave them as they are
+            for ts, priority in zip(states, sorted(ts.priority for ts in states),
+                                    strict=True):
+                ts.priority = priority
 
     def _check_graph_rules(self, ts: TaskState, requested: Any) -> None:
         problem = None
@@ -348,6 +365,8 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         group = self.definitions[service_key].placement
         if group is not None and participants:
             placement = self._placement(group, service_key, participants)
+        elif self.definitions[service_key].affinity and participants:
+            placement = self._near_inputs(service_key, participants)
         event = rs.RunNeeded(
             run_id=next(self._run_ids),
             id_prefix=self._prefix,
@@ -356,6 +375,25 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             placement=placement,
         )
         self._apply(service_key, machine.handle(event))
+
+    def _near_inputs(self, service_key: Key, participants: list[str]) -> dict[Key, str]:
+        """Output -> the worker holding the input it needs most, where that input is in
+        memory already; no worker gets more than its share of the outputs (rounded up)."""
+        affinity = self.definitions[service_key].affinity or {}
+        tasks = self.scheduler.tasks
+        share = -(-len(affinity) // len(participants))
+        load = dict.fromkeys(participants, 0)
+        placement = {}
+        for out, key in affinity.items():
+            ts = tasks.get(key)
+            if ts is None or ts.state != "memory":
+                continue
+            holders = [ws.address for ws in ts.who_has if load.get(ws.address, share) < share]
+            if holders:
+                worker = min(holders)
+                placement[out] = worker
+                load[worker] += 1
+        return placement
 
     def _placement(self, group: str, service_key: Key, participants: list[str]) -> dict:
         """Output index -> worker, shared by every service task of one placement group."""

@@ -178,3 +178,77 @@ async def test_outputs_stream_before_the_last_input_is_handed_off(c, s, a, b):
     assert min(outputs) < max(handoffs)
     del result
     await assert_nothing_left(s, [a, b])
+
+
+@settings(max_examples=80, deadline=None)
+@given(old=st.lists(st.integers(0, 7), min_size=1, max_size=12),
+       new_sizes=st.lists(st.integers(1, 9), min_size=1, max_size=12))
+def test_most_needed_input_is_the_largest_overlap(old, new_sizes):
+    from dask_services.array._service import AFFINITY_MAX_INPUTS, most_needed_inputs
+
+    total = sum(old)
+    new, left = [], total
+    for size in new_sizes:  # a chunking of the same length
+        if left <= 0:
+            break
+        new.append(min(size, left))
+        left -= new[-1]
+    if left > 0:
+        new.append(left)
+    old_c, new_c = (tuple(old), (3,)), (tuple(new) or (0,), (3,))
+    got = most_needed_inputs(old_c, new_c)
+    old_bounds = np.cumsum((0, *old_c[0]))
+    new_bounds = np.cumsum((0, *new_c[0]))
+
+    def overlap(i, j):
+        return max(0, min(old_bounds[i + 1], new_bounds[j + 1]) - max(old_bounds[i], new_bounds[j]))
+
+    most = max(sum(overlap(i, j) > 0 for i in range(len(old))) for j in range(len(new_c[0])))
+    if most > AFFINITY_MAX_INPUTS:
+        assert got is None
+        return
+    assert got is not None and set(got) == {(j, 0) for j in range(len(new_c[0]))}
+    for (j, _), (i, i1) in got.items():
+        assert i1 == 0
+        assert overlap(i, j) == max(overlap(k, j) for k in range(len(old)))
+
+
+def test_all_to_all_rechunk_has_no_affinity():
+    from dask_services.array._service import most_needed_inputs
+
+    assert most_needed_inputs(((10,) * 8, (80,)), ((80,), (10,) * 8)) is None
+
+
+@service_cluster(timeout=90)
+async def test_outputs_are_placed_near_their_inputs_and_hand_offs_run_in_order(c, s, a, b):
+    from distributed import wait
+
+    from dask_services.array._service import most_needed_inputs
+
+    # persisted 100-row chunks to 150-row chunks: every output needs one or two inputs
+    arr = np.arange(12000.0).reshape(6000, 2)
+    x = c.persist(da.from_array(arr, chunks=(100, 2)))
+    await wait(x)
+    y = c.persist(x.rechunk((150, 2), method="service"))
+    await wait(y)
+
+    def worker_of(key):
+        (ws,) = s.tasks[key].who_has
+        return ws.address
+
+    nearest = most_needed_inputs(x.chunks, y.chunks)
+    placed = {j: worker_of((y.name, *j)) for j in nearest}
+    # every output chunk lands on the worker holding the input it needs most, as far as
+    # that keeps the two workers' shares even
+    near = sum(placed[j] == worker_of((x.name, *i)) for j, i in nearest.items())
+    counts = [list(placed.values()).count(w.address) for w in (a, b)]
+    assert max(counts) <= -(-len(placed) // 2), counts
+    assert near >= 0.8 * len(placed), (near, len(placed))
+    # the hand-offs' priorities follow the order of the inputs
+    handoffs = sorted((ts.priority, k[1]) for k, ts in s.tasks.items()
+                      if isinstance(k, tuple) and str(k[0]).startswith("rechunk-handoff"))
+    assert len(handoffs) == 60
+    assert [i for _, i in handoffs] == list(range(60))
+    np.testing.assert_array_equal(await c.compute(y), arr)
+    del x, y
+    await assert_nothing_left(s, [a, b])

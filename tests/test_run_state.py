@@ -188,3 +188,29 @@ def test_invariants_under_any_event_order(events):
             assert live.run_id not in stops
             assert set(live.produced) <= set(live.wanted)
     assert m.restarts <= m.max_restarts + 1
+
+
+@given(
+    wanted=st.integers(0, 40),
+    workers=st.integers(1, 5),
+    placed=st.dictionaries(st.integers(0, 39), st.sampled_from(["w0", "w1", "w2", "gone"]),
+                           max_size=40),
+)
+def test_owners_keep_placement_and_balance_the_rest(wanted, workers, placed):
+    keys = [("o", i) for i in range(wanted)]
+    participants = [f"w{i}" for i in range(workers)]
+    placement = {("o", i): w for i, w in placed.items()}
+    owners = rs._owners(keys, participants, placement)
+    assert list(owners) == keys
+    assert set(owners.values()) <= set(participants)
+    kept = {k: w for k, w in placement.items() if k in owners and w in participants}
+    assert all(owners[k] == w for k, w in kept.items())
+    if not kept:  # nothing placed: round-robin, as always
+        assert [owners[k] for k in keys] == [participants[i % workers] for i in range(wanted)]
+    else:  # the others fill up the least-loaded workers first
+        counts = {w: list(owners.values()).count(w) for w in participants}
+        placed_on = {w: list(kept.values()).count(w) for w in participants}
+        least = min(counts.values())
+        for w in participants:
+            if counts[w] > placed_on[w]:  # it took outputs that had no place
+                assert counts[w] <= least + 1, (counts, placed_on)

@@ -49,12 +49,13 @@ def service_rechunk(x: Array, chunks: Any = "auto", block_size_limit: Any = None
     _module._validate_rechunk(x.chunks, chunks)
     if x.ndim == 0 or chunks == x.chunks:
         return x
-    from dask_services.array._service import ArrayRechunk
+    from dask_services.array._service import ArrayRechunk, most_needed_inputs
 
     token = tokenize(x, chunks, METHOD)
     name = f"rechunk-service-{token}"
     input_keys = list(flatten(x.__dask_keys__()))
     shape = [len(c) for c in chunks]
+    nearest = most_needed_inputs(x.chunks, chunks)
     definition = ServiceDefinition(
         service_class=ArrayRechunk,
         params={"old_chunks": x.chunks, "new_chunks": chunks, "dtype": x.dtype},
@@ -62,6 +63,10 @@ def service_rechunk(x: Array, chunks: Any = "auto", block_size_limit: Any = None
         handoff_keys=tuple((f"rechunk-handoff-{token}", *k[1:]) for k in input_keys),
         output_keys=tuple((name, *i) for i in np.ndindex(*shape)),
         name="rechunk",
+        # an output next to the input it takes most of: less data between workers
+        affinity=None if nearest is None else {
+            (name, *j): (x.name, *i) for j, i in nearest.items()
+        },
     )
     layer = build_service_graph(definition, f"rechunk-service-task-{token}", input_keys)
     graph = HighLevelGraph.from_collections(name, layer, dependencies=[x])

@@ -55,6 +55,31 @@ def axis_overlaps(old: Sequence[float], new: Sequence[float]
     return out
 
 
+AFFINITY_MAX_INPUTS = 4  # outputs needing more inputs than this are placed round-robin
+
+
+def most_needed_inputs(old: Chunks, new: Chunks) -> dict[Index, Index] | None:
+    """For every output chunk, the input chunk it takes most of; ``None`` when outputs need
+    more than ``AFFINITY_MAX_INPUTS`` inputs each (row to column chunks, say), where being
+    near one of them saves nothing."""
+    overlaps = [axis_overlaps(o, n) for o, n in zip(old, new, strict=True)]
+    counts = pieces_per_output(overlaps, new)
+    if math.prod(max(c, default=0) for c in counts) > AFFINITY_MAX_INPUTS:
+        return None
+    best: list[list[int]] = []
+    for d, axis in enumerate(overlaps):
+        size = [0] * len(new[d])
+        choice = [0] * len(new[d])
+        for i, pieces in enumerate(axis):
+            for j, piece, _ in pieces:
+                length = (piece.stop - piece.start) if piece.stop is not None else 1
+                if length > size[j]:
+                    size[j], choice[j] = length, i
+        best.append(choice)
+    return {j: tuple(best[d][jd] for d, jd in enumerate(j))
+            for j in itertools.product(*(range(len(c)) for c in new))}
+
+
 def pieces_per_output(overlaps: list[list[list[tuple[int, slice, int]]]],
                       new: Chunks) -> list[list[int]]:
     """For each axis, how many old chunks overlap each new chunk."""
