@@ -56,8 +56,13 @@ def test_worker_internals_we_use():
     assert hasattr(thread_state, "__dict__")
     src = inspect.getsource(Worker.execute)
     assert "ts.dependencies" in src  # claims run with the scheduler's (cut) dependencies
-    from distributed.worker import _run_task
+    # hand-offs and claims are coroutine tasks (graph.py): the worker awaits them on its
+    # event loop, with the worker in _worker_cvar, which tells them they run on a cluster
+    assert "run_spec.is_coro" in src and "_run_task_async" in src
+    from distributed.worker import _run_task, _run_task_async, _worker_cvar
 
+    assert "await task(data)" in inspect.getsource(_run_task_async)
+    assert _worker_cvar.name == "_worker_cvar"
     assert "set_thread_state" in inspect.getsource(_run_task)  # thread_state.key is set
 
 
