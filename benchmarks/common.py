@@ -87,6 +87,10 @@ def settle(client: Any, keep: int = 0, timeout: float = 30) -> None:
     client.run(_release_memory)
 
 
+def _worker_count(dask_scheduler: Any) -> int:
+    return len(dask_scheduler.workers)
+
+
 def new_workers(client: Any, timeout: float = 120) -> None:
     """Replace every worker process of the client's cluster by a new one.
 
@@ -99,10 +103,12 @@ def new_workers(client: Any, timeout: float = 120) -> None:
     if cluster is None or not hasattr(cluster, "scale"):
         client.restart()
         return
-    n = len(client.scheduler_info(n_workers=-1)["workers"])
+    # asked of the scheduler each time: the client's scheduler_info() may be a cached copy
+    # from before the last scaling
+    n = client.run_on_scheduler(_worker_count)
     cluster.scale(0)
     deadline = time.monotonic() + timeout
-    while client.scheduler_info(n_workers=-1)["workers"]:
+    while client.run_on_scheduler(_worker_count):
         if time.monotonic() > deadline:
             raise TimeoutError(f"workers still running {timeout}s after scaling to 0")
         time.sleep(0.05)
