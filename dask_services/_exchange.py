@@ -18,6 +18,7 @@ from dask_services.service import Concierge, Service, ServiceId, rpc
 
 class PeerExchange(Service):
     config_section: str  # "shuffle", "rechunk"
+    trim_after_sends = True  # give freed memory back to the OS as sends complete
 
     def __init__(self) -> None:
         self.buffer: SpillBuffer | None = None
@@ -34,7 +35,8 @@ class PeerExchange(Service):
         self.buffer = SpillBuffer(concierge.local_directory,
                                   int(limit * fraction) if limit else 2**62)
         configured = parse_bytes(dask.config.get(f"{section}.bytes-in-flight"))
-        self.stream = PeerStream(self, window_size(configured, limit))
+        self.stream = PeerStream(self, window_size(configured, limit),
+                                 trim=self.trim_after_sends)
 
     @rpc
     async def done_sending(self, sender: ServiceId) -> None:

@@ -94,8 +94,9 @@ class PeerStream:
     :meth:`sender_done`.
     """
 
-    def __init__(self, service: Service, limit: int) -> None:
+    def __init__(self, service: Service, limit: int, trim: bool = True) -> None:
         self.service = service
+        self.trim = trim
         self.window = SendWindow(limit)
         self.done_from: set[ServiceId] = set()
         self.all_received = asyncio.Event()
@@ -118,7 +119,7 @@ class PeerStream:
     def _sent(self, nbytes: int) -> None:
         """What was sent is freed now: give it back to the OS every so often (in a thread:
         trimming a large heap takes milliseconds)."""
-        if self._trim.freed_bytes(nbytes) and self._trimming is None:
+        if self.trim and self._trim.freed_bytes(nbytes) and self._trimming is None:
             loop = asyncio.get_running_loop()
             self._trimming = loop.run_in_executor(None, release_freed_memory)
             self._trimming.add_done_callback(self._trimmed)

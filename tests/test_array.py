@@ -252,3 +252,21 @@ async def test_outputs_are_placed_near_their_inputs_and_hand_offs_run_in_order(c
     np.testing.assert_array_equal(await c.compute(y), arr)
     del x, y
     await assert_nothing_left(s, [a, b])
+
+
+@pytest.mark.parametrize("dtype", ["f8", "bool", "c16", "M8[ns]", "m8[s]", "S7", "U3",
+                                   [("a", "i4"), ("b", "f8")]])
+def test_large_output_chunks_are_plain_writeable_arrays(dtype):
+    from dask_services.array._service import HUGEPAGE_ADVICE_FROM, new_array, write_pieces
+
+    dtype = np.dtype(dtype)
+    rows = HUGEPAGE_ADVICE_FROM // (dtype.itemsize * 8) + 3  # above the size that maps
+    source = np.zeros((rows, 8), dtype=dtype)
+    out = new_array(source.shape, dtype)
+    assert out.flags.writeable and out.flags.c_contiguous and out.dtype == dtype
+    assert out.nbytes >= HUGEPAGE_ADVICE_FROM
+    got = write_pieces(source.shape, dtype, [((0, 0), source[: rows // 2]),
+                                             ((rows // 2, 0), source[rows // 2:])])
+    np.testing.assert_array_equal(got, source)
+    assert got.flags.writeable and got.flags.c_contiguous
+    assert type(new_array((3, 2), np.dtype(object))) is np.ndarray  # small or object: numpy's
