@@ -25,8 +25,9 @@ class ServiceShuffle(SimpleShuffle):
     """A hash shuffle carried out by one :class:`DataFrameShuffle` service task.
 
     ``assign`` folds dask's ``AssignPartitioningIndex`` into the shuffle: when set, ``frame``
-    is that expression's input and every instance computes the target-partition column
-    itself (with dask's own function), instead of a task per input partition doing it.
+    is that expression's input and every instance computes each row's target partition
+    itself (``_partitioning.target_partitions``: the numbers dask's step gives), instead of
+    a task per input partition doing it.
     """
 
     _parameters = [*SimpleShuffle._parameters, "assign"]
