@@ -55,7 +55,7 @@ class PeerExchange(Service):
 
     def __sizeof__(self) -> int:
         in_flight = self.stream.in_flight if self.stream is not None else 0
-        return in_flight + (self.buffer.memory_bytes if self.buffer is not None else 0)
+        return in_flight + (self.buffer.held_bytes if self.buffer is not None else 0)
 
     def spilled_bytes(self) -> int:
         return self.buffer.disk_bytes if self.buffer is not None else 0

@@ -7,6 +7,10 @@ partition under ``directory`` and the batches are dropped, so that memory really
 (pieces are often views into their batch).  ``take(partition)`` returns every piece of a
 partition, from memory and disk, and forgets them.
 
+Pieces being written still take memory until their write ends: ``held_bytes`` counts them,
+and ``add_batch`` does not return while what is held is over the limit and a write is under
+way, so a receiver stops taking more (and its senders wait) until the disk has caught up.
+
 All bookkeeping happens on the event loop; file I/O runs in the buffer's own I/O thread
 (never in a task slot, which may be held by a hand-off waiting on this very buffer).
 """
@@ -43,6 +47,9 @@ class SpillBuffer:
         self._file_sizes: dict[Partition, int] = {}
         self._counter = itertools.count()
         self.memory_bytes = 0
+        self.writing_bytes = 0  # of pieces handed to the I/O thread, not yet written
+        self._written = asyncio.Event()  # set whenever no write is under way
+        self._written.set()
         self.spilled_total = 0  # bytes ever written to disk
 
     def __len__(self) -> int:
@@ -56,6 +63,13 @@ class SpillBuffer:
             self.memory_bytes += nbytes
         if self.memory_bytes > self.limit:
             await self.spill()
+        while self.held_bytes > self.limit and self.writing_bytes:
+            await self._written.wait()
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes in memory: buffered, and being written to disk."""
+        return self.memory_bytes + self.writing_bytes
 
     async def spill(self) -> int:
         """Write every piece held in memory to disk; returns the bytes freed."""
@@ -69,13 +83,20 @@ class SpillBuffer:
                 name = f"part-{next(self._counter)}"
                 self._files[partition] = os.path.join(self.directory, name)
         paths = {p: self._files[p] for p in memory}
-        sizes = await self._run(self._write, memory, paths)
-        self.spilled_total += sum(n - self._file_sizes.get(p, 0) for p, n in sizes.items())
-        self._file_sizes.update(sizes)
-        del memory
-        # the pieces are gone, but the allocator would keep their memory: give it back, so
-        # that the worker's process memory (which pauses and spills) sees the difference
-        await self._run(release_freed_memory)
+        self.writing_bytes += freed
+        self._written.clear()
+        try:
+            sizes = await self._run(self._write, memory, paths)
+            self.spilled_total += sum(n - self._file_sizes.get(p, 0) for p, n in sizes.items())
+            self._file_sizes.update(sizes)
+            del memory
+            # the pieces are gone, but the allocator would keep their memory: give it back,
+            # so that the worker's process memory (which pauses and spills) sees it
+            await self._run(release_freed_memory)
+        finally:
+            self.writing_bytes -= freed
+            if not self.writing_bytes:
+                self._written.set()
         return freed
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import threading
 
 import numpy as np
 import pandas as pd
@@ -49,6 +50,46 @@ def test_out_of_disk_is_a_clear_error(tmp_path, monkeypatch):
         buf = SpillBuffer(str(tmp_path), limit=0)
         with pytest.raises(OutOfDiskError, match="out of disk space while spilling to"):
             await buf.add_batch([("p", b"x" * 10, 10)])
+        buf.clear()
+
+    run(main())
+
+
+def test_a_write_under_way_holds_back_batches_over_the_limit(tmp_path, monkeypatch):
+    """Pieces being written still take memory: a batch that brings what is held over the
+    limit waits for the write (the receiver's senders with it); one that fits does not."""
+    release = threading.Event()
+    write = SpillBuffer._write
+
+    def held_up_write(memory, paths):
+        assert release.wait(10)
+        return write(memory, paths)
+
+    monkeypatch.setattr(SpillBuffer, "_write", staticmethod(held_up_write))
+
+    async def until(condition):
+        for _ in range(1000):
+            if condition():
+                return
+            await asyncio.sleep(0)
+        raise AssertionError("condition never met")
+
+    async def main():
+        buf = SpillBuffer(str(tmp_path), limit=1000)
+        await buf.add_batch([("p0", b"x" * 10, 600)])
+        spilling = asyncio.create_task(buf.spill())
+        await until(lambda: buf.writing_bytes == 600)
+        assert buf.memory_bytes == 0 and buf.held_bytes == 600
+        await asyncio.wait_for(buf.add_batch([("p1", b"y", 300)]), 5)  # 900 held: fits
+        over = asyncio.create_task(buf.add_batch([("p1", b"z", 200)]))  # 1100 held
+        await until(lambda: buf.memory_bytes == 500)
+        for _ in range(100):
+            await asyncio.sleep(0)
+        assert not over.done()
+        release.set()
+        await asyncio.wait_for(asyncio.gather(spilling, over), 10)
+        assert buf.writing_bytes == 0 and buf.held_bytes == 500
+        assert [p for p in await buf.take("p0")] == [b"x" * 10]
         buf.clear()
 
     run(main())
