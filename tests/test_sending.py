@@ -8,6 +8,7 @@ from unittest import mock
 import numpy as np
 import pandas as pd
 import pytest
+from dask.sizeof import sizeof
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -138,7 +139,7 @@ def test_split_puts_every_row_in_its_partition_in_order(rows, groups, seed, min_
         if min_group_bytes == 0:
             assert len(batch) == len({destination[p][1] for p in batch_partitions(batch)})
         for frame, partitions, bounds, nbytes in batch:
-            assert nbytes == int(len(frame) * 16)
+            assert nbytes == sizeof(frame)
             for j, p in enumerate(partitions):
                 assert owner[p] == sid
                 seen[p] = frame.iloc[bounds[j]:bounds[j + 1]]

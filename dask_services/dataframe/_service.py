@@ -31,7 +31,7 @@ Key = Hashable
 
 
 Batch = list[tuple[pd.DataFrame, list[int], list[int], int]]
-MIN_GROUP_BYTES = 2**20  # smaller groups of one input partition are sent together
+MIN_GROUP_BYTES = 2**19  # smaller groups of one input partition are sent together
 ASSEMBLY_BATCH_BYTES = 4 * 2**20  # small outputs are assembled several per worker-thread call
 
 
@@ -46,11 +46,12 @@ def split_by_destination(
     ``{sid: [(frame, partitions, bounds, frame_bytes), ...]}``, one entry per group: ``frame``
     holds that group's rows sorted by target partition (stable, so rows keep their order
     within a partition); partition ``partitions[j]`` is
-    ``frame.iloc[bounds[j]:bounds[j + 1]]``; ``frame_bytes`` is ``nbytes`` (the size of
-    ``data``) in proportion to the rows.  Every group is its own copy, so that the receiver
-    frees a group's memory once it has assembled that group's partitions; consecutive
-    groups smaller than ``MIN_GROUP_BYTES`` are merged.  Rows for unwanted partitions are
-    dropped.
+    ``frame.iloc[bounds[j]:bounds[j + 1]]``; ``frame_bytes`` is the size of ``frame``
+    (``sizeof``: a taken frame's index takes memory that a ``RangeIndex`` did not, so
+    ``data``'s size in proportion to the rows, which ``nbytes`` gives, would be low).
+    Every group is its own copy, so that the receiver frees a group's memory once it has
+    assembled that group's partitions; consecutive groups smaller than ``MIN_GROUP_BYTES``
+    (as estimated from ``nbytes``) are merged.  Rows for unwanted partitions are dropped.
     """
     if not len(data):
         return {}
@@ -73,9 +74,9 @@ def split_by_destination(
         if sum(b - a for _, a, b in ranges) * bytes_per_row < MIN_GROUP_BYTES:
             pending[sid] = ranges
             continue
-        out.setdefault(sid, []).append(_take(data, order, ranges, bytes_per_row))
+        out.setdefault(sid, []).append(_take(data, order, ranges))
     for sid, ranges in pending.items():
-        out.setdefault(sid, []).append(_take(data, order, ranges, bytes_per_row))
+        out.setdefault(sid, []).append(_take(data, order, ranges))
     return out
 
 
@@ -94,13 +95,14 @@ def split_input(
                                 nbytes)
 
 
-def _take(data: pd.DataFrame, order: np.ndarray, ranges: list[tuple[int, int, int]],
-          bytes_per_row: float) -> tuple[pd.DataFrame, list[int], list[int], int]:
+def _take(data: pd.DataFrame, order: np.ndarray, ranges: list[tuple[int, int, int]]
+          ) -> tuple[pd.DataFrame, list[int], list[int], int]:
     rows = np.concatenate([order[a:b] for _, a, b in ranges])
     bounds = [0]
     for _, a, b in ranges:
         bounds.append(bounds[-1] + b - a)
-    return (data.take(rows), [p for p, _, _ in ranges], bounds, int(len(rows) * bytes_per_row))
+    frame = data.take(rows)
+    return (frame, [p for p, _, _ in ranges], bounds, sizeof(frame))
 
 
 def size_batches(items: list[Any], size: Callable[[Any], int], limit: int) -> list[list[Any]]:
