@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from benchmarks.common import (
     Measurement,
@@ -34,9 +36,6 @@ BYTES_PER_ROW = 29  # int64 key, float64, a short arrow string: measured by memo
 
 
 def make_partition(i: int, rows: int) -> pd.DataFrame:
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     rng = np.random.default_rng(i)
     keys = rng.integers(0, 2**40, rows)
     # arrow formats the numbers: through numpy (``astype(str)``, 84-byte '<U21' cells, then
