@@ -26,6 +26,7 @@ from dask_services.replicated import (
 from dask_services.service import (
     Concierge,
     OutputLostError,
+    PeerCallError,
     PeerHandle,
     ProduceKeyError,
     RPCRefused,
@@ -43,6 +44,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Concierge",
     "OutputLostError",
+    "PeerCallError",
     "PeerHandle",
     "ProduceKeyError",
     "RPCRefused",

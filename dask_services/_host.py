@@ -14,7 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -101,6 +101,9 @@ class Instance:
     next_seq_in: dict[ServiceId, int] = field(default_factory=dict)
     inbox: asyncio.Condition = field(default_factory=asyncio.Condition)
 
+    def __post_init__(self) -> None:
+        self.output_key_set = frozenset(self.spec.output_keys)
+
 
 class InstanceConcierge(Concierge):
     def __init__(self, host: ServiceHost, instance: Instance) -> None:
@@ -136,7 +139,7 @@ class InstanceConcierge(Concierge):
                 f"{self._instance.spec.service_key!r}"
             ) from None
 
-    async def produce_key(self, key: Key, value: Any) -> None:
+    async def produce_key(self, key: Key, value: Any) -> bool:
         inst = self._instance
         if inst.stopping:
             raise StaleRunError(
@@ -144,20 +147,23 @@ class InstanceConcierge(Concierge):
                 "it can no longer produce outputs"
             )
         if key not in inst.spec.owners:
-            hint = (
-                "it is an output that is not wanted by this run (culled, or already in memory)"
-                if key in inst.spec.output_keys
-                else f"the outputs are {list(inst.spec.output_keys)[:5]!r}..."
-            )
+            if key in inst.output_key_set:
+                # An output this run was not started for (culled, in memory, or released):
+                # wanted-ness changes under a run, so a service cannot be asked to know it.
+                logger.debug("%s: output %r of %r is not wanted by run %d; value dropped",
+                             inst.spec.id, key, inst.spec.service_key, inst.spec.run_id)
+                return False
+            outputs = list(inst.spec.output_keys)
             raise ProduceKeyError(
-                f"{key!r} is not a wanted output of service task "
-                f"{inst.spec.service_key!r}; {hint}"
+                f"{key!r} is not an output of service task {inst.spec.service_key!r}; "
+                f"its outputs are {outputs[:5]!r}{'...' if len(outputs) > 5 else ''}"
             )
         if key in inst.produced:
             raise ProduceKeyError(f"output {key!r} was already produced by {inst.spec.id}")
         inst.produced.add(key)
         self._host.env.produced(inst.spec, key, value)
         await self._host.env.memory_backpressure()
+        return True
 
     def error(self, exc: BaseException) -> None:
         self._host.env.failed(self._instance.spec, exc)
@@ -188,6 +194,10 @@ class PeerHandle:
             )
 
         def call(*args: Any, **kwargs: Any) -> Any:
+            cls = type(self._source.service)
+            if not is_rpc_method(cls, name):
+                # Refused before it takes a sequence number: the channel stays as it was.
+                return _raise(RPCRefused(_refusal(cls, name)))
             seq = self._source.next_seq_out.get(self.id, 0)
             self._source.next_seq_out[self.id] = seq + 1
             return self._host.call_peer(self._source, self.id, seq, name, args, kwargs)
@@ -367,18 +377,25 @@ class ServiceHost:
         run_id = source.spec.run_id
         if address == self.env.address:
             # Loopback: no serialization, same ordering guarantees.
-            return await self.deliver(target, source.spec.id, run_id, seq, method, args,
-                                      kwargs)
+            async def arguments() -> tuple[tuple, dict]:
+                return args, kwargs
+
+            return await self.deliver(target, source.spec.id, run_id, seq, method,
+                                      arguments)
         return await self.env.send_rpc(address, target, source.spec.id, run_id, seq, method,
                                        args, kwargs)
 
     async def deliver(
         self, target: ServiceId, source: ServiceId, run_id: int, seq: int, method: str,
-        args: tuple, kwargs: dict,
+        arguments: Callable[[], Awaitable[tuple[tuple, dict]]],
     ) -> Any:
         """Run ``method`` on instance ``target`` (of run ``run_id``), starting calls from one
         peer in order.  A call may arrive before this host has created its instance of a
-        new run (the start message to this worker lags): it waits for it."""
+        new run (the start message to this worker lags): it waits for it.
+
+        Once a call has taken its turn, whatever becomes of it (a refused method, arguments
+        that ``arguments()`` cannot deserialize, an exception in the method) the next call
+        from the same peer goes on: every error is the caller's, never the channel's."""
         inst = self.instances.get(target)
         if inst is None and run_id > self.latest_run:
             inst = await self._created(target, run_id)
@@ -388,12 +405,6 @@ class ServiceHost:
             )
         if source not in inst.spec.peers:
             raise StaleRunError(f"{source!r} is not a peer of {target} in this run")
-        cls = type(inst.service)
-        if not is_rpc_method(cls, method):
-            raise RPCRefused(
-                f"{cls.__name__}.{method} is not callable by peers: only methods marked "
-                "with @dask_services.rpc are"
-            )
         async with inst.inbox:
             await inst.inbox.wait_for(
                 lambda: inst.stopping or inst.next_seq_in.get(source, 0) == seq
@@ -402,10 +413,15 @@ class ServiceHost:
                 raise StaleRunError(f"instance {target} stopped")
             inst.next_seq_in[source] = seq + 1
             inst.inbox.notify_all()
+        # The turn is taken: from here on a failure is this call's alone.
+        cls = type(inst.service)
+        if not is_rpc_method(cls, method):
+            raise RPCRefused(_refusal(cls, method))
         task = asyncio.current_task()
         assert task is not None
         inst.hooks.add(task)
         try:
+            args, kwargs = await arguments()
             await inst.started.wait()
             return await getattr(inst.service, method)(*args, **kwargs)
         finally:
@@ -434,6 +450,19 @@ class ServiceHost:
                 continue
             await self._hook(inst, inst.service.please_evict, min(size, nbytes))
             nbytes -= size
+
+
+def _refusal(cls: type, method: str) -> str:
+    if not isinstance(method, str) or method.startswith("_"):
+        return f"peer method {method!r} refused: private names cannot be called on peers"
+    return (
+        f"{cls.__name__}.{method} is not callable by peers: only methods marked with "
+        "@dask_services.rpc are"
+    )
+
+
+async def _raise(exc: BaseException) -> Any:
+    raise exc
 
 
 def _safe_sizeof(service: Service) -> int:

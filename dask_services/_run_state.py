@@ -262,6 +262,7 @@ class ServiceTaskMachine:
         self.input_keys = tuple(input_keys)
         self.input_key_set = frozenset(self.input_keys)
         self.output_keys = tuple(output_keys)
+        self.output_key_set = frozenset(self.output_keys)
         self.max_restarts = max_restarts
         self.restarts = 0
         self.run: Run | None = None
@@ -404,6 +405,10 @@ class ServiceTaskMachine:
         run = self._current(ev.run_id)
         if run is None:
             return [DropOutput(ev.key, ev.worker)]
+        if ev.key not in run.wanted_set and ev.key in self.output_key_set:
+            # not wanted by this run (its instances drop such values themselves; this one
+            # came from elsewhere): dropped, not an error
+            return [DropOutput(ev.key, ev.worker)]
         if ev.key not in run.wanted_set or ev.key in run.produced:
             return [DropOutput(ev.key, ev.worker), *self._reject_produced(run, ev)]
         run.produced[ev.key] = ev.worker
@@ -414,7 +419,7 @@ class ServiceTaskMachine:
             return self._fail(
                 run,
                 ProduceKeyError(
-                    f"{ev.key!r} is not a wanted output of service task {self.key!r}"
+                    f"{ev.key!r} is not an output of service task {self.key!r}"
                 ),
             )
         return self._fail(

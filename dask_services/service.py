@@ -101,15 +101,20 @@ class Concierge(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def produce_key(self, key: Key, value: Any) -> None:
+    async def produce_key(self, key: Key, value: Any) -> bool:
         """Hand ``value`` back to the graph as the result of output ``key``.
 
         The key reaches memory on this instance's worker; its dependents may start while
         the service still runs.  While the worker is paused for lack of memory this waits,
-        so a service producing many outputs cannot outrun their consumers.  Each output
-        may be produced once per run, by any instance.
-        Raises :class:`ProduceKeyError` for a key that is not a wanted output of the run or
-        that was already produced.
+        so a service producing many outputs cannot outrun their consumers.  Each wanted
+        output may be produced once per run, by any instance.
+
+        Returns True when the value was kept, and False (dropping it, with a debug log
+        line) when ``key`` is one of ``output_keys`` that this run does not need: culled,
+        already in memory, or released by its futures.  So a service may simply produce
+        every output; ``wanted_outputs`` only saves it the work.
+        Raises :class:`ProduceKeyError` for a key that is not an output of the task, or a
+        wanted output produced a second time.
         """
 
     @abc.abstractmethod
@@ -238,12 +243,16 @@ class RPCRefused(ServiceError):
     """A peer asked for a method that is not marked with ``@dask_services.rpc``."""
 
 
+class PeerCallError(ServiceError):
+    """A peer call's arguments or result could not be serialized or deserialized."""
+
+
 class StaleRunError(ServiceError):
     """A message was addressed to an instance of a run that is no longer current."""
 
 
 class ProduceKeyError(ServiceError, KeyError):
-    """``produce_key`` was called with a key that is not a wanted output, or twice."""
+    """``produce_key`` was called with a key that is not an output, or twice."""
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else ""

@@ -25,8 +25,10 @@ from tornado.ioloop import PeriodicCallback
 
 from dask_services._counters import CounterReports, instance_counters
 from dask_services._host import Environment, InstanceSpec, ServiceHost, make_directory
+from dask_services._payload import pack, unpack
 from dask_services._streams import flush
-from dask_services.service import OutputLostError, ServiceId, StaleRunError
+from dask_services._worker_context import as_worker, in_current_context
+from dask_services.service import OutputLostError, PeerCallError, ServiceId, StaleRunError
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -46,6 +48,7 @@ _STREAM_OPS = (
 )
 _RPC_OPS = ("service_rpc", "service_add_key")
 _STALE = "dask-services-stale-run"  # reply of service_rpc for an instance no longer here
+_RAISED = "dask-services-raised"  # reply of service_rpc for a call that raised
 # Worker task states in which a service task cannot be waiting for its outcome.
 _NOT_RUNNING = frozenset({"cancelled", "released", "forgotten", "memory", "error"})
 
@@ -120,17 +123,32 @@ class WorkerEnvironment(Environment):
 
     async def send_rpc(self, address: str, target: ServiceId, source: ServiceId, run_id: int,
                        seq: int, method: str, args: tuple, kwargs: dict) -> Any:
+        call = f"{method}() from {source} to {target}"
+        unsent: PeerCallError | None = None
+        try:
+            payload: Any = to_serialize(await pack((args, kwargs), f"the arguments of {call}"))
+        except PeerCallError as exc:
+            # The call has its sequence number: the receiver must still take its turn, or
+            # every later call on this channel would wait for it.
+            payload, unsent = None, exc
         response = await self.ext.worker.rpc(address).service_rpc(
             target=str(target), source=str(source), run_id=run_id, seq=seq, method=method,
-            payload=to_serialize((args, kwargs)),
+            payload=payload, unsent=str(unsent) if unsent is not None else None,
         )
-        if isinstance(response, dict) and _STALE in response:
-            raise StaleRunError(response[_STALE])
-        return _unwrap(response)
+        if unsent is not None:
+            raise unsent
+        if isinstance(response, dict):
+            if _STALE in response:
+                raise StaleRunError(response[_STALE])
+            if _RAISED in response:
+                raise loads_exception(response[_RAISED])
+        return await unpack(_unwrap(response), f"the result of {call}")
 
     async def run_in_executor(self, fn: Callable[..., T], *args: Any) -> T:
         executor = self.ext.worker.executors["default"]
-        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(
+            executor, in_current_context(fn), *args
+        )
 
 
 class ServiceWorkerPlugin(WorkerPlugin):
@@ -174,8 +192,9 @@ class ServiceWorkerPlugin(WorkerPlugin):
 
     async def teardown(self, worker: Worker) -> None:
         self._memory_check.stop()
-        await self.replicated.close()
-        await self.host.stop_all()
+        with as_worker(worker):
+            await self.replicated.close()
+            await self.host.stop_all()
         for fut in self.outcomes.values():
             if not fut.done():
                 fut.set_result(("cancelled", None))
@@ -207,7 +226,8 @@ class ServiceWorkerPlugin(WorkerPlugin):
         return run
 
     def _spawn(self, coro: Any) -> None:
-        task = asyncio.ensure_future(coro)
+        with as_worker(self.worker):  # get_worker() in the hooks, as in a task
+            task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -268,23 +288,35 @@ class ServiceWorkerPlugin(WorkerPlugin):
     # ------------------------------------------------------------- peer -> worker
 
     async def service_rpc(self, comm: Any, target: str, source: str, run_id: int, seq: int,
-                          method: str, payload: Any) -> Any:
-        args, kwargs = _unwrap(payload)
+                          method: str, payload: Any, unsent: str | None = None) -> Any:
+        call = f"{method}() from {source} to {target}"
+
+        async def arguments() -> tuple[tuple, dict]:
+            if unsent is not None:
+                raise PeerCallError(unsent)
+            return await unpack(_unwrap(payload), f"the arguments of {call}")
+
         try:
-            result = await self.host.deliver(ServiceId(target), ServiceId(source), run_id,
-                                             seq, method, args, kwargs)
+            with as_worker(self.worker):  # get_worker() in the method, as in a task
+                result = await self.host.deliver(ServiceId(target), ServiceId(source), run_id,
+                                                 seq, method, arguments)
+            return to_serialize(await pack(result, f"the result of {call}"))
         except StaleRunError as exc:
             # Routine at the end of a run (a peer's last call races the stop): answered, not
             # logged as a handler failure.
             return {_STALE: str(exc)}
-        return to_serialize(result)
+        except Exception as exc:
+            # The caller's error (a refused method, a payload that cannot be read, an
+            # exception in the method): raised there with its type and traceback.
+            return {_RAISED: dumps_exception(exc)}
 
     async def service_add_key(self, comm: Any, target: str, key: Key, payload: Any) -> bool:
         sid = ServiceId(target)
         inst = self.host.instances.get(sid)
         if inst is None:
             return False
-        ok = await self.host.add_key(sid, key, _unwrap(payload))
+        with as_worker(self.worker):
+            ok = await self.host.add_key(sid, key, _unwrap(payload))
         if ok:
             self._report_handed_off(inst.spec, key)
         return ok
@@ -353,7 +385,8 @@ class ServiceWorkerPlugin(WorkerPlugin):
             return
         self._evicting = True
         try:
-            await self.host.evict(excess)
+            with as_worker(self.worker):
+                await self.host.evict(excess)
         finally:
             self._evicting = False
 

@@ -123,3 +123,38 @@ async def test_flush_sends_without_waiting_out_the_interval():
     assert await next_batch() == ["second"]
     stream.please_stop = True
     stream.waker.set()
+
+
+def test_current_worker_context_variable():
+    """``get_worker()`` reads a private context variable, which the framework sets around
+    instance hooks, peer calls and replica methods (``_worker_context.py``)."""
+    import contextvars
+
+    from distributed.worker import _worker_cvar, get_worker
+
+    from dask_services._worker_context import as_worker
+
+    assert isinstance(_worker_cvar, contextvars.ContextVar)
+    marker = object()
+    with as_worker(marker):  # type: ignore[arg-type]
+        assert get_worker() is marker
+    with pytest.raises(ValueError, match="No worker found"):
+        get_worker()
+
+
+def test_peer_payloads_pass_through_the_comm_protocol():
+    """Peer-call payloads are registered with distributed's ``dask`` serializer family and
+    reach the handler as frames, deserialized only by the framework (``_payload.py``)."""
+    import numpy as np
+    from distributed.protocol import dumps, loads
+    from distributed.protocol.serialize import to_serialize
+
+    from dask_services._payload import Packed, pack, unpack
+
+    array = np.arange(1000)
+    packed = asyncio.run(pack((array,), "test"))
+    message = loads(dumps({"payload": to_serialize(packed)}))
+    arrived = message["payload"]
+    assert isinstance(arrived, Packed)
+    (back,) = asyncio.run(unpack(arrived, "test"))
+    np.testing.assert_array_equal(back, array)

@@ -34,18 +34,28 @@ def spec(run_id: int) -> InstanceSpec:
                         leader=sid, service_class=Counter, params={})
 
 
+def arguments(args: tuple, kwargs: dict | None = None):
+    """What a call's handler gives ``ServiceHost.deliver``: a coroutine function that
+    returns the call's arguments."""
+
+    async def load():
+        return args, kwargs or {}
+
+    return load
+
+
 def test_a_call_for_a_run_not_created_yet_waits_for_it(tmp_path):
     async def main():
         host = ServiceHost(LocalEnvironment(str(tmp_path)))
         s = spec(3)
-        call = asyncio.create_task(host.deliver(s.id, s.id, 3, 0, "ping", (1,), {}))
+        call = asyncio.create_task(host.deliver(s.id, s.id, 3, 0, "ping", arguments((1,))))
         await asyncio.sleep(0)
         assert not call.done()  # the start message has not arrived yet
         await host.start(host.create(s))
         assert await call == 2
         # a call for an older run that never came here is refused at once
         with pytest.raises(Exception, match="no longer current"):
-            await host.deliver(ServiceId("t-2.0"), s.id, 2, 0, "ping", (1,), {})
+            await host.deliver(ServiceId("t-2.0"), s.id, 2, 0, "ping", arguments((1,)))
         await host.stop_all()
 
     asyncio.run(main())

@@ -74,7 +74,7 @@ def test_stale_events_are_ignored_and_stale_outputs_dropped():
     assert kinds(m.handle(rs.OutputProduced(7, "o0", "w"))) == ["DropOutput"]
 
 
-def test_duplicate_and_unknown_outputs_fail_the_run():
+def test_duplicate_and_unknown_outputs_fail_the_run_unwanted_ones_are_dropped():
     m = machine()
     need(m)
     m.handle(rs.ServiceTaskProcessing(WORKERS[0]))
@@ -84,9 +84,13 @@ def test_duplicate_and_unknown_outputs_fail_the_run():
     assert isinstance(actions[-1].error, ProduceKeyError)
     m2 = machine()
     need(m2, wanted=["o1"])
-    actions = m2.handle(rs.OutputProduced(1, "o0", WORKERS[0]))
+    # an output this run was not started for: dropped, the run goes on
+    assert kinds(m2.handle(rs.OutputProduced(1, "o0", WORKERS[0]))) == ["DropOutput"]
+    assert m2.live_run is not None and m2.pending_outcome is None
+    # a key that is not an output at all: the run fails
+    actions = m2.handle(rs.OutputProduced(1, "stranger", WORKERS[0]))
     assert kinds(actions) == ["DropOutput", "StopInstances", "Log"]
-    assert "not a wanted output" in str(m2.pending_outcome[0])
+    assert "is not an output of service task" in str(m2.pending_outcome[0])
 
 
 def test_restarts_then_too_many():

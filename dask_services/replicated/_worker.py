@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from distributed.protocol import pickle
 from distributed.protocol.serialize import to_serialize
 
+from dask_services._worker_context import in_current_context, worker_handler
 from dask_services.replicated._errors import ReplicaGone, ServiceOverloaded, ServiceShutdown
 from dask_services.replicated._metrics import ReplicaMetrics
 from dask_services.replicated._options import is_endpoint
@@ -67,6 +68,7 @@ class ReplicaWorker:
         for name in HANDLERS:
             self.worker.handlers[name] = getattr(self, name[len("replicated_"):])
 
+    @worker_handler
     async def close(self) -> None:
         """Stop every replica at once (the worker extension is going away)."""
         await asyncio.gather(*(self._stop(r, 0, ReplicaGone(
@@ -77,6 +79,7 @@ class ReplicaWorker:
 
     # ------------------------------------------------------------ scheduler -> worker
 
+    @worker_handler
     async def start(self, comm: Any, id: str, name: str, blob: bytes, max_concurrency: int,
                     max_queued: int, setup_timeout: float, peers_of: str) -> dict:
         """Create replica ``id`` and run its ``setup``; answers once it is healthy or not."""
@@ -128,7 +131,9 @@ class ReplicaWorker:
             coro = setup(*args, **kwargs)
         else:
             loop = asyncio.get_running_loop()
-            coro = loop.run_in_executor(rep.executor, functools.partial(setup, *args, **kwargs))
+            coro = loop.run_in_executor(
+                rep.executor, in_current_context(functools.partial(setup, *args, **kwargs))
+            )
         try:
             await asyncio.wait_for(coro, timeout)
         except TimeoutError:
@@ -137,6 +142,7 @@ class ReplicaWorker:
                 "(dask_services.replicated.setup-timeout)"
             ) from None
 
+    @worker_handler
     async def stop(self, comm: Any, id: str, timeout: float, reason: str) -> dict:
         """Stop replica ``id``: calls in flight get ``timeout`` seconds to finish; queued
         calls fail (``reason="shutdown"``) or go back to their callers to be re-sent."""
@@ -190,6 +196,7 @@ class ReplicaWorker:
             if self.replicas.get(rep.id) is rep:
                 del self.replicas[rep.id]
 
+    @worker_handler
     async def health(self, comm: Any, id: str, timeout: float) -> dict:
         """Run the replica's ``check_health`` (if any) within ``timeout`` seconds."""
         rep = self.replicas.get(ServiceId(id))
@@ -231,6 +238,7 @@ class ReplicaWorker:
 
     # ------------------------------------------------------------ caller -> worker
 
+    @worker_handler
     async def call(self, comm: Any, id: str, method: str, payload: Any) -> dict:
         """Run endpoint ``method`` on replica ``id`` within its concurrency limits."""
         rep = self.replicas.get(ServiceId(id))
@@ -263,7 +271,7 @@ class ReplicaWorker:
                 result = await fn(*args, **kwargs)
             else:
                 result = await asyncio.get_running_loop().run_in_executor(
-                    rep.executor, functools.partial(fn, *args, **kwargs))
+                    rep.executor, in_current_context(functools.partial(fn, *args, **kwargs)))
             error = False
         except asyncio.CancelledError:
             if not rep.cancelled:

@@ -1,0 +1,398 @@
+"""Services written naively or called wrongly still work: peer calls that fail leave their
+channel usable, producing an output nobody needs is not an error, and ``get_worker()``
+works in every hook of an instance and every method of a replica."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import dask
+import pytest
+from distributed import Client, LocalCluster, get_worker, wait
+from distributed.utils_test import async_poll_for, gen_cluster, poll_for
+from utils import assert_errs, assert_nothing_left, kill, service_cluster
+
+import dask_services
+from dask_services import PeerCallError, RPCRefused, Service, rpc
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def inc(x):
+    return x + 1
+
+
+# ------------------------------------------------------------------ peer calls
+
+
+def _cannot_load() -> None:
+    raise ValueError("this value cannot be loaded here")
+
+
+class LoadsNowhere:
+    """Pickles fine; unpickling it raises (a type the receiving worker cannot import)."""
+
+    def __reduce__(self):
+        return (_cannot_load, ())
+
+
+class Bad:
+    """Peer calls that fail, one per way a call can fail."""
+
+    @staticmethod
+    async def not_marked(peer):
+        return await peer.not_marked()
+
+    @staticmethod
+    async def raw_not_marked(peer):
+        # What an older or misbehaving sender does: the call takes a sequence number and
+        # the receiver refuses the method.
+        source = peer._source
+        seq = source.next_seq_out.get(peer.id, 0)
+        source.next_seq_out[peer.id] = seq + 1
+        return await peer._host.call_peer(source, peer.id, seq, "not_marked", (), {})
+
+    @staticmethod
+    async def unsendable_argument(peer):
+        return await peer.echo(threading.Lock())
+
+    @staticmethod
+    async def argument_loads_nowhere(peer):
+        return await peer.echo(LoadsNowhere())
+
+    @staticmethod
+    async def raises_in_target(peer):
+        return await peer.boom()
+
+    @staticmethod
+    async def unsendable_result(peer):
+        return await peer.lock()
+
+
+REMOTE_ONLY = {"unsendable_argument", "argument_loads_nowhere", "unsendable_result"}
+EXPECTED = {
+    "not_marked": RPCRefused,
+    "raw_not_marked": RPCRefused,
+    "unsendable_argument": PeerCallError,
+    "argument_loads_nowhere": PeerCallError,
+    "raises_in_target": ZeroDivisionError,
+    "unsendable_result": PeerCallError,
+}
+
+
+class ChannelCheck(Service):
+    """The leader interleaves failing calls with ordered ``record`` calls to one peer, first
+    one at a time, then all at once, and produces what happened."""
+
+    async def start(self, id, key, peers, input_keys, output_keys, concierge, leader,
+                    cases=(), **kwargs: Any) -> None:
+        self.cases = list(cases)
+        self.log: list[int] = []
+        self.report: dict = {}
+
+    async def all_started(self) -> None:
+        if self.id != self.leader:
+            return
+        others = [sid for sid in self.peers if sid != self.id]
+        peer = self.peers[others[0] if others else self.id]
+        errors, n = [], 0
+        for case in self.cases:  # one at a time
+            await peer.record(n)
+            n += 1
+            try:
+                await getattr(Bad, case)(peer)
+            except Exception as exc:
+                errors.append((case, type(exc).__name__, str(exc)))
+            else:
+                errors.append((case, None, ""))
+        calls = []  # all at once: each failure between two ordered calls
+        for case in self.cases:
+            calls.append(peer.record(n))
+            calls.append(getattr(Bad, case)(peer))
+            n += 1
+        calls.append(peer.record(n))
+        n += 1
+        together = await asyncio.gather(*calls, return_exceptions=True)
+        self.report = {
+            "errors": errors,
+            "together": [type(r).__name__ for r in together[1::2]],
+            "log": await peer.log_of(),
+            "expected_log": list(range(n)),
+        }
+
+    async def all_inputs_done(self) -> None:
+        if self.id == self.leader:
+            for out in self.output_keys:
+                await self.concierge.produce_key(out, self.report)
+
+    @rpc
+    async def record(self, i: int) -> None:
+        self.log.append(i)
+
+    @rpc
+    async def log_of(self) -> list[int]:
+        return list(self.log)
+
+    @rpc
+    async def echo(self, value: Any) -> Any:
+        return value
+
+    @rpc
+    async def boom(self) -> None:
+        1 / 0  # noqa: B018
+
+    @rpc
+    async def lock(self) -> Any:
+        return threading.Lock()
+
+    async def not_marked(self) -> None:
+        raise AssertionError("a method not marked @rpc ran")
+
+
+def check_report(report: dict, cases: list[str]) -> None:
+    assert report["log"] == report["expected_log"], "calls after a failed one were lost"
+    for case, name, message in report["errors"]:
+        assert name == EXPECTED[case].__name__, (case, name, message)
+    assert report["together"] == [EXPECTED[c].__name__ for c in cases]
+    messages = {case: message for case, _, message in report["errors"]}
+    if "not_marked" in messages:
+        assert "@dask_services.rpc" in messages["not_marked"]
+    if "unsendable_argument" in messages:
+        assert "could not be serialized" in messages["unsendable_argument"]
+        assert "echo()" in messages["unsendable_argument"]
+    if "argument_loads_nowhere" in messages:
+        assert "could not be deserialized" in messages["argument_loads_nowhere"]
+        assert "cannot be loaded here" in messages["argument_loads_nowhere"]
+    if "unsendable_result" in messages:
+        assert "the result of lock()" in messages["unsendable_result"]
+
+
+@service_cluster()
+async def test_failed_peer_calls_leave_the_channel_usable(c, s, a, b):
+    cases = list(EXPECTED)
+    (report,) = await c.gather(c.compute(
+        dask_services.service_task(ChannelCheck, [], outputs=1, cases=cases)))
+    check_report(report, cases)
+    del report
+    await assert_nothing_left(s, [a, b])
+
+
+@service_cluster(nthreads=[("127.0.0.1", 1)])
+async def test_failed_loopback_calls_leave_the_channel_usable(c, s, a):
+    cases = [case for case in EXPECTED if case not in REMOTE_ONLY]
+    (report,) = await c.gather(c.compute(
+        dask_services.service_task(ChannelCheck, [], outputs=1, cases=cases)))
+    check_report(report, cases)
+    del report
+    await assert_nothing_left(s, [a])
+
+
+def test_failed_peer_calls_under_the_local_scheduler():
+    cases = [case for case in EXPECTED if case not in REMOTE_ONLY]
+    (report,) = dask.compute(
+        *dask_services.service_task(ChannelCheck, [], outputs=1, cases=cases),
+        scheduler="sync",
+    )
+    check_report(report, cases)
+
+
+# ------------------------------------------------------------------ unwanted outputs
+
+
+class ProducesEverything(Service):
+    """The natural first version: instance *i* (in the order of the peers) produces every
+    n-th of ``output_keys``, whether the run needs it or not."""
+
+    kept: list[tuple[int, Any, bool]] = []  # (run id, key, produce_key's answer)
+
+    async def add_key(self, key, data) -> None:
+        self.total = getattr(self, "total", 0) + data
+
+    async def all_started(self) -> None:
+        self.total = getattr(self, "total", 0)
+
+    async def all_inputs_done(self) -> None:
+        totals = await asyncio.gather(*(p.total_of() for p in self.peers.values()))
+        me = sorted(self.peers).index(self.id)
+        for i, key in enumerate(self.output_keys):
+            if i % len(self.peers) == me:
+                kept = await self.concierge.produce_key(key, (i, sum(totals)))
+                self.kept.append((self.concierge.run_id, key, kept))
+
+    @rpc
+    async def total_of(self) -> int:
+        return self.total
+
+
+@service_cluster()
+async def test_producing_an_output_the_run_does_not_need_is_a_no_op(c, s, a, b):
+    """Seed 002's partial recomputation, with a service that produces every output."""
+    ProducesEverything.kept.clear()
+    inputs = [dask.delayed(inc)(i) for i in range(6)]
+    outs = dask_services.service_task(ProducesEverything, inputs, outputs=4)
+    futures = c.compute(outs)
+    await wait(futures)
+    assert all(kept for _, _, kept in ProducesEverything.kept)
+    del futures[:2]  # keep the last two outputs only
+    await async_poll_for(lambda: outs[0].key not in s.tasks, timeout=5)
+    again = await c.gather(c.compute(outs))
+    assert again == [(i, 21) for i in range(4)]
+    second = [(key, kept) for run, key, kept in ProducesEverything.kept if run > 1]
+    assert sorted(map(str, (key for key, kept in second if kept))) == sorted(
+        [str(outs[0].key), str(outs[1].key)])
+    assert sorted(map(str, (key for key, kept in second if not kept))) == sorted(
+        [str(outs[2].key), str(outs[3].key)])
+    s.validate_state()
+    del futures, again
+    await assert_nothing_left(s, [a, b])
+
+
+class ProducesStrangers(Service):
+    async def all_inputs_done(self) -> None:
+        if self.id == self.leader:
+            await self.concierge.produce_key("not-an-output", 1)
+
+
+@service_cluster()
+async def test_producing_a_key_that_is_not_an_output_still_fails(c, s, a, b):
+    (fut,) = c.compute(dask_services.service_task(ProducesStrangers, [], outputs=1))
+    await assert_errs(fut, dask_services.ProduceKeyError, "is not an output of service task")
+    del fut
+    await assert_nothing_left(s, [a, b])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_recomputing_an_output_lost_with_its_worker_tolerates_unneeded_outputs():
+    validation = {"distributed.scheduler.validate": True, "distributed.worker.validate": True}
+    with dask.config.set(validation), LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+    ) as cluster, Client(cluster) as client:
+        dask_services.install(client)
+        inputs = [dask.delayed(inc)(i) for i in range(6)]
+        outs = dask_services.service_task(ProducesEverything, inputs, outputs=4)
+        futures = client.compute(outs)
+        wait(futures)
+        holders = client.who_has(futures)
+        victim = next(iter(holders[futures[0].key]))
+        survivor = next(w for w in client.scheduler_info()["workers"] if w != victim)
+        kill(client, victim)
+        # The outputs held by the dead worker are recomputed by a new run whose instances
+        # also produce the outputs that survived: those are dropped, not an error.
+        assert client.gather(futures) == [(i, 21) for i in range(4)]
+        starts = [e for _, e in client.get_events("dask_services")
+                  if e["action"] == "started"]
+        assert len(starts) >= 2, "no new run recomputed the lost outputs"
+        assert any(survivor in ws for ws in client.who_has(futures).values())
+        client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.validate_state())
+        poll_for(lambda: len(client.scheduler_info()["workers"]) == 2, timeout=30)
+
+
+# ------------------------------------------------------------------ get_worker()
+
+
+class WhereAmI(Service):
+    """Records ``get_worker().address`` in every hook, against the concierge's address."""
+
+    seen: list[tuple[str, str, str]] = []  # (hook, get_worker().address, concierge.address)
+
+    def _note(self, hook: str) -> None:
+        try:
+            address = get_worker().address
+        except ValueError as exc:
+            address = f"error: {exc}"
+        self.seen.append((hook, address, self.concierge.address))
+
+    async def start(self, id, key, peers, input_keys, output_keys, concierge, leader,
+                    **kwargs: Any) -> None:
+        self.concierge = concierge
+        self._note("start")
+
+    async def all_started(self) -> None:
+        self._note("all_started")
+        await asyncio.gather(*(p.ping() for p in self.peers.values()))
+
+    async def add_key(self, key, data) -> None:
+        self._note("add_key")
+
+    async def all_inputs_done(self) -> None:
+        self._note("all_inputs_done")
+        in_thread = await self.concierge.run_in_executor(lambda: get_worker().address)
+        self.seen.append(("run_in_executor", in_thread, self.concierge.address))
+        for out in self.concierge.wanted_outputs:
+            if self.concierge.owner(out) == self.id:
+                await self.concierge.produce_key(out, 1)
+
+    @rpc
+    async def ping(self) -> None:
+        self._note("rpc")
+
+    async def stop(self) -> None:
+        self._note("stop")
+
+
+@service_cluster()
+async def test_get_worker_in_every_hook_of_an_instance(c, s, a, b):
+    WhereAmI.seen.clear()
+    inputs = c.map(inc, range(4))
+    outs = dask_services.submit(WhereAmI, inputs, outputs=2, client=c)
+    assert await c.gather(outs) == [1, 1]
+    hooks = {"start", "all_started", "add_key", "all_inputs_done", "run_in_executor", "rpc",
+             "stop"}
+    await async_poll_for(lambda: sum(h == "stop" for h, _, _ in WhereAmI.seen) == 2,
+                         timeout=10)
+    assert {h for h, _, _ in WhereAmI.seen} == hooks
+    wrong = [(h, got, want) for h, got, want in WhereAmI.seen if got != want]
+    assert not wrong
+    del outs, inputs
+    await assert_nothing_left(s, [a, b])
+
+
+class WorkerEcho(Service):
+    """A replicated service whose every method asks ``get_worker()``."""
+
+    def setup(self) -> None:
+        self.setup_on = get_worker().address
+
+    @dask_services.endpoint
+    def sync_where(self) -> tuple[str, str]:
+        return get_worker().address, self.setup_on
+
+    @dask_services.endpoint
+    async def async_where(self) -> str:
+        return get_worker().address
+
+    def check_health(self) -> bool:
+        try:
+            WorkerEcho.probed_on.append(get_worker().address)
+        except ValueError as exc:
+            WorkerEcho.probed_on.append(f"error: {exc}")
+        return True
+
+    async def stop(self) -> None:
+        WorkerEcho.stopped_on.append(get_worker().address)
+
+    stopped_on: list[str] = []
+    probed_on: list[str] = []
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=45, config={
+    "dask_services.replicated.health-check-period": "50ms"})
+async def test_get_worker_in_every_method_of_a_replica(c, s, a, b):
+    WorkerEcho.stopped_on.clear()
+    WorkerEcho.probed_on.clear()
+    await dask_services.install_async(c)
+    svc = await WorkerEcho.options(replicas=2).as_service(client=c)
+    rows = await svc.replicas()
+    hosts = {r["worker"] for r in rows}
+    for _ in range(4):
+        where, setup_on = await svc.sync_where.route()
+        assert where == setup_on and where in hosts
+        assert await svc.async_where.route() in hosts
+    await async_poll_for(lambda: len(WorkerEcho.probed_on) >= 4, timeout=10)
+    assert set(WorkerEcho.probed_on) == hosts
+    await svc.shutdown()
+    assert sorted(WorkerEcho.stopped_on) == sorted(r["worker"] for r in rows)
+    s.validate_state()
