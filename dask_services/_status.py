@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import dask.config
 
 from dask_services._counters import COUNTERS
+from dask_services._metrics import RunTotals
 from dask_services._run_state import Run
 
 if TYPE_CHECKING:
@@ -42,6 +43,9 @@ class StatusTable:
 
     ``labels`` name a row in Prometheus (string columns), ``figures`` are exported as one
     gauge each (``dask_services_<name>_<figure>``); every column is shown on the page.
+    Label columns must take a bounded set of values (every new value is a new series): the
+    ``runs`` and ``replicas`` tables, whose rows are runs and replica incarnations, are
+    exported as aggregates per service instead (``_metrics.py``).
     """
 
     name: str
@@ -116,8 +120,16 @@ class RunRecord:
 ENDED = frozenset({"finished", "failed", "restarted", "cancelled"})  # actions ending a run
 
 
+LATE_REPORTS = 1000  # forgotten runs whose final counters may still come with a heartbeat
+
+
 class RunHistory:
-    """Records of the live runs and of the ``recent-runs`` most recently ended ones."""
+    """Records of the live runs and of the ``recent-runs`` most recently ended ones.
+
+    ``aggregates`` (``_metrics.RunTotals``) keeps cumulative figures of every run per
+    service class, for the Prometheus counters: what a run counted stays counted after its
+    record is forgotten.
+    """
 
     def __init__(self, keep: int | None = None) -> None:
         if keep is None:
@@ -126,11 +138,16 @@ class RunHistory:
         self.records: OrderedDict[int, RunRecord] = OrderedDict()  # run id -> record
         self.ended: OrderedDict[int, None] = OrderedDict()  # ended run ids, oldest first
         self.totals: dict[tuple[str, str], int] = {}  # (service, action) -> count
+        self.aggregates = RunTotals()  # per service class, only ever added to
+        # forgotten ended runs, for the final counters their instances still report
+        self.forgotten: OrderedDict[int, RunRecord] = OrderedDict()
 
     def logged(self, service: str, key: Key, action: str, run_id: int, detail: str,
                run: Run | None, inputs: int, restarts: int) -> None:
         """A log line of the state machine (see ``_run_state.Log``)."""
         self.totals[service, action] = self.totals.get((service, action), 0) + 1
+        if action == "started":
+            self.aggregates.started(service)
         if action == "started" and run is not None and run.run_id == run_id:
             self.records[run_id] = RunRecord(
                 service=service, key=str(key), run_id=run_id, workers=run.participants,
@@ -138,26 +155,40 @@ class RunHistory:
             )
             return
         record = self.records.get(run_id)
-        if record is None or action not in ENDED or record.ended is not None:
+        if action not in ENDED or (record is not None and record.ended is not None):
+            return
+        if record is None:  # never recorded: count it all the same
+            self.aggregates.ended(service, action, None, {})
             return
         record.row(time.time())  # freeze the live figures
         record.run = None
         record.state = action
         record.detail = detail
         record.ended = time.time()
+        self.aggregates.ended(service, action, record.ended - record.started, {
+            "inputs_handed_off": record.inputs_handed_off,
+            "outputs_produced": record.outputs_produced,
+        })
         self.ended[run_id] = None
         while len(self.ended) > self.keep:
             old, _ = self.ended.popitem(last=False)
-            self.records.pop(old, None)
+            forgotten = self.records.pop(old, None)
+            if forgotten is not None:
+                self.forgotten[old] = forgotten
+        while len(self.forgotten) > LATE_REPORTS:
+            self.forgotten.popitem(last=False)
 
     def worker_report(self, worker: str, instances: Iterable[Mapping[str, Any]]) -> None:
         """Counters of instances on ``worker`` (from its heartbeat)."""
         for item in instances:
-            record = self.records.get(int(item.get("run_id", -1)))
+            run_id = int(item.get("run_id", -1))
+            record = self.records.get(run_id) or self.forgotten.get(run_id)
             if record is not None:
-                record.counters[str(item.get("id"))] = {
-                    c: int(item.get(c, 0)) for c in COUNTERS
-                }
+                instance = str(item.get("id"))
+                before = record.counters.get(instance, {})
+                now = record.counters[instance] = {c: int(item.get(c, 0)) for c in COUNTERS}
+                for c in COUNTERS:  # counters are cumulative: add what is new
+                    self.aggregates.add(record.service, c, now[c] - before.get(c, 0))
 
     def rows(self) -> list[dict[str, Any]]:
         """Live runs first (newest first), then ended runs (most recent first)."""
@@ -172,6 +203,8 @@ class RunHistory:
         self.records.clear()
         self.ended.clear()
         self.totals.clear()
+        self.aggregates.clear()
+        self.forgotten.clear()
 
 
 RUN_COLUMNS = (

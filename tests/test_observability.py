@@ -168,21 +168,27 @@ async def test_dashboard_page_and_metrics_show_a_running_service(c, s, a, b):
     assert table["state"][i] == "inputs-done"
     assert table["inputs_handed_off"][i] == 4 and table["outputs_produced"][i] == 0
 
+    # per service class, never per run: no key or run id in any label
     metrics = (await http.fetch(url + "/metrics")).body.decode()
-    handed = samples(metrics, "dask_services_runs_inputs_handed_off")
-    (labels,) = [k for k in handed if key in k]
-    assert 'service="Recorder"' in labels and 'state="inputs-done"' in labels
-    assert handed[labels] == 4
-    assert samples(metrics, "dask_services_run_events_total") == {
-        'action="started",service="Recorder"': 1.0}
+    assert key not in metrics and "run_id=" not in metrics
+    assert samples(metrics, "dask_services_runs") == {
+        'service="Recorder",state="starting"': 0.0,
+        'service="Recorder",state="running"': 0.0,
+        'service="Recorder",state="inputs-done"': 1.0}
+    assert samples(metrics, "dask_services_inputs_handed_off_total") == {
+        'service="Recorder"': 4.0}
+    assert samples(metrics, "dask_services_runs_started_total") == {'service="Recorder"': 1.0}
 
     Recorder.gates["g"].set()
     assert await c.gather(outs) == [10, 10]
     metrics = (await http.fetch(url + "/metrics")).body.decode()
-    produced = samples(metrics, "dask_services_runs_outputs_produced")
-    assert produced[next(k for k in produced if key in k)] == 2
-    assert 'action="finished",service="Recorder"' in samples(
-        metrics, "dask_services_run_events_total")
+    assert samples(metrics, "dask_services_outputs_produced_total") == {
+        'service="Recorder"': 2.0}
+    assert samples(metrics, "dask_services_runs_ended_total")[
+        'outcome="finished",service="Recorder"'] == 1
+    assert samples(metrics, "dask_services_runs")['service="Recorder",state="inputs-done"'] == 0
+    assert samples(metrics, "dask_services_run_duration_seconds_count") == {
+        f'outcome="{o}",service="Recorder"': float(o == "finished") for o in _metrics.OUTCOMES}
     del outs
     await assert_nothing_left(s, [a, b])
 

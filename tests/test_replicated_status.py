@@ -58,15 +58,14 @@ async def test_dashboard_status_and_metrics_show_replicas_and_their_load(c, s, a
     assert sum(table["calls"]) == 6 and sum(table["in_flight"]) == 1
     assert "dask-services-runs" in tables
 
+    # per deployed service: no replica incarnation id or worker address in a label
     metrics = (await http.fetch(url + "/metrics")).body.decode()
-    calls = samples(metrics, "dask_services_replicas_calls")
-    assert len(calls) == 2 and sum(calls.values()) == 6
-    for r in rows:
-        (labels,) = [k for k in calls if f'replica="{r["replica"]}"' in k]
-        assert 'service="adder"' in labels and 'class="Adder"' in labels
-        assert f'worker="{r["worker"]}"' in labels and 'state="healthy"' in labels
-    assert sum(samples(metrics, "dask_services_replicas_healthy").values()) == 2
-    assert sum(samples(metrics, "dask_services_replicas_in_flight").values()) == 1
+    assert not any(r["replica"] in metrics or r["worker"] in metrics for r in rows)
+    adder = 'class="Adder",service="adder"'
+    assert samples(metrics, "dask_services_replica_calls_total") == {adder: 6.0}
+    assert samples(metrics, "dask_services_replica_errors_total") == {adder: 1.0}
+    assert samples(metrics, "dask_services_replica_calls_in_flight") == {adder: 1.0}
+    assert samples(metrics, "dask_services_replicas")[f'{adder},state="healthy"'] == 2
 
     GATES["g"].set()
     assert await waiting == 7
@@ -75,7 +74,7 @@ async def test_dashboard_status_and_metrics_show_replicas_and_their_load(c, s, a
     assert replica_rows(s) == []
     assert s.extensions["dask_services"].replicated.reports.figures == {}
     metrics = (await http.fetch(url + "/metrics")).body.decode()
-    assert samples(metrics, "dask_services_replicas_calls") == {}
+    assert samples(metrics, "dask_services_replica_calls_total") == {}
 
 
 @service_cluster(nthreads=THREE_WORKERS)
