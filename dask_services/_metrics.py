@@ -262,15 +262,23 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
-def replica_families(rows: list[Mapping[str, Any]], totals: ReplicaTotals
+def replica_families(parts: Iterable[tuple[list[Mapping[str, Any]], ReplicaTotals]]
                      ) -> Iterator[Any]:
-    """The replicated-service metric families, from the rows of the ``replicas`` table."""
+    """The replicated-service metric families, from the rows of the ``replicas`` table of
+    each scheduler plugin (normally one) and the plugin's :class:`ReplicaTotals`."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    totals.update(rows)
     by_service: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
-    for row in rows:
-        by_service.setdefault((str(row.get("service")), str(row.get("class"))), []).append(row)
+    cumulative: dict[str, dict[str, float]] = {}
+    for rows, totals in parts:
+        totals.update(rows)
+        for row in rows:
+            by_service.setdefault((str(row.get("service")), str(row.get("class"))),
+                                  []).append(row)
+        for service, figures in totals.totals.items():
+            mine = cumulative.setdefault(service, dict.fromkeys(CALL_FIGURES, 0.0))
+            for name in CALL_FIGURES:
+                mine[name] += figures[name]
     labels = ["service", "class"]
     replicas = GaugeMetricFamily(f"{PREFIX}_replicas", "replicas of deployed services, by "
                                  "state", labels=[*labels, "state"])
@@ -296,9 +304,8 @@ def replica_families(rows: list[Mapping[str, Any]], totals: ReplicaTotals
         in_flight.add_metric([service, cls], sum(_number(r.get("in_flight")) or 0
                                                  for r in mine))
         queued.add_metric([service, cls], sum(_number(r.get("queued")) or 0 for r in mine))
-        cumulative = totals.totals.get(service, {})
         for name, family in counters.items():
-            family.add_metric([service, cls], cumulative.get(name, 0.0))
+            family.add_metric([service, cls], cumulative.get(service, {}).get(name, 0.0))
         for quantile, column in (("0.5", "p50_ms"), ("0.99", "p99_ms")):
             values = [v for r in mine if (v := _number(r.get(column))) is not None]
             latency.add_metric([service, cls, quantile],
@@ -336,10 +343,9 @@ class ServicesCollector:
         yield from _guarded("runs", run_families, (p.history for p in plugins))
         replica_table = _status.TABLES.get("replicas")
         if replica_table is not None:
-            for p in plugins:  # normally one
-                totals = self.replica_totals.setdefault(p, ReplicaTotals())
-                rows = _safe_rows(replica_table, p)
-                yield from _guarded("replicas", replica_families, rows, totals)
+            parts = [(_safe_rows(replica_table, p),
+                      self.replica_totals.setdefault(p, ReplicaTotals())) for p in plugins]
+            yield from _guarded("replicas", replica_families, parts)
         for table in _status.TABLES.values():
             if table.name in AGGREGATED:
                 continue

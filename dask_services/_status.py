@@ -243,7 +243,7 @@ def status(client: Any = None, table: str = "runs") -> pd.DataFrame:
     spilled (summed over the run's instances, as of the workers' last heartbeat), restarts
     of the service task before this run, the error or restart reason, and the duration.
     ``table`` picks another registered table.  The same figures are on the dashboard's
-    ``/services`` page and in the scheduler's Prometheus metrics.
+    ``/services`` page; the scheduler's Prometheus metrics sum them up per service class.
     """
     import pandas as pd
     from distributed import default_client

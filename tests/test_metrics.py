@@ -279,7 +279,7 @@ def replica_series(rows: list[dict], totals: _metrics.ReplicaTotals) -> dict:
 
     class One:
         def collect(self):
-            return _metrics.replica_families(rows, totals)
+            return _metrics.replica_families([(rows, totals)])
 
     registry.register(One())
     text = prometheus_client.generate_latest(registry).decode()
@@ -334,3 +334,20 @@ def test_a_failing_part_does_not_hide_the_others(caplog):
     series = scrape(Broken())
     assert not any(name.startswith("dask_services_runs") for name, _ in series)
     assert "the runs metrics failed" in caplog.text
+
+
+def test_two_schedulers_in_one_process_are_summed_into_one_family_each():
+    first, second = _status.RunHistory(), _status.RunHistory()
+    run_many(first, 0, 2)
+    run_many(second, 10, 3)
+    collector = _metrics.ServicesCollector()
+    plugins = [FakePlugin(first), FakePlugin(second)]
+    for plugin in plugins:
+        collector.plugins.add(plugin)
+    names = [family.name for family in collector.collect()]
+    assert len(names) == len(set(names))
+    series = scrape(*plugins)
+    assert value(series, "dask_services_runs_ended_total", service="S",
+                 outcome="finished") == 5
+    assert value(series, "dask_services_run_duration_seconds_count", service="S",
+                 outcome="finished") == 5
