@@ -565,17 +565,24 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         definition = self.definitions.get(service_key)
         if sts is None or definition is None:
             return
-        recs: dict[Key, str] = {}
-        recs.update(self._reattach(service_key))
+        stimulus_id = f"service-reschedule-{service_key}"
+        # The service task first, in a batch of its own: the scheduler works through a
+        # batch last-in first-out, so a hand-off released with it could run again (and
+        # start the next run) before the service task left processing, which would then
+        # look like a loss to that new run and restart it once more.
+        recs: dict[Key, str] = self._reattach(service_key)
         if sts.state in ("memory", "processing", "queued", "no-worker"):
             recs[service_key] = "released"
+        if recs:
+            self.scheduler.transitions(recs, stimulus_id=stimulus_id)
+        handoffs = {}
         for h in definition.handoff_keys:
             hts = tasks.get(h)
             if hts is not None and hts.state in ("memory", "processing", "queued", "no-worker"):
-                recs[h] = "released"
-        if recs:
-            stimulus_id = f"service-reschedule-{service_key}"
-            self.scheduler.transitions(recs, stimulus_id=stimulus_id)
+                handoffs[h] = "released"
+        if handoffs:
+            self.scheduler.transitions(handoffs, stimulus_id=stimulus_id)
+        if recs or handoffs:
             self.scheduler.stimulus_queue_slots_maybe_opened(stimulus_id=stimulus_id)
 
     def _reattach(self, service_key: Key) -> dict[Key, str]:

@@ -396,3 +396,23 @@ async def test_get_worker_in_every_method_of_a_replica(c, s, a, b):
     await svc.shutdown()
     assert sorted(WorkerEcho.stopped_on) == sorted(r["worker"] for r in rows)
     s.validate_state()
+
+
+# ------------------------------------------------------------------ restarts
+
+
+@service_cluster()
+async def test_a_requested_restart_with_futures_as_inputs_restarts_once(c, s, a, b):
+    """Releasing the service task and its hand-offs in one batch let a hand-off start the
+    next run before the service task left processing: that run was restarted once more as if
+    an input had been lost, and its instances could receive an input twice."""
+    from services import Recorder
+
+    Recorder.reset()
+    xs = c.map(inc, range(4))
+    outs = dask_services.submit(Recorder, xs, outputs=2, client=c, restart_runs=1)
+    assert await c.gather(outs) == [10, 10]
+    actions = [(e["action"], e["detail"]) for _, e in await c.get_events("dask_services")]
+    assert [a for a, _ in actions] == ["started", "restarted", "started", "finished"], actions
+    del outs, xs
+    await assert_nothing_left(s, [a, b])
