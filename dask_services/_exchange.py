@@ -61,9 +61,12 @@ class PeerExchange(Service):
         return self.buffer.disk_bytes if self.buffer is not None else 0
 
     def counters(self) -> dict[str, int]:
+        # Bytes sent and received are the framework's count of the peer calls (serialized
+        # sizes, _counters.py): the same figure on both sides, and pieces an instance keeps
+        # for itself are not exchanged.  sent_bytes/received_bytes stay as the in-memory
+        # sizes the exchange handed to and took from the stream.
         spilled = self.spilled_total + (self.buffer.spilled_total if self.buffer else 0)
-        return {"bytes_sent": self.sent_bytes, "bytes_received": self.received_bytes,
-                "bytes_spilled": spilled}
+        return {"bytes_spilled": spilled}
 
     async def please_evict(self, nbytes: int) -> None:
         if self.buffer is not None:

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import dask.config
 
+from dask_services._counters import Traffic, size_of
 from dask_services.service import (
     Concierge,
     ProduceKeyError,
@@ -100,6 +101,7 @@ class Instance:
     next_seq_out: dict[ServiceId, int] = field(default_factory=dict)
     next_seq_in: dict[ServiceId, int] = field(default_factory=dict)
     inbox: asyncio.Condition = field(default_factory=asyncio.Condition)
+    traffic: Traffic = field(default_factory=Traffic)  # bytes of its peer calls
 
     def __post_init__(self) -> None:
         self.output_key_set = frozenset(self.spec.output_keys)
@@ -376,12 +378,16 @@ class ServiceHost:
             ) from None
         run_id = source.spec.run_id
         if address == self.env.address:
-            # Loopback: no serialization, same ordering guarantees.
+            # Loopback: no serialization, same ordering guarantees; bytes counted by sizeof.
             async def arguments() -> tuple[tuple, dict]:
+                self._count(source, self.instances.get(target), size_of((args, kwargs)))
                 return args, kwargs
 
-            return await self.deliver(target, source.spec.id, run_id, seq, method,
-                                      arguments)
+            result = await self.deliver(target, source.spec.id, run_id, seq, method,
+                                        arguments)
+            if result is not None:
+                self._count(self.instances.get(target), source, size_of(result))
+            return result
         return await self.env.send_rpc(address, target, source.spec.id, run_id, seq, method,
                                        args, kwargs)
 
@@ -426,6 +432,14 @@ class ServiceHost:
             return await getattr(inst.service, method)(*args, **kwargs)
         finally:
             inst.hooks.discard(task)
+
+    @staticmethod
+    def _count(sender: Instance | None, receiver: Instance | None, nbytes: int) -> None:
+        """``nbytes`` went from ``sender`` to ``receiver`` (``_counters.Traffic``)."""
+        if sender is not None:
+            sender.traffic.bytes_sent += nbytes
+        if receiver is not None:
+            receiver.traffic.bytes_received += nbytes
 
     # ------------------------------------------------------------- memory
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import dask.config
 
-from dask_services._counters import COUNTERS
+from dask_services._counters import COUNTERS, GAUGES
 from dask_services._metrics import RunTotals
 from dask_services._run_state import Run
 
@@ -87,6 +87,8 @@ class RunRecord:
     outputs_wanted: int = 0
     outputs_produced: int = 0
     counters: dict[str, dict[str, int]] = field(default_factory=dict)  # instance -> counters
+    # instance -> its worker and gauges of the moment (_counters.GAUGES), while live
+    gauges: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def row(self, now: float) -> dict[str, Any]:
         run = self.run
@@ -115,6 +117,13 @@ class RunRecord:
             "started": self.started,
             "duration_s": round((self.ended or now) - self.started, 3),
         }
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
 
 
 ENDED = frozenset({"finished", "failed", "restarted", "cancelled"})  # actions ending a run
@@ -162,6 +171,7 @@ class RunHistory:
             return
         record.row(time.time())  # freeze the live figures
         record.run = None
+        record.gauges.clear()
         record.state = action
         record.detail = detail
         record.ended = time.time()
@@ -189,6 +199,9 @@ class RunHistory:
                 now = record.counters[instance] = {c: int(item.get(c, 0)) for c in COUNTERS}
                 for c in COUNTERS:  # counters are cumulative: add what is new
                     self.aggregates.add(record.service, c, now[c] - before.get(c, 0))
+                if record.ended is None:
+                    record.gauges[instance] = {"worker": worker, **{
+                        g: _int(item.get(g, 0)) for g in GAUGES}}
 
     def rows(self) -> list[dict[str, Any]]:
         """Live runs first (newest first), then ended runs (most recent first)."""

@@ -23,7 +23,7 @@ from distributed.protocol.serialize import Serialize, ToPickle, to_serialize
 from distributed.utils import sync
 from tornado.ioloop import PeriodicCallback
 
-from dask_services._counters import CounterReports, instance_counters
+from dask_services._counters import CounterReports, Traffic, instance_counters
 from dask_services._host import Environment, InstanceSpec, ServiceHost, make_directory
 from dask_services._payload import pack, unpack
 from dask_services._streams import flush
@@ -125,24 +125,43 @@ class WorkerEnvironment(Environment):
                        seq: int, method: str, args: tuple, kwargs: dict) -> Any:
         call = f"{method}() from {source} to {target}"
         unsent: PeerCallError | None = None
+        nbytes = 0
         try:
-            payload: Any = to_serialize(await pack((args, kwargs), f"the arguments of {call}"))
+            packed = await pack((args, kwargs), f"the arguments of {call}")
+            payload: Any = to_serialize(packed)
+            nbytes = packed.nbytes
         except PeerCallError as exc:
             # The call has its sequence number: the receiver must still take its turn, or
             # every later call on this channel would wait for it.
             payload, unsent = None, exc
-        response = await self.ext.worker.rpc(address).service_rpc(
-            target=str(target), source=str(source), run_id=run_id, seq=seq, method=method,
-            payload=payload, unsent=str(unsent) if unsent is not None else None,
-        )
+        # Bytes of peer calls (_counters.py): sent now, taken back if the call never
+        # reached the instance.
+        traffic = _traffic(self.ext.host, source)
+        traffic.in_flight += nbytes
+        traffic.bytes_sent += nbytes
+        try:
+            response = await self.ext.worker.rpc(address).service_rpc(
+                target=str(target), source=str(source), run_id=run_id, seq=seq,
+                method=method, payload=payload,
+                unsent=str(unsent) if unsent is not None else None,
+            )
+        except Exception:
+            traffic.bytes_sent -= nbytes
+            raise
+        finally:
+            traffic.in_flight -= nbytes
         if unsent is not None:
             raise unsent
         if isinstance(response, dict):
             if _STALE in response:
+                traffic.bytes_sent -= nbytes
                 raise StaleRunError(response[_STALE])
             if _RAISED in response:
                 raise loads_exception(response[_RAISED])
-        return await unpack(_unwrap(response), f"the result of {call}")
+        result = await unpack(_unwrap(response), f"the result of {call}")
+        if result is not None:
+            traffic.bytes_received += getattr(_unwrap(response), "nbytes", 0)
+        return result
 
     async def run_in_executor(self, fn: Callable[..., T], *args: Any) -> T:
         executor = self.ext.worker.executors["default"]
@@ -252,7 +271,7 @@ class ServiceWorkerPlugin(WorkerPlugin):
         inst = self.host.instances.get(sid)
         await self.host.stop(sid)
         if inst is not None:
-            self.counter_reports.stopped(instance_counters(inst))
+            self.counter_reports.stopped(instance_counters(inst, final=True))
 
     def heartbeat(self) -> dict:
         """Counters of the instances here (``_counters.py``) and figures of the replicas
@@ -294,13 +313,18 @@ class ServiceWorkerPlugin(WorkerPlugin):
         async def arguments() -> tuple[tuple, dict]:
             if unsent is not None:
                 raise PeerCallError(unsent)
+            # the call has taken its turn: its bytes are received (_counters.py)
+            _traffic(self.host, target).bytes_received += getattr(_unwrap(payload), "nbytes", 0)
             return await unpack(_unwrap(payload), f"the arguments of {call}")
 
         try:
             with as_worker(self.worker):  # get_worker() in the method, as in a task
                 result = await self.host.deliver(ServiceId(target), ServiceId(source), run_id,
                                                  seq, method, arguments)
-            return to_serialize(await pack(result, f"the result of {call}"))
+            packed = await pack(result, f"the result of {call}")
+            if result is not None:
+                _traffic(self.host, target).bytes_sent += packed.nbytes
+            return to_serialize(packed)
         except StaleRunError as exc:
             # Routine at the end of a run (a peer's last call races the stop): answered, not
             # logged as a handler failure.
@@ -403,6 +427,12 @@ def _worker_extension() -> tuple[Worker, ServiceWorkerPlugin]:
             "`--preload dask_services`"
         )
     return worker, ext
+
+
+def _traffic(host: ServiceHost, sid: Any) -> Traffic:
+    """The byte counts of instance ``sid``'s peer calls (a throwaway one if it is gone)."""
+    inst = host.instances.get(ServiceId(sid))
+    return inst.traffic if inst is not None else Traffic()
 
 
 def _ignore_stream_op(**msg: Any) -> None:
