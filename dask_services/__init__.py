@@ -14,9 +14,12 @@ from dask_services import (
     dataframe,  # noqa: F401  (registers the "service" shuffle method)
 )
 from dask_services import config as _config  # noqa: F401  (registers config defaults)
+from dask_services._spill import OutOfDiskError
 from dask_services._status import status
 from dask_services.client import install, install_async, service_task, submit
 from dask_services.replicated import (
+    DeploymentError,
+    EndpointRefused,
     ReplicatedService,
     ServiceOverloaded,
     ServiceShutdown,
@@ -43,6 +46,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Concierge",
+    "DeploymentError",
+    "EndpointRefused",
+    "OutOfDiskError",
     "OutputLostError",
     "PeerCallError",
     "PeerHandle",
@@ -69,7 +75,9 @@ __all__ = [
 
 
 def dask_setup(scheduler) -> None:  # type: ignore[no-untyped-def]
-    """``dask scheduler --preload dask_services`` installs the scheduler plugin."""
-    from dask_services.scheduler import ServiceSchedulerPlugin
+    """``dask scheduler --preload dask_services`` installs the scheduler plugins (the
+    service-task core and the extensions next to it, ``_plugins.py``)."""
+    from dask_services._plugins import scheduler_plugins
 
-    scheduler.add_plugin(ServiceSchedulerPlugin(), idempotent=True)
+    for plugin in scheduler_plugins():
+        scheduler.add_plugin(plugin, idempotent=True)

@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from dask_services._observe import ServiceDiagnostics
     from dask_services._status import RunHistory, StatusTable
-    from dask_services.scheduler import ServiceSchedulerPlugin
 
 logger = logging.getLogger("dask_services")
 PREFIX = "dask_services"
@@ -326,8 +326,8 @@ class ServicesCollector:
     """A ``prometheus_client`` collector reading the plugins' run history and tables."""
 
     def __init__(self) -> None:
-        self.plugins: weakref.WeakSet[ServiceSchedulerPlugin] = weakref.WeakSet()
-        self.replica_totals: weakref.WeakKeyDictionary[ServiceSchedulerPlugin,
+        self.plugins: weakref.WeakSet[ServiceDiagnostics] = weakref.WeakSet()
+        self.replica_totals: weakref.WeakKeyDictionary[ServiceDiagnostics,
                                                        ReplicaTotals] = (
             weakref.WeakKeyDictionary())
 
@@ -372,7 +372,7 @@ def _guarded(what: str, families: Callable[..., Iterator[Any]], *args: Any) -> l
         return []
 
 
-def _safe_rows(table: StatusTable, plugin: ServiceSchedulerPlugin) -> list[dict]:
+def _safe_rows(table: StatusTable, plugin: ServiceDiagnostics) -> list[dict]:
     try:
         return table.rows(plugin)
     except Exception:
@@ -383,7 +383,7 @@ def _safe_rows(table: StatusTable, plugin: ServiceSchedulerPlugin) -> list[dict]
 _collector: ServicesCollector | None = None
 
 
-def register(plugin: ServiceSchedulerPlugin) -> bool:
+def register(plugin: ServiceDiagnostics) -> bool:
     """Report on ``plugin`` at ``/metrics``; False if ``prometheus_client`` is missing."""
     global _collector
     try:
@@ -397,7 +397,7 @@ def register(plugin: ServiceSchedulerPlugin) -> bool:
     return True
 
 
-def unregister(plugin: ServiceSchedulerPlugin) -> None:
+def unregister(plugin: ServiceDiagnostics) -> None:
     if _collector is not None:
         _collector.plugins.discard(plugin)
         _collector.replica_totals.pop(plugin, None)

@@ -32,7 +32,7 @@ from dask_services._run_state import Run
 if TYPE_CHECKING:
     import pandas as pd
 
-    from dask_services.scheduler import ServiceSchedulerPlugin
+    from dask_services._observe import ServiceDiagnostics
 
 Key = Hashable
 
@@ -53,7 +53,7 @@ class StatusTable:
     columns: tuple[str, ...]
     labels: tuple[str, ...]
     figures: tuple[str, ...]
-    rows: Callable[[ServiceSchedulerPlugin], list[dict[str, Any]]]
+    rows: Callable[[ServiceDiagnostics], list[dict[str, Any]]]
 
 
 TABLES: dict[str, StatusTable] = {}
@@ -237,7 +237,7 @@ register_table(StatusTable(
 ))
 
 
-def collect(plugin: ServiceSchedulerPlugin, tables: Sequence[str] | None = None
+def collect(plugin: ServiceDiagnostics, tables: Sequence[str] | None = None
             ) -> dict[str, list[dict[str, Any]]]:
     """The rows of every table (or of ``tables``), as the scheduler handler returns them."""
     names = list(TABLES) if tables is None else [t for t in tables if t in TABLES]

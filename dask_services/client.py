@@ -20,14 +20,15 @@ _installed: weakref.WeakSet = weakref.WeakSet()
 
 
 def install(client: Any = None) -> None:
-    """Install the scheduler plugin (and through it the worker extension) on a cluster.
+    """Install the scheduler plugins (the service-task core, replicated services and the
+    diagnostics; see ``_plugins.py``), and through them the worker plugins, on a cluster.
 
     Harmless to call more than once.  Deployments may instead start the scheduler with
     ``dask scheduler --preload dask_services``.
     """
     from distributed import default_client
 
-    from dask_services.scheduler import ServiceSchedulerPlugin
+    from dask_services._plugins import scheduler_plugins
 
     client = client or default_client()
     if client in _installed:
@@ -37,17 +38,19 @@ def install(client: Any = None) -> None:
             "install() needs a synchronous Client; in async code use "
             "`await dask_services.install_async(client)`"
         )
-    client.register_plugin(ServiceSchedulerPlugin())
+    for plugin in scheduler_plugins():
+        client.register_plugin(plugin)
     _installed.add(client)
 
 
 async def install_async(client: Any) -> None:
     """``install`` for an asynchronous ``Client``."""
-    from dask_services.scheduler import ServiceSchedulerPlugin
+    from dask_services._plugins import scheduler_plugins
 
     if client in _installed:
         return
-    await client.register_plugin(ServiceSchedulerPlugin())
+    for plugin in scheduler_plugins():
+        await client.register_plugin(plugin)
     _installed.add(client)
 
 

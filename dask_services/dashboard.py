@@ -19,7 +19,7 @@ from dask_services import _status
 if TYPE_CHECKING:
     from distributed.scheduler import Scheduler
 
-    from dask_services.scheduler import ServiceSchedulerPlugin
+    from dask_services._observe import ServiceDiagnostics
 
 logger = logging.getLogger("dask_services")
 PAGE = "services"
@@ -29,7 +29,7 @@ REFRESH_MS = 500
 class ServicesPage:
     """The widgets of one browser session of the page."""
 
-    def __init__(self, plugin: ServiceSchedulerPlugin) -> None:
+    def __init__(self, plugin: ServiceDiagnostics) -> None:
         from bokeh.layouts import column
         from bokeh.models import ColumnDataSource, DataTable, Div, TableColumn
 
@@ -80,7 +80,7 @@ def services_doc(scheduler: Scheduler, extra: dict, doc: Any) -> None:
     """Bokeh application function of the page (distributed's signature for dashboard docs)."""
     from distributed.dashboard.components.scheduler import BOKEH_THEME, env
 
-    from dask_services.worker import EXTENSION
+    from dask_services._observe import EXTENSION
 
     plugin = scheduler.extensions[EXTENSION]
     page = ServicesPage(plugin)

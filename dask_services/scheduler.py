@@ -17,7 +17,8 @@ import asyncio
 import itertools
 import logging
 import uuid
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import dask
@@ -26,8 +27,8 @@ from distributed.protocol.pickle import dumps
 from distributed.protocol.serialize import ToPickle
 
 from dask_services import _run_state as rs
-from dask_services import _status
 from dask_services._host import InstanceSpec
+from dask_services._messages import dumps_exception, loads_exception
 from dask_services._streams import flush
 from dask_services.graph import (
     OutputClaimSpec,
@@ -35,7 +36,7 @@ from dask_services.graph import (
     ServiceTaskSpec,
 )
 from dask_services.service import ServiceGraphError, ServiceId
-from dask_services.worker import EXTENSION, ServiceWorkerPlugin, dumps_exception, loads_exception
+from dask_services.worker import EXTENSION, ServiceWorkerPlugin
 
 if TYPE_CHECKING:
     from distributed.scheduler import Scheduler, TaskState
@@ -44,6 +45,35 @@ logger = logging.getLogger("dask_services")
 Key = Hashable
 
 EVENT_TOPIC = "dask_services"
+
+
+@dataclass(frozen=True)
+class RunLogEntry:
+    """A run started, finished, failed, was restarted or cancelled (``_run_state.Log``)."""
+
+    service: str  # the service class's name
+    key: Key  # the service task
+    action: str
+    run_id: int
+    detail: str
+    run: rs.Run | None  # the service task's current run, if any
+    inputs: int
+    restarts: int
+
+
+class RunObserver:
+    """What an observer of the core (the diagnostics: status tables, dashboard, metrics)
+    is told; the only way the core talks to them.  Add one with
+    ``scheduler.extensions["dask_services"].observers.append(observer)``.  Every method is
+    called on the scheduler's event loop and must be cheap; an exception is logged and
+    otherwise ignored."""
+
+    def run_logged(self, entry: RunLogEntry) -> None:
+        """A run started or ended (also sent to the scheduler's event log)."""
+
+    def counters_reported(self, worker: str, records: Sequence[Mapping[str, Any]]) -> None:
+        """``Service.counters()`` of instances on ``worker``, from its heartbeat
+        (``_counters.py``)."""
 
 
 class ServiceSchedulerPlugin(SchedulerPlugin):
@@ -65,7 +95,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         self.placements: dict[str, dict[Key, str]] = {}  # placement group -> index -> worker
         self._run_ids = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:6] + "-"
-        self.history = _status.RunHistory()  # figures of live and recent runs
+        self.observers: list[RunObserver] = []  # e.g. the diagnostics (``_observe.py``)
 
     # ------------------------------------------------------------- set-up
 
@@ -80,14 +110,6 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             "service-restart": self._guard(self._on_restart),
         })
         scheduler.handlers["service_run_info"] = self.run_info
-        from dask_services.replicated._scheduler import Deployments
-
-        self.replicated = Deployments(scheduler)  # replicated services
-        self.replicated.register()
-        scheduler.handlers["service_status"] = self.status
-        from dask_services import _observe
-
-        _observe.attach(self, scheduler)
         await scheduler.register_worker_plugin(
             # pickled, so that every worker gets its own object (inproc comms would hand
             # in-process workers one and the same)
@@ -95,21 +117,19 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         )
 
     def heartbeat(self, ws: Any, data: Any) -> None:  # scheduler-extension protocol
-        self.history.worker_report(ws.address, data.get("instances", ()))
-        if getattr(self, "replicated", None) is not None:
-            self.replicated.worker_report(ws.address, data.get("replicas", ()))
+        records = data.get("instances", ())
+        self._tell("counters_reported", ws.address, records)
 
-    def status(self, tables: list[str] | None = None) -> dict[str, list[dict]]:
-        """Rows of the status tables (``_status.py``), for ``dask_services.status()``."""
-        return _status.collect(self, tables)
+    def _tell(self, method: str, *args: Any) -> None:
+        """Call ``method`` on every observer; one failing never affects the others."""
+        for observer in list(self.observers):
+            try:
+                getattr(observer, method)(*args)
+            except Exception:
+                logger.exception("dask_services: observer %r failed", observer)
 
     async def close(self) -> None:
-        from dask_services import _observe
-
-        if getattr(self, "replicated", None) is not None:
-            await self.replicated.close()
-        _observe.detach(self)
-        self.history.clear()
+        self.observers.clear()
 
     def _guard(self, handler: Any) -> Any:
         def run(**msg: Any) -> None:
@@ -314,22 +334,11 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                     self.produced_at.pop(o, None)
                     self.restrictions.pop(o, None)
 
-    def log_event(self, topic: Any, msg: Any) -> None:
-        # Worker status changes reach plugins only through the event log; retiring a
-        # worker (closing_gracefully) moves its replicas.
-        if isinstance(msg, dict) and msg.get("action") == "worker-status-change" \
-                and isinstance(topic, str) and getattr(self, "replicated", None) is not None:
-            self.replicated.worker_status(topic, msg.get("status", ""))
-
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
-        if getattr(self, "replicated", None) is not None:
-            self.replicated.remove_worker(worker)
         for key, machine in list(self.machines.items()):
             self._apply(key, machine.handle(rs.WorkerLost(worker)))
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
-        if getattr(self, "replicated", None) is not None:
-            self.replicated.add_worker(worker)
         # Service tasks without inputs that could not start for lack of workers.
         for key, machine in self.machines.items():
             ts = scheduler.tasks.get(key)
@@ -635,10 +644,11 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         definition = self.definitions.get(service_key)
         name = definition.service_class.__name__ if definition else "?"
         machine = machine or self.machines.get(service_key)
-        if machine is not None:
-            self.history.logged(name, service_key, action.action, action.run_id,
-                                action.detail, machine.run, len(machine.input_keys),
-                                machine.restarts)
+        if machine is not None and self.observers:
+            self._tell("run_logged", RunLogEntry(
+                name, service_key, action.action, action.run_id, action.detail,
+                machine.run, len(machine.input_keys), machine.restarts,
+            ))
         msg = {"action": action.action, "service": name, "key": str(service_key),
                "run_id": action.run_id, "detail": action.detail}
         self.scheduler.log_event(EVENT_TOPIC, msg)

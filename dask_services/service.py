@@ -10,9 +10,10 @@ import abc
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
+from dask_services._deployable import Deployable
+
 Key = Hashable
 T = TypeVar("T")
-S = TypeVar("S", bound="Service")
 
 _RPC_MARK = "__dask_services_rpc__"
 
@@ -134,7 +135,7 @@ class Concierge(abc.ABC):
         """Run CPU-heavy ``fn`` in one of the worker's task threads and await its result."""
 
 
-class Service(abc.ABC):
+class Service(Deployable, abc.ABC):
     """A stateful, distributed subsystem whose instances live on Dask workers.
 
     One instance per participating worker carries out a *run* of a *service task*.  The
@@ -149,6 +150,10 @@ class Service(abc.ABC):
     ``self.id``, ``self.key``, ``self.peers``, ``self.input_keys``, ``self.output_keys``,
     ``self.concierge``, ``self.leader`` and ``self.params``, so a service that only needs
     those does not have to override ``start`` at all.
+
+    The same class can also be deployed as long-lived replicas called through its
+    ``@endpoint`` methods: ``options()``, ``as_service()`` and ``service_options`` come
+    from :class:`~dask_services._deployable.Deployable` (``dask_services/replicated/``).
     """
 
     id: ServiceId
@@ -209,30 +214,6 @@ class Service(abc.ABC):
 
     async def please_evict(self, nbytes: int) -> None:
         """The worker is under memory pressure: free about ``nbytes`` if you can."""
-
-    # Replicated services (``dask_services/replicated/``): class-level deployment defaults,
-    # e.g. ``service_options = {"replicas": 2}``; ``options(...)`` overrides them.
-    service_options: Mapping[str, Any] = {}
-
-    @classmethod
-    def options(cls: type[S], **options: Any) -> type[S]:
-        """A copy of this class configured for deployment; chainable.
-
-        Options: ``replicas``, ``max_concurrency``, ``max_queued``, ``workers``,
-        ``resources``, ``router``, ``name`` (see the README, "Replicated services").
-        """
-        from dask_services.replicated._options import configured
-
-        return configured(cls, options)
-
-    @classmethod
-    def as_service(cls, *args: Any, client: Any = None, **kwargs: Any) -> Any:
-        """Deploy the class as replicas on workers and return its handle once every
-        replica is healthy (or raise the error of ``setup``, which gets ``args`` and
-        ``kwargs``).  With an asynchronous client, await the result."""
-        from dask_services.replicated._deploy import as_service
-
-        return as_service(cls, args, kwargs, client)
 
 
 class ServiceError(Exception):

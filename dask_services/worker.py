@@ -1,6 +1,8 @@
 """The worker side: hosts instances, routes peer RPCs, holds produced outputs.
 
 Registered on every worker by the scheduler plugin as ``worker.extensions["dask_services"]``.
+Extensions (replicated services, diagnostics) are plugins of their own: nothing here
+names them.
 Messages from the scheduler arrive on the worker's batched stream (so they are ordered with
 the ``compute-task`` messages of hand-offs); peer RPCs use ordinary worker handlers.
 """
@@ -8,23 +10,20 @@ the ``compute-task`` messages of hand-offs); peer RPCs use ordinary worker handl
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import pickle
 import shutil
-import traceback
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from distributed.core import Status
 from distributed.diagnostics.plugin import WorkerPlugin
-from distributed.protocol import pickle as dask_pickle
-from distributed.protocol.serialize import Serialize, ToPickle, to_serialize
+from distributed.protocol.serialize import to_serialize
 from distributed.utils import sync
 from tornado.ioloop import PeriodicCallback
 
 from dask_services._counters import CounterReports, Traffic, instance_counters
 from dask_services._host import Environment, InstanceSpec, ServiceHost, make_directory
+from dask_services._messages import dumps_exception, loads_exception, unwrap
 from dask_services._payload import pack, unpack
 from dask_services._streams import flush
 from dask_services._worker_context import as_worker, in_current_context
@@ -51,35 +50,6 @@ _STALE = "dask-services-stale-run"  # reply of service_rpc for an instance no lo
 _RAISED = "dask-services-raised"  # reply of service_rpc for a call that raised
 # Worker task states in which a service task cannot be waiting for its outcome.
 _NOT_RUNNING = frozenset({"cancelled", "released", "forgotten", "memory", "error"})
-
-
-def _unwrap(obj: Any) -> Any:
-    while isinstance(obj, (Serialize, ToPickle)):
-        obj = obj.data
-    return obj
-
-
-def dumps_exception(exc: BaseException) -> bytes:
-    """Pickle an exception with its traceback text attached as a note.
-
-    distributed's pickle falls back to cloudpickle, so exception classes defined in
-    ``__main__`` (a notebook, a script) travel by value and keep their type.
-    """
-    text = "".join(traceback.format_exception(exc))
-    try:
-        payload = dask_pickle.dumps(exc)
-        dask_pickle.loads(payload)
-    except Exception:
-        payload = dask_pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
-    return pickle.dumps((payload, text))
-
-
-def loads_exception(blob: bytes) -> BaseException:
-    payload, text = pickle.loads(blob)
-    exc = dask_pickle.loads(payload)
-    with contextlib.suppress(Exception):
-        exc.add_note("Raised by a service instance:\n" + text)
-    return exc
 
 
 class WorkerEnvironment(Environment):
@@ -158,9 +128,9 @@ class WorkerEnvironment(Environment):
                 raise StaleRunError(response[_STALE])
             if _RAISED in response:
                 raise loads_exception(response[_RAISED])
-        result = await unpack(_unwrap(response), f"the result of {call}")
+        result = await unpack(unwrap(response), f"the result of {call}")
         if result is not None:
-            traffic.bytes_received += getattr(_unwrap(response), "nbytes", 0)
+            traffic.bytes_received += getattr(unwrap(response), "nbytes", 0)
         return result
 
     async def run_in_executor(self, fn: Callable[..., T], *args: Any) -> T:
@@ -204,15 +174,10 @@ class ServiceWorkerPlugin(WorkerPlugin):
         self._evicting = False
         self._memory_check = PeriodicCallback(self._check_memory, 500)
         self._memory_check.start()
-        from dask_services.replicated._worker import ReplicaWorker
-
-        self.replicated = ReplicaWorker(worker)  # replicas of replicated services
-        self.replicated.register()
 
     async def teardown(self, worker: Worker) -> None:
         self._memory_check.stop()
         with as_worker(worker):
-            await self.replicated.close()
             await self.host.stop_all()
         for fut in self.outcomes.values():
             if not fut.done():
@@ -253,7 +218,7 @@ class ServiceWorkerPlugin(WorkerPlugin):
     # ------------------------------------------------------------- scheduler -> worker
 
     def _service_start(self, spec: Any, **_: Any) -> None:
-        spec = _unwrap(spec)
+        spec = unwrap(spec)
         assert isinstance(spec, InstanceSpec)
         inst = self.host.create(spec)
         self._spawn(self.host.start(inst))
@@ -274,11 +239,8 @@ class ServiceWorkerPlugin(WorkerPlugin):
             self.counter_reports.stopped(instance_counters(inst, final=True))
 
     def heartbeat(self) -> dict:
-        """Counters of the instances here (``_counters.py``) and figures of the replicas
-        here (``replicated/_table.py``), for the scheduler plugin."""
-        data = self.counter_reports.heartbeat(self.host.instances.values())
-        data["replicas"] = self.replicated.report()
-        return data
+        """Counters of the instances here (``_counters.py``), for the scheduler plugin."""
+        return self.counter_reports.heartbeat(self.host.instances.values())
 
     def _service_task_outcome(self, key: Key, error: bytes | None = None, **_: Any) -> None:
         ts = self.worker.state.tasks.get(key)
@@ -314,8 +276,8 @@ class ServiceWorkerPlugin(WorkerPlugin):
             if unsent is not None:
                 raise PeerCallError(unsent)
             # the call has taken its turn: its bytes are received (_counters.py)
-            _traffic(self.host, target).bytes_received += getattr(_unwrap(payload), "nbytes", 0)
-            return await unpack(_unwrap(payload), f"the arguments of {call}")
+            _traffic(self.host, target).bytes_received += getattr(unwrap(payload), "nbytes", 0)
+            return await unpack(unwrap(payload), f"the arguments of {call}")
 
         try:
             with as_worker(self.worker):  # get_worker() in the method, as in a task
@@ -340,7 +302,7 @@ class ServiceWorkerPlugin(WorkerPlugin):
         if inst is None:
             return False
         with as_worker(self.worker):
-            ok = await self.host.add_key(sid, key, _unwrap(payload))
+            ok = await self.host.add_key(sid, key, unwrap(payload))
         if ok:
             self._report_handed_off(inst.spec, key)
         return ok

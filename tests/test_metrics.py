@@ -67,7 +67,7 @@ def labels_of(series: dict) -> set[str]:
 
 @service_cluster(config={"dask_services.status.recent-runs": 5})
 async def test_series_stay_fixed_and_counters_count_every_run(c, s, a, b):
-    plugin = s.extensions["dask_services"]
+    plugin = s.extensions["dask_services_diagnostics"]
     batches, size = 5, 50
     first: set | None = None
     for batch in range(batches):
@@ -120,7 +120,7 @@ async def test_series_stay_fixed_and_counters_count_every_run(c, s, a, b):
 
 @service_cluster()
 async def test_restarted_and_failed_runs_are_counted_by_outcome(c, s, a, b):
-    plugin = s.extensions["dask_services"]
+    plugin = s.extensions["dask_services_diagnostics"]
     xs = [dask.delayed(inc)(i) for i in range(4)]
     restarted = dask_services.service_task(Recorder, xs, outputs=2, restart_runs=1)
     assert await c.gather(c.compute(restarted)) == [10, 10]

@@ -30,7 +30,7 @@ def inc(x):
 
 
 def runs(s) -> list[dict]:
-    return s.extensions["dask_services"].status()["runs"]
+    return s.extensions["dask_services_diagnostics"].status()["runs"]
 
 
 def run_row(s, key) -> dict | None:
@@ -122,7 +122,7 @@ async def test_recent_runs_are_bounded_by_config(c, s, a, b):
         await c.gather(dask_services.submit(AllReduce, [c.submit(inc, i)], outputs=1))
     rows = runs(s)
     assert [r["state"] for r in rows] == ["finished", "finished"]
-    assert len(s.extensions["dask_services"].history.records) == 2
+    assert len(s.extensions["dask_services_diagnostics"].history.records) == 2
     started = [e for _, e in await c.get_events("dask_services") if e["action"] == "started"]
     assert [r["run_id"] for r in rows] == [e["run_id"] for e in started][:-3:-1]
 
@@ -193,6 +193,11 @@ async def test_dashboard_page_and_metrics_show_a_running_service(c, s, a, b):
     await assert_nothing_left(s, [a, b])
 
 
+def core_of(plugin):
+    """The service-task core's plugin, next to the diagnostics plugin ``plugin``."""
+    return plugin.scheduler.extensions["dask_services"]
+
+
 @service_cluster(**DASHBOARD)
 async def test_a_registered_table_shows_everywhere(c, s, a, b):
     pytest.importorskip("bokeh")
@@ -200,7 +205,8 @@ async def test_a_registered_table_shows_everywhere(c, s, a, b):
     table = _status.StatusTable(
         name="deployed", title="Deployed things", columns=("name", "state", "load"),
         labels=("name", "state"), figures=("load",),
-        rows=lambda plugin: [{"name": f"n{len(plugin.machines)}", "state": "up", "load": 7}],
+        rows=lambda plugin: [{"name": f"n{len(core_of(plugin).machines)}", "state": "up",
+                              "load": 7}],
     )
     _status.register_table(table)
     try:
@@ -220,9 +226,12 @@ async def test_a_registered_table_shows_everywhere(c, s, a, b):
 
 @service_cluster()
 async def test_no_dashboard_and_no_prometheus_client_are_fine(c, s, a, b, monkeypatch):
-    plugin = s.extensions["dask_services"]
-    assert not any("services" in str(getattr(app, "app_paths", ""))
-                   for app in s.http_application.applications)
+    plugin = s.extensions["dask_services_diagnostics"]
+    url = f"http://127.0.0.1:{s.http_server.port}"
+    http = AsyncHTTPClient()
+    assert (await http.fetch(url + "/health")).code == 200  # the scheduler serves HTTP...
+    page = await http.fetch(url + "/services", raise_error=False)
+    assert page.code == 404, page.code  # ... but no dashboard, so no /services page
     monkeypatch.setitem(__import__("sys").modules, "prometheus_client", None)
     assert _metrics.register(plugin) is False
     await c.gather(dask_services.submit(AllReduce, [c.submit(inc, 1)], outputs=1))

@@ -55,3 +55,78 @@ def test_every_public_name_of_the_subpackages_has_a_docstring(module):
                         and not (inspect.getdoc(getattr(obj, attr)) or "").strip():
                     missing.append(f"{module}.{name}.{attr}")
     assert not missing, missing
+
+
+# ------------------------------------------------------------------ the core names no extension
+
+CORE = ("service", "_run_state", "scheduler", "worker", "_host", "graph")
+EXTENSIONS = ("dask_services.replicated", "dask_services.dataframe", "dask_services.array",
+              "dask_services._observe", "dask_services._status", "dask_services._metrics",
+              "dask_services.dashboard", "dask_services.cli")
+
+
+def _imports(path: Path) -> list[tuple[str, int, bool]]:
+    """``(module, line, at module level)`` of every import in ``path``, function-level
+    and ``TYPE_CHECKING`` ones included; relative imports resolved."""
+    import ast
+
+    tree = ast.parse(path.read_text(), str(path))
+    top = {id(node) for node in tree.body}
+    package = "dask_services"
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno, id(node) in top) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([package] + ([base] if base else []))
+            found.append((base, node.lineno, id(node) in top))
+            # ``from dask_services import replicated`` names a module too
+            found += [(f"{base}.{alias.name}", node.lineno, id(node) in top)
+                      for alias in node.names]
+    return found
+
+
+def _is_extension(module: str) -> bool:
+    return any(module == e or module.startswith(e + ".") for e in EXTENSIONS)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", CORE)
+def test_the_core_imports_no_extension(name):
+    """The service-task core (service, run state, scheduler and worker plugins, host,
+    graph) names no extension: not replicated services, not the shuffle or the rechunk,
+    not the diagnostics, not the CLI; in no import at all, at module level, in a function
+    or for type checking.  Extensions plug in from outside (``_plugins.py``)."""
+    path = ROOT / "dask_services" / f"{name}.py"
+    bad = [f"{path.name}:{line}: {module}" for module, line, _ in _imports(path)
+           if _is_extension(module)]
+    assert not bad, bad
+
+
+@pytest.mark.timeout(30)
+def test_nothing_the_core_imports_at_module_level_imports_an_extension():
+    """Following module-level imports from the core through every dask_services module
+    they reach never leads to an extension (``_deployable.py`` imports the replicated
+    package only inside ``Service.options``/``as_service``)."""
+    seen: dict[str, str] = {}
+    todo = [(f"dask_services.{name}", f"dask_services.{name}") for name in CORE]
+    bad = []
+    while todo:
+        module, via = todo.pop()
+        if module in seen:
+            continue
+        seen[module] = via
+        path = ROOT / Path(*module.split("."))
+        path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        if not path.exists():
+            continue  # a name imported from a module, not a module
+        for imported, _, top in _imports(path):
+            if not imported.startswith("dask_services") or not top:
+                continue
+            if _is_extension(imported):
+                bad.append(f"{via} -> {module} -> {imported}")
+            elif imported != "dask_services":
+                todo.append((imported, via))
+    assert not bad, bad

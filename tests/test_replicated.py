@@ -16,6 +16,7 @@ from replicated_services import (
     call_from_task,
     inc,
 )
+from utils import any_task_suspended_in
 
 from dask_services.replicated import (
     DeploymentError,
@@ -57,14 +58,14 @@ def cluster(**kwargs):
 
 def hosted(workers) -> dict[str, list[str]]:
     """Replica ids held by each worker's extension."""
-    return {w.address: sorted(w.extensions["dask_services"].replicated.replicas)
+    return {w.address: sorted(w.extensions["dask_services_replicated"].replicas)
             for w in workers if w.status.name == "running"}
 
 
 async def assert_nothing_left(s, workers) -> None:
     gc.collect()
     await async_poll_for(lambda: not any(hosted(workers).values()), timeout=10)
-    assert not s.extensions["dask_services"].replicated.deployments
+    assert not s.extensions["dask_services_replicated"].deployments
 
 
 async def replica_events(c, action: str) -> list[dict]:
@@ -74,7 +75,7 @@ async def replica_events(c, action: str) -> list[dict]:
 
 def healthy_count(s, svc) -> int:
     """Healthy replicas of ``svc`` according to the scheduler."""
-    slots = s.extensions["dask_services"].replicated.deployments[svc.name].slots
+    slots = s.extensions["dask_services_replicated"].deployments[svc.name].slots
     return sum(m.state.value == "healthy" for m in slots.values())
 
 
@@ -198,14 +199,16 @@ async def test_shutdown_drains_running_calls_and_fails_queued_ones(c, s, w):
     svc = await Adder.options(replicas=1, max_concurrency=1).as_service(client=c)
     running = svc.wait_for.route("g", 42)
     queued = svc.wait_for.route("g", 43)
-    ext = w.extensions["dask_services"].replicated
+    ext = w.extensions["dask_services_replicated"]
     await async_poll_for(lambda: any(r.gate.queued for r in ext.replicas.values()), 10)
     (rep,) = ext.replicas.values()
     stopping = asyncio.ensure_future(svc.shutdown(timeout=20))
     await async_poll_for(lambda: rep.closing, 10)
     with pytest.raises(ServiceShutdown, match="queued .* never started"):
         await queued
-    assert not stopping.done()  # waits for the call in flight
+    # the worker's drain is parked on the gate until the call in flight ends
+    await async_poll_for(lambda: any_task_suspended_in("CallGate.wait_idle", rep.gate), 10)
+    assert not stopping.done() and rep.gate.in_flight == 1
     GATES["g"].set()
     assert await running == 42
     await stopping
@@ -217,7 +220,7 @@ async def test_shutdown_drains_running_calls_and_fails_queued_ones(c, s, w):
 async def test_shutdown_timeout_cancels_calls_still_running(c, s, w):
     svc = await Adder.options(replicas=1).as_service(client=c)
     running = svc.wait_for.route("never", 1)
-    ext = w.extensions["dask_services"].replicated
+    ext = w.extensions["dask_services_replicated"]
     await async_poll_for(lambda: any(r.gate.in_flight for r in ext.replicas.values()), 10)
     await svc.shutdown(timeout=0.2)
     with pytest.raises(ServiceShutdown, match="cancelled"):
@@ -340,7 +343,7 @@ async def test_pickled_handle_in_tasks_and_submit_futures(c, s, *workers):
 async def test_failed_health_probe_relaunches_the_replica(c, s, *workers):
     svc = await Adder.options(replicas=2).as_service(7, client=c)
     ids = sorted(await svc.whoami.fanout())
-    plugin = s.extensions["dask_services"].replicated
+    plugin = s.extensions["dask_services_replicated"]
     sick = ids[0]
     await svc._call("make_sick", (), {}, pin=sick)
 
@@ -401,7 +404,7 @@ async def test_calls_in_flight_on_a_closing_worker_are_resent(c, s, *workers):
     leaving = (await svc.replicas())[0]
     calls = [svc.slow_add.route(i, 0.5) for i in range(8)]
     ext = next(w for w in workers if w.address == leaving["worker"]).extensions[
-        "dask_services"].replicated
+        "dask_services_replicated"]
     await async_poll_for(lambda: any(r.gate.in_flight for r in ext.replicas.values()), 10)
     await next(w for w in workers if w.address == leaving["worker"]).close()
     results = await asyncio.wait_for(asyncio.gather(*calls), 30)
@@ -434,8 +437,8 @@ async def test_replica_waits_for_an_eligible_worker_to_join(c, s, a):
         Adder.options(workers=["late"]).as_service(3, client=c))
 
     def waiting() -> bool:
-        plugin = s.extensions.get("dask_services")  # installed by as_service
-        return plugin is not None and any(m.waiting_for_worker for d in plugin.replicated
+        plugin = s.extensions.get("dask_services_replicated")  # installed by as_service
+        return plugin is not None and any(m.waiting_for_worker for d in plugin
                                           .deployments.values() for m in d.slots.values())
 
     await async_poll_for(waiting, timeout=10)
@@ -444,7 +447,7 @@ async def test_replica_waits_for_an_eligible_worker_to_join(c, s, a):
         svc = await asyncio.wait_for(deploying, 20)
         (row,) = await svc.replicas()
         assert row["worker"] == late.address and row["state"] == "healthy"
-        (rep,) = late.extensions["dask_services"].replicated.replicas.values()
+        (rep,) = late.extensions["dask_services_replicated"].replicas.values()
         assert rep.gate.max_concurrency == 4  # Adder.service_options, the class default
         assert await svc.add.route(1) == 4
         await svc.shutdown()

@@ -20,7 +20,7 @@ THREE_WORKERS = [("127.0.0.1", 1)] * 3
 
 
 def replica_rows(s, service: str | None = None) -> list[dict]:
-    rows = s.extensions["dask_services"].status(["replicas"])["replicas"]
+    rows = s.extensions["dask_services_diagnostics"].status(["replicas"])["replicas"]
     return [r for r in rows if service is None or r["service"] == service]
 
 
@@ -72,7 +72,7 @@ async def test_dashboard_status_and_metrics_show_replicas_and_their_load(c, s, a
     await svc.shutdown()
     GATES.clear()
     assert replica_rows(s) == []
-    assert s.extensions["dask_services"].replicated.reports.figures == {}
+    assert s.extensions["dask_services_replicated"].reports.figures == {}
     metrics = (await http.fetch(url + "/metrics")).body.decode()
     assert samples(metrics, "dask_services_replica_calls_total") == {}
 
@@ -93,11 +93,11 @@ async def test_a_moved_replica_shows_its_new_worker_and_nothing_of_the_old(c, s,
     assert row["slot"] == before["slot"] and row["replica"] != before["replica"]
     assert row["incarnation"] == before["incarnation"] + 1
     assert row["calls"] == 0  # a new incarnation starts counting afresh
-    plugin = s.extensions["dask_services"]
-    assert before["replica"] not in plugin.replicated.reports.figures
+    plugin = s.extensions["dask_services_replicated"]
+    assert before["replica"] not in plugin.reports.figures
     assert len(replica_rows(s)) == 2
     await svc.shutdown()
-    assert replica_rows(s) == [] and plugin.replicated.reports.figures == {}
+    assert replica_rows(s) == [] and plugin.reports.figures == {}
 
 
 def test_reports_keep_only_current_incarnations_on_their_worker():

@@ -124,7 +124,7 @@ class Greeter(dask_services.Service):
 
 
 def _hosted(dask_worker) -> list[str]:
-    return sorted(map(str, dask_worker.extensions["dask_services"].replicated.replicas))
+    return sorted(map(str, dask_worker.extensions["dask_services_replicated"].replicas))
 
 
 def test_replicated_service(tls):

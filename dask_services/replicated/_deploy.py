@@ -7,6 +7,7 @@ from typing import Any
 
 from distributed.protocol import pickle
 
+from dask_services._messages import loads_exception
 from dask_services.replicated._errors import DeploymentError
 from dask_services.replicated._handle import (
     ClientTransport,
@@ -15,7 +16,6 @@ from dask_services.replicated._handle import (
 )
 from dask_services.replicated._options import ReplicaOptions, config_seconds, unconfigured
 from dask_services.service import Service
-from dask_services.worker import loads_exception
 
 
 def as_service(cls: type, args: tuple, kwargs: dict, client: Any = None) -> Any:

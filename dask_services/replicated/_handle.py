@@ -25,6 +25,7 @@ import dask.config
 from distributed.core import send_recv
 from distributed.protocol.serialize import to_serialize
 
+from dask_services._messages import loads_exception, unwrap
 from dask_services.replicated._errors import (
     EndpointRefused,
     ServiceOverloaded,
@@ -34,7 +35,6 @@ from dask_services.replicated._errors import (
 from dask_services.replicated._options import config_seconds, endpoints, is_endpoint
 from dask_services.replicated._routing import LeastLoaded, ReplicaView, make_router
 from dask_services.service import ServiceId
-from dask_services.worker import _unwrap, loads_exception
 
 _session: contextvars.ContextVar[Session | None] = contextvars.ContextVar(
     "dask_services_replicated_session", default=None)
@@ -461,7 +461,7 @@ class ReplicatedService:
                     status = resp.get("status") if isinstance(resp, dict) else None
                     if status == "ok":
                         self._reported[target.id] = int(resp.get("load", 0))
-                        return _unwrap(resp["result"])
+                        return unwrap(resp["result"])
                     if status == "error":
                         raise loads_exception(resp["exception"])
                     if status == "overloaded":

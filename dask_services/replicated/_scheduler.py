@@ -1,11 +1,14 @@
 """The scheduler part: the source of truth for where replicas are and how they are.
 
-One :class:`Deployments` per scheduler, owned by the scheduler plugin
-(``scheduler.extensions["dask_services"].replicated``).  It keeps one
-:class:`~dask_services.replicated._lifecycle.ReplicaMachine` per replica slot, feeds it
-events (setup results, lost and retiring workers, failed probes, scale and shutdown) and
-carries out its actions: choose a worker, start or stop an instance over the worker RPC.
-Handles ask it for the replica table and cache it; calls never pass through here.
+:class:`Deployments` is a scheduler plugin of its own (``scheduler.extensions[EXTENSION]``),
+installed next to the service-task core by ``dask_services.install()``; the core knows
+nothing of it.  It keeps one :class:`~dask_services.replicated._lifecycle.ReplicaMachine`
+per replica slot, feeds it events (setup results, workers added, lost and retiring, failed
+probes, scale and shutdown; distributed calls ``add_worker``, ``remove_worker``,
+``log_event`` and ``heartbeat`` on it directly) and carries out its actions: choose a
+worker, start or stop an instance over the worker RPC.  At ``start`` it registers its
+worker plugin (``_worker.ReplicaWorker``).  Handles ask it for the replica table and cache
+it; calls never pass through here.
 """
 
 from __future__ import annotations
@@ -19,12 +22,15 @@ from typing import TYPE_CHECKING, Any
 
 import dask.config
 from distributed.core import Status
+from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.protocol.pickle import dumps
 from tornado.ioloop import PeriodicCallback
 
 from dask_services.replicated import _lifecycle as lc
 from dask_services.replicated._lifecycle import ReplicaState
 from dask_services.replicated._options import config_seconds
 from dask_services.replicated._table import ReplicaReports
+from dask_services.replicated._worker import EXTENSION, ReplicaWorker
 
 if TYPE_CHECKING:
     from distributed.scheduler import Scheduler, WorkerState
@@ -59,25 +65,37 @@ class Deployment:
         self.changed = asyncio.Event()
 
 
-class Deployments:
-    """Every replicated service deployed on this scheduler."""
+class Deployments(SchedulerPlugin):
+    """Every replicated service deployed on this scheduler (a scheduler plugin and
+    extension, ``EXTENSION``)."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
+    name = EXTENSION
+    idempotent = True
+
+    def __init__(self) -> None:
+        self.scheduler: Scheduler = None  # type: ignore[assignment]  # set by start()
         self.deployments: dict[str, Deployment] = {}
         self._prefix = uuid.uuid4().hex[:6] + "-"
         self._probing: set[str] = set()
         self._probe: PeriodicCallback | None = None
         self.reports = ReplicaReports()  # figures of each replica, from worker heartbeats
 
-    def register(self) -> None:
-        """Install the scheduler handlers and start the health probes."""
+    async def start(self, scheduler: Scheduler) -> None:
+        """Install the scheduler handlers, start the health probes and register the
+        worker plugin."""
+        self.scheduler = scheduler
+        scheduler.extensions[EXTENSION] = self
         for name in HANDLERS:
-            self.scheduler.handlers[name] = getattr(self, name[len("replicated_"):])
+            scheduler.handlers[name] = getattr(self, name[len("replicated_"):])
         period = config_seconds("health-check-period")
         if period > 0:
             self._probe = PeriodicCallback(self._probe_all, period * 1000)
             self._probe.start()
+        await scheduler.register_worker_plugin(
+            # pickled, so that every worker gets its own object (inproc comms would hand
+            # in-process workers one and the same)
+            None, dumps(ReplicaWorker()), name=EXTENSION, idempotent=True
+        )
 
     async def close(self) -> None:
         """Stop probing and everything under way, remove the handlers (the scheduler is
@@ -91,6 +109,30 @@ class Deployments:
         for name in HANDLERS:
             if self.scheduler.handlers.get(name) == getattr(self, name[len("replicated_"):]):
                 del self.scheduler.handlers[name]
+        if self.scheduler.extensions.get(EXTENSION) is self:
+            del self.scheduler.extensions[EXTENSION]
+
+    # ------------------------------------------------------------ distributed's hooks
+
+    def heartbeat(self, ws: WorkerState, data: Any) -> None:
+        """Figures of the replicas on ``ws``, sent by ``ReplicaWorker.heartbeat``."""
+        self.worker_report(ws.address, data or ())
+
+    def add_worker(self, scheduler: Scheduler, worker: str) -> None:
+        """A worker joined: replicas waiting for one are launched."""
+        self._broadcast(lc.WorkerAdded())
+
+    def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str = "",
+                      **kwargs: Any) -> None:
+        """A worker left: its replicas are relaunched elsewhere."""
+        self._broadcast(lc.WorkerLost(worker))
+
+    def log_event(self, topic: Any, msg: Any) -> None:
+        """Worker status changes reach plugins only through the event log; retiring a
+        worker (``closing_gracefully``) moves its replicas."""
+        if isinstance(msg, dict) and msg.get("action") == "worker-status-change" \
+                and isinstance(topic, str):
+            self.worker_status(topic, msg.get("status", ""))
 
     # ------------------------------------------------------------ handlers
 
@@ -250,14 +292,6 @@ class Deployments:
 
     # ------------------------------------------------------------ cluster events
 
-    def remove_worker(self, worker: str) -> None:
-        """A worker left: its replicas are relaunched elsewhere."""
-        self._broadcast(lc.WorkerLost(worker))
-
-    def add_worker(self, worker: str) -> None:
-        """A worker joined: replicas waiting for one are launched."""
-        self._broadcast(lc.WorkerAdded())
-
     def worker_status(self, worker: str, status: str) -> None:
         """A worker changed status (seen through the scheduler's event log)."""
         if status == Status.closing_gracefully.name:
@@ -301,8 +335,14 @@ class Deployments:
                 event = lc.NoWorker(action.id) if worker is None else lc.Placed(action.id,
                                                                                  worker)
                 if worker is None:
-                    logger.warning("no eligible worker for replica %s of %s", action.id,
-                                   dep.name)
+                    # With no running worker left (the cluster is closing or scaled to
+                    # zero) the replica simply waits for one: not worth a warning.
+                    running = any(ws.status == Status.running
+                                  for ws in self.scheduler.workers.values())
+                    logger.log(logging.WARNING if running else logging.INFO,
+                               "no eligible worker for replica %s of %s%s", action.id,
+                               dep.name, "" if running else
+                               " (no running worker: it waits for one to join)")
                 pending += machine.handle(event)
             elif isinstance(action, lc.StartOn):
                 self._spawn(dep, self._start(dep, slot, action.id, action.worker))

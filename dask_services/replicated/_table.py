@@ -3,9 +3,10 @@
 The scheduler knows where each replica is and how it is (``Deployments``: service, class,
 incarnation id, worker, state, last error); the call figures (in flight, queued, calls,
 errors, calls refused as overloaded, p50/p99 latency) live on the replica's worker.  They
-travel to the scheduler the way the run byte counters do: the worker extension's
-``heartbeat()`` adds ``{"replicas": [...]}`` (``ReplicaWorker.report()``), and the scheduler
-plugin hands it to :class:`ReplicaReports`.  So the figures are as of the worker's last
+travel to the scheduler the way the run byte counters do: the replicated worker
+extension's ``heartbeat()`` returns them (``ReplicaWorker.report()``), and distributed
+hands them to the scheduler extension of the same name (``Deployments.heartbeat``), which
+keeps them in :class:`ReplicaReports`.  So the figures are as of the worker's last
 heartbeat (0.5 s on a small cluster), with no extra messages and nothing to poll.
 
 Only the current incarnations of placed replicas are kept, so the table is bounded by
@@ -24,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 from dask_services._status import StatusTable, register_table
 
 if TYPE_CHECKING:
+    from dask_services._observe import ServiceDiagnostics
     from dask_services.replicated._scheduler import Deployments
-    from dask_services.scheduler import ServiceSchedulerPlugin
 
 FIGURES = ("in_flight", "queued", "calls", "errors", "overloaded", "p50_ms", "p99_ms")
 
@@ -85,8 +86,10 @@ def rows(deployments: Deployments) -> list[dict[str, Any]]:
     return out
 
 
-def _plugin_rows(plugin: ServiceSchedulerPlugin) -> list[dict[str, Any]]:
-    deployments = getattr(plugin, "replicated", None)
+def _plugin_rows(plugin: ServiceDiagnostics) -> list[dict[str, Any]]:
+    from dask_services.replicated._worker import EXTENSION
+
+    deployments = plugin.scheduler.extensions.get(EXTENSION)
     return [] if deployments is None else rows(deployments)
 
 

@@ -1,9 +1,11 @@
 """The worker part: hosts replicas and answers calls, probes, starts and stops.
 
-One :class:`ReplicaWorker` per worker, owned by the worker extension
-(``worker.extensions["dask_services"].replicated``).  Its handlers are ordinary worker RPC
-handlers: calls come straight from callers (clients or tasks), starts, stops and probes
-from the scheduler part.
+:class:`ReplicaWorker` is a worker plugin of its own, ``worker.extensions[EXTENSION]``,
+registered on every worker (pickled, one object per worker) by the scheduler part.  Its
+handlers are ordinary worker RPC handlers: calls come straight from callers (clients or
+tasks), starts, stops and probes from the scheduler part.  Its ``heartbeat()`` sends the
+replicas' figures to the scheduler extension of the same name.  The service-task core
+knows nothing of it.
 """
 
 from __future__ import annotations
@@ -17,22 +19,24 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import pickle
 from distributed.protocol.serialize import to_serialize
 
+from dask_services._messages import dumps_exception, unwrap
 from dask_services._worker_context import in_current_context, worker_handler
 from dask_services.replicated._errors import ReplicaGone, ServiceOverloaded, ServiceShutdown
 from dask_services.replicated._metrics import ReplicaMetrics
 from dask_services.replicated._options import is_endpoint
 from dask_services.replicated._queue import CallGate
 from dask_services.service import Service, ServiceId
-from dask_services.worker import _unwrap, dumps_exception
 
 if TYPE_CHECKING:
     from distributed import Worker
 
 logger = logging.getLogger("dask_services")
 
+EXTENSION = "dask_services_replicated"  # the worker and the scheduler extension's name
 HANDLERS = ("replicated_start", "replicated_stop", "replicated_call", "replicated_health",
             "replicated_stats")
 
@@ -56,26 +60,44 @@ class HostedReplica:
     running: set[asyncio.Task] = field(default_factory=set)
 
 
-class ReplicaWorker:
-    """Replicas hosted on one worker."""
+class ReplicaWorker(WorkerPlugin):
+    """Replicas hosted on one worker (a worker plugin and extension, ``EXTENSION``)."""
 
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
+    name = EXTENSION
+    idempotent = True
+
+    def __init__(self) -> None:
         self.replicas: dict[ServiceId, HostedReplica] = {}
 
-    def register(self) -> None:
-        """Install the RPC handlers on the worker."""
+    def setup(self, worker: Worker) -> None:
+        """Install the RPC handlers and the extension on ``worker``."""
+        if getattr(self, "worker", worker) is not worker:
+            raise RuntimeError("one ReplicaWorker object was given to two workers; "
+                               "register it pickled so that every worker gets its own")
+        self.worker = worker
         for name in HANDLERS:
-            self.worker.handlers[name] = getattr(self, name[len("replicated_"):])
+            worker.handlers[name] = getattr(self, name[len("replicated_"):])
+        worker.extensions[EXTENSION] = self
+
+    async def teardown(self, worker: Worker) -> None:
+        """Stop every replica at once and remove the handlers."""
+        await self.close()
+        worker.extensions.pop(EXTENSION, None)
 
     @worker_handler
     async def close(self) -> None:
-        """Stop every replica at once (the worker extension is going away)."""
+        """Stop every replica at once (the plugin is going away)."""
         await asyncio.gather(*(self._stop(r, 0, ReplicaGone(
             f"replica {r.id} stopped: its worker is closing")) for r in list(
             self.replicas.values())), return_exceptions=True)
         for name in HANDLERS:
             self.worker.handlers.pop(name, None)
+
+    def heartbeat(self) -> list[dict]:
+        """The replicas' figures, for ``Deployments.heartbeat`` on the scheduler
+        (distributed hands a worker extension's heartbeat data to the scheduler extension
+        of the same name)."""
+        return self.report()
 
     # ------------------------------------------------------------ scheduler -> worker
 
@@ -250,7 +272,7 @@ class ReplicaWorker:
 
             return {"status": "error", "exception": dumps_exception(EndpointRefused(
                 f"{method!r} is not an endpoint of {type(rep.service).__name__}"))}
-        args, kwargs = _unwrap(payload)
+        args, kwargs = unwrap(payload)
         arrived = time.perf_counter()
         try:
             await rep.gate.acquire()
