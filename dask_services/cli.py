@@ -62,6 +62,61 @@ def _progress(iterable: Sequence[Any], label: str, enabled: bool) -> Any:
                   end="" if i < total else "\n", file=sys.stderr, flush=True)
 
 
+def dashboard_hint() -> str:
+    """The command that adds the dashboard's Services page to this very environment.
+
+    ``pip install 'dask-services[dashboard]'`` only works where the package is on an index;
+    installing the extra's requirements with this interpreter's pip works wherever the
+    package came from (a checkout, a wheel, an index).
+    """
+    import importlib.metadata
+    import re
+    import shlex
+
+    try:
+        requires = importlib.metadata.requires("dask-services") or []
+    except importlib.metadata.PackageNotFoundError:
+        requires = []
+    extra = re.compile(r"""extra\s*==\s*["']dashboard["']""")
+    wanted = [r.split(";")[0].strip() for r in requires if extra.search(r)]
+    wanted = wanted or ["bokeh>=3.1.0", "prometheus_client>=0.20"]
+    return " ".join([shlex.quote(sys.executable), "-m", "pip", "install",
+                     *(shlex.quote(w) for w in wanted)])
+
+
+# dask's own P2P shuffle logs a WARNING when a shuffle starts and ends; the demo compares
+# against it, and those lines are not what the demo shows.
+QUIET_LOGGERS = ("distributed.shuffle",)
+
+
+@contextlib.contextmanager
+def quiet_dask_logs(client: Any) -> Iterator[None]:
+    """Raise the level of :data:`QUIET_LOGGERS` to ERROR here and on the workers."""
+    import logging
+
+    def quiet(names: Sequence[str] = QUIET_LOGGERS, level: int = logging.ERROR) -> dict:
+        before = {}
+        for name in names:
+            logger = logging.getLogger(name)
+            before[name] = logger.level
+            logger.setLevel(level)
+        return before
+
+    def restore(levels: dict) -> None:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+
+    here = quiet()
+    workers = client.run(quiet)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            for address, levels in workers.items():
+                client.run(restore, levels, workers=[address])
+        restore(here)  # last: in-process workers share these loggers
+
+
 def demo(args: argparse.Namespace) -> int:
     import dask
     from distributed import Client
@@ -71,14 +126,15 @@ def demo(args: argparse.Namespace) -> int:
     from dask_services.examples import AllReduce, SampleSort
 
     print(f"Starting a LocalCluster with {args.workers} worker processes ...")
-    with _local_cluster(args.workers, 1, True) as cluster, Client(cluster) as client:
+    with _local_cluster(args.workers, 1, True) as cluster, Client(cluster) as client, \
+            quiet_dask_logs(client):
         dask_services.install(client)
         print(f"  dashboard: {client.dashboard_link}")
         if _has_services_page(client):
             print(f"  service runs: {client.dashboard_link.rsplit('/', 1)[0]}/services")
         else:
-            print("  (pip install 'dask-services[dashboard]' for the dashboard and its "
-                  "Services page)")
+            print("  for the dashboard's Services page, install bokeh and prometheus_client:")
+            print(f"    {dashboard_hint()}")
 
         def timed(label: str, fn: Callable[[], Any]) -> Any:
             start = time.perf_counter()
@@ -272,10 +328,14 @@ def bench_replicated(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dask-services", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="dask-services",
+        description="Run the dask-services demo on a local cluster, or its benchmarks.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p_demo = sub.add_parser("demo", help="run services on a local cluster and print results")
-    p_demo.add_argument("--workers", type=int, default=2)
+    p_demo.add_argument("--workers", type=int, default=2,
+                        help="worker processes of the local cluster (default: 2)")
     p_demo.set_defaults(func=demo)
     p_bench = sub.add_parser("bench",
                              help="benchmarks: overhead, shuffle, rechunk, replicated")

@@ -1,0 +1,96 @@
+"""What a newcomer reads: the command line's help, the demo's hints and output, the logs of
+a cluster closing with a deployed service, and the exceptions the package exports."""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import sys
+import tomllib
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from distributed import Client, LocalCluster
+
+import dask_services
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["bench", "--help"]])
+def test_help_is_plain_text(argv, capsys):
+    from dask_services.cli import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: dask-services" in out
+    assert "``" not in out  # no reStructuredText markup from a docstring
+
+
+def test_the_dashboard_hint_installs_the_extra_with_this_interpreter():
+    from dask_services.cli import dashboard_hint
+
+    hint = dashboard_hint()
+    # a checkout is not on an index: name the extra's requirements, not the package
+    assert "dask-services[" not in hint
+    assert hint.startswith(f"{shlex.quote(sys.executable)} -m pip install ")
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["dashboard"]
+    assert sorted(shlex.split(hint)[4:]) == sorted(extra)
+
+
+def test_the_demo_does_not_print_dask_p2p_warnings(caplog):
+    """The demo runs dask's p2p shuffle for comparison; its WARNING lines at the start and
+    end of every shuffle are not part of what the demo shows."""
+    import dask.dataframe as dd
+
+    from dask_services.cli import quiet_dask_logs
+
+    caplog.set_level(logging.INFO)
+    pdf = pd.DataFrame({"k": range(200), "x": range(200)})
+    df = dd.from_pandas(pdf, npartitions=4)
+    with LocalCluster(n_workers=2, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        before = logging.getLogger("distributed.shuffle").level
+        with quiet_dask_logs(client):
+            assert len(client.compute(df.shuffle("k", shuffle_method="p2p")).result()) == 200
+        noisy = [r.getMessage() for r in caplog.records
+                 if r.name.startswith("distributed.shuffle") and r.levelno >= logging.WARNING]
+        assert noisy == []
+        assert logging.getLogger("distributed.shuffle").level == before  # restored
+
+
+class Echo(dask_services.Service):
+    @dask_services.endpoint
+    async def echo(self, x):
+        return x
+
+
+def test_closing_a_cluster_with_a_deployed_service_logs_no_warning(caplog):
+    caplog.set_level(logging.INFO, logger="dask_services")
+    with LocalCluster(n_workers=2, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        svc = Echo.options(replicas=2).as_service(client=client)
+        assert svc.echo.route(3).result() == 3
+    warnings = [r.getMessage() for r in caplog.records
+                if r.name == "dask_services" and r.levelno >= logging.WARNING]
+    assert warnings == []
+
+
+def test_every_public_exception_is_exported_at_the_top_level():
+    import dask_services.replicated._errors as replicated_errors
+    from dask_services import _spill, service
+
+    internal = {"ReplicaGone"}  # retried inside the package, never raised to a caller
+    for module in (service, replicated_errors, _spill):
+        for name, obj in vars(module).items():
+            if (isinstance(obj, type) and issubclass(obj, Exception)
+                    and obj.__module__ == module.__name__ and not name.startswith("_")
+                    and name not in internal):
+                assert name in dask_services.__all__, name
+                assert getattr(dask_services, name) is obj
+    from dask_services import DeploymentError, EndpointRefused  # noqa: F401
