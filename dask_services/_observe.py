@@ -43,7 +43,7 @@ class ServiceDiagnostics(SchedulerPlugin, RunObserver):
 
         self.scheduler = scheduler
         scheduler.extensions[EXTENSION] = self
-        scheduler.handlers["service_status"] = self.status
+        scheduler.handlers["service_status"] = self.current_status
         core = scheduler.extensions.get(CORE)
         if core is not None and self not in core.observers:
             core.observers.append(self)
@@ -69,13 +69,19 @@ class ServiceDiagnostics(SchedulerPlugin, RunObserver):
         if self.scheduler is not None:
             if self.scheduler.extensions.get(EXTENSION) is self:
                 del self.scheduler.extensions[EXTENSION]
-            if self.scheduler.handlers.get("service_status") == self.status:
+            if self.scheduler.handlers.get("service_status") == self.current_status:
                 del self.scheduler.handlers["service_status"]
         self.history.clear()
 
     def status(self, tables: list[str] | None = None) -> dict[str, list[dict]]:
-        """Rows of the status tables (``_status.py``), for ``dask_services.status()``."""
+        """Rows of the status tables (``_status.py``), as of the last heartbeats."""
         return _status.collect(self, tables)
+
+    async def current_status(self, tables: list[str] | None = None
+                             ) -> dict[str, list[dict]]:
+        """The ``service_status`` handler behind ``dask_services.status()``: the rows once
+        the tables have refreshed figures older than a moment (``collect_current``)."""
+        return await _status.collect_current(self, tables)
 
     # ------------------------------------------------------------- RunObserver
 

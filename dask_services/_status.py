@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +54,8 @@ class StatusTable:
     labels: tuple[str, ...]
     figures: tuple[str, ...]
     rows: Callable[[ServiceDiagnostics], list[dict[str, Any]]]
+    # brings figures that come with heartbeats up to date before status() reads them
+    refresh: Callable[[ServiceDiagnostics], Awaitable[None]] | None = None
 
 
 TABLES: dict[str, StatusTable] = {}
@@ -242,6 +244,25 @@ def collect(plugin: ServiceDiagnostics, tables: Sequence[str] | None = None
     """The rows of every table (or of ``tables``), as the scheduler handler returns them."""
     names = list(TABLES) if tables is None else [t for t in tables if t in TABLES]
     return {name: TABLES[name].rows(plugin) for name in names}
+
+
+async def collect_current(plugin: ServiceDiagnostics, tables: Sequence[str] | None = None
+                          ) -> dict[str, list[dict[str, Any]]]:
+    """:func:`collect`, once the tables asked for have refreshed their figures (the
+    ``status()`` handler: figures as of the moment it is asked, not of the last
+    heartbeat)."""
+    import logging
+
+    names = list(TABLES) if tables is None else [t for t in tables if t in TABLES]
+    for name in names:
+        refresh = TABLES[name].refresh
+        if refresh is not None:
+            try:
+                await refresh(plugin)
+            except Exception:  # the heartbeat figures are still there
+                logging.getLogger("dask_services").exception(
+                    "dask_services: could not refresh the %s table", name)
+    return collect(plugin, names)
 
 
 # ---------------------------------------------------------------- client side

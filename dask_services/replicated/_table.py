@@ -18,7 +18,9 @@ Prometheus gauges all read them.
 
 from __future__ import annotations
 
+import asyncio
 import math
+import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -36,11 +38,13 @@ class ReplicaReports:
 
     def __init__(self) -> None:
         self.figures: dict[str, dict[str, Any]] = {}
+        self.updated: dict[str, float] = {}  # worker -> time.monotonic() of its last report
 
     def update(self, worker: str, records: Iterable[Mapping[str, Any]],
                placed: Mapping[str, str]) -> None:
         """Take the records of ``worker``'s heartbeat; ``placed`` maps each current
         incarnation id to its worker (a record of another one is stale and dropped)."""
+        self.updated[worker] = time.monotonic()
         self.prune(placed)
         for record in records:
             rid = str(record.get("id"))
@@ -51,6 +55,17 @@ class ReplicaReports:
         """Forget the figures of incarnations no longer placed."""
         for rid in [r for r in self.figures if r not in placed]:
             del self.figures[rid]
+        workers = set(placed.values())
+        for worker in [w for w in self.updated if w not in workers]:
+            del self.updated[worker]
+
+    def age(self, placed: Mapping[str, str]) -> float:
+        """Seconds since the oldest report of a worker holding replicas (inf: none yet)."""
+        workers = set(placed.values())
+        if not workers:
+            return 0.0
+        now = time.monotonic()
+        return max(now - self.updated.get(w, -math.inf) for w in workers)
 
     def get(self, rid: str) -> dict[str, Any]:
         """Figures of incarnation ``rid``: zeros (NaN latencies) before its first report."""
@@ -86,11 +101,45 @@ def rows(deployments: Deployments) -> list[dict[str, Any]]:
     return out
 
 
-def _plugin_rows(plugin: ServiceDiagnostics) -> list[dict[str, Any]]:
+def _deployments(plugin: ServiceDiagnostics) -> Deployments | None:
     from dask_services.replicated._worker import EXTENSION
 
-    deployments = plugin.scheduler.extensions.get(EXTENSION)
+    return plugin.scheduler.extensions.get(EXTENSION)
+
+
+def _plugin_rows(plugin: ServiceDiagnostics) -> list[dict[str, Any]]:
+    deployments = _deployments(plugin)
     return [] if deployments is None else rows(deployments)
+
+
+FRESH_S = 0.05  # status() asks the workers for figures older than this
+
+
+async def refresh(plugin: ServiceDiagnostics, max_age: float = FRESH_S) -> None:
+    """Ask the workers whose figures are older than ``max_age`` for them now, as
+    ``svc.metrics()`` does, so that ``status(client, table="replicas")`` shows the calls
+    made just before it (the heartbeat figures may be up to a heartbeat old)."""
+    deployments = _deployments(plugin)
+    if deployments is None:
+        return
+    reports = deployments.reports
+    by_worker: dict[str, list[str]] = {}
+    for rid, worker in deployments.placed().items():
+        by_worker.setdefault(worker, []).append(rid)
+    now = time.monotonic()
+    stale = {w: ids for w, ids in by_worker.items()
+             if now - reports.updated.get(w, -math.inf) > max_age}
+
+    async def ask(worker: str, ids: list[str]) -> None:
+        try:
+            stats = await asyncio.wait_for(
+                deployments.scheduler.rpc(worker).replicated_stats(ids=ids), 2)
+        except (OSError, TimeoutError):
+            return  # gone or slow: its heartbeat figures stay
+        reports.update(worker, [{"id": rid, **figures} for rid, figures in stats.items()],
+                       deployments.placed())
+
+    await asyncio.gather(*(ask(w, ids) for w, ids in stale.items()))
 
 
 COLUMNS = ("service", "class", "slot", "replica", "worker", "state", "healthy",
@@ -103,4 +152,5 @@ TABLE = register_table(StatusTable(
     labels=("service", "class", "replica", "worker", "state"),
     figures=("healthy", "incarnation", *FIGURES),
     rows=_plugin_rows,
+    refresh=refresh,
 ))
