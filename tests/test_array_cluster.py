@@ -6,9 +6,16 @@ import dask.array as da
 import numpy as np
 import pytest
 from distributed import wait
-from distributed.diagnostics import MemorySampler
 from distributed.utils_test import poll_for
-from utils import assert_lean_run, kill, live_run
+from utils import (
+    WorkerWatch,
+    assert_lean_run,
+    kill,
+    live_run,
+    lost_worker,
+    service_events,
+    validate_scheduler,
+)
 
 import dask_services  # noqa: F401
 
@@ -26,24 +33,26 @@ def test_three_times_memory_completes_under_the_limit(small_cluster):
     n = int(np.sqrt(3 * 2 * limit / 8))  # float64: about 3x the memory of both workers
     x = da.random.RandomState(0).random_sample((n, n), chunks=(n // 192, n))
     y = x.rechunk((n, n // 192), method="service")
-    sampler = MemorySampler()
-    with sampler.sample("rechunk", client=client, measure="process", interval=0.2):
+    with WorkerWatch(client) as watch:
         ours = block_sums(y)
     # the same column blocks, summed from a reduction of the original chunks
     column_sums = x.sum(axis=0).compute()
     bounds = np.cumsum((0, *y.chunks[1]))
     expected = [[column_sums[a:b].sum() for a, b in zip(bounds[:-1], bounds[1:], strict=True)]]
     np.testing.assert_allclose(ours, expected)
-    assert_lean_run(client, sampler.to_pandas()["rechunk"], limit, tmp)
-    cluster.scheduler.validate_state()
+    assert_lean_run(watch, limit, tmp)
+    validate_scheduler(client)
 
 
 def test_worker_killed_mid_rechunk(small_cluster):
     cluster, client, _ = small_cluster
     x = da.random.RandomState(1).random_sample((4000, 2000), chunks=(100, 2000))
     y = client.persist(x.rechunk((4000, 100), method="service"))
-    poll_for(lambda: live_run(cluster, lambda r: len(r.handed_off) >= 5), timeout=60)
-    kill(client, live_run(cluster).participants[-1])
+    poll_for(lambda: live_run(client, lambda r: len(r.handed_off) >= 5), timeout=60)
+    victim = live_run(client, lambda r: len(r.handed_off) >= 5).participants[-1]
+    kill(client, victim)
     wait(y)
     np.testing.assert_array_equal(y.compute(), x.compute())
-    cluster.scheduler.validate_state()
+    restarted = service_events(client, "restarted")
+    assert any(lost_worker(e["detail"], victim) for e in restarted), service_events(client)
+    validate_scheduler(client)

@@ -10,9 +10,17 @@ import time
 import pandas as pd
 import pytest
 from distributed import Event, wait
-from distributed.diagnostics import MemorySampler
 from distributed.utils_test import poll_for
-from utils import assert_lean_run, kill, live_run, pid_of
+from utils import (
+    WorkerWatch,
+    assert_lean_run,
+    kill,
+    live_run,
+    lost_worker,
+    pid_of,
+    service_events,
+    validate_scheduler,
+)
 
 import dask_services  # noqa: F401
 
@@ -32,29 +40,13 @@ def test_three_times_memory_completes_under_the_limit(small_cluster):
         return pd.DataFrame({"rows": [len(d)], "keysum": [int(d.key.sum() % 2**61)]})
 
     meta = summary(df._meta)
-    sampler = MemorySampler()
-    with sampler.sample("shuffle", client=client, measure="process", interval=0.2):
+    with WorkerWatch(client) as watch:
         after = shuffled.map_partitions(summary, meta=meta).compute()
     before = df.map_partitions(summary, meta=meta).compute()
     assert after.rows.sum() == before.rows.sum()
     assert after.keysum.sum() % 2**61 == before.keysum.sum() % 2**61
-    assert_lean_run(client, sampler.to_pandas()["shuffle"], limit, tmp)
-    cluster.scheduler.validate_state()
-
-
-def test_worker_killed_during_shuffle(small_cluster):
-    cluster, client, _ = small_cluster
-    df = frame(50_000_000, npartitions=40)
-    shuffled = client.persist(df.shuffle("key", shuffle_method="service"))
-    poll_for(lambda: live_run(cluster), timeout=60)
-    kill(client, live_run(cluster).participants[0])
-    wait(shuffled)
-    # gather to this process: compute() would concatenate on one (small) worker
-    result = pd.concat(client.gather(client.futures_of(shuffled)))
-    expected = pd.concat(client.gather(client.futures_of(client.persist(df))))
-    assert len(result) == len(expected)
-    assert sorted(result.key.tolist()) == sorted(expected.key.tolist())
-    cluster.scheduler.validate_state()
+    assert_lean_run(watch, limit, tmp)
+    validate_scheduler(client)
 
 
 def rows_of(client, collection) -> pd.DataFrame:
@@ -62,19 +54,52 @@ def rows_of(client, collection) -> pd.DataFrame:
     return pd.concat(client.gather(client.futures_of(client.persist(collection))))
 
 
+def assert_same_rows(result: pd.DataFrame, expected: pd.DataFrame) -> None:
+    """The same rows, index and every column included, in whatever order."""
+
+    def ordered(frame: pd.DataFrame) -> pd.DataFrame:
+        frame = frame.reset_index()
+        return frame.sort_values(list(frame.columns)).reset_index(drop=True)
+
+    assert len(result) == len(expected) > 0
+    pd.testing.assert_frame_equal(ordered(result), ordered(expected))
+
+
+def assert_restarted_for(client, victim: str) -> None:
+    """The worker killed was a participant of a live run: that run was restarted."""
+    restarted = service_events(client, "restarted")
+    assert any(lost_worker(e["detail"], victim) for e in restarted), (
+        victim, service_events(client))
+
+
+def test_worker_killed_during_shuffle(small_cluster):
+    cluster, client, _ = small_cluster
+    df = frame(50_000_000, npartitions=40)
+    shuffled = client.persist(df.shuffle("key", shuffle_method="service"))
+    poll_for(lambda: live_run(client), timeout=60)
+    victim = live_run(client).participants[0]
+    kill(client, victim)
+    wait(shuffled)
+    # gather to this process: compute() would concatenate on one (small) worker
+    result = pd.concat(client.gather(client.futures_of(shuffled)))
+    assert_same_rows(result, rows_of(client, df))
+    assert_restarted_for(client, victim)
+    validate_scheduler(client)
+
+
 def test_worker_killed_after_some_outputs_were_produced(small_cluster):
     cluster, client, _ = small_cluster
     df = frame(40_000_000, npartitions=40)
     shuffled = client.persist(df.shuffle("key", shuffle_method="service", npartitions=40))
-    poll_for(lambda: live_run(cluster, lambda r: len(r.produced) >= 5), timeout=120)
-    run = live_run(cluster)
+    poll_for(lambda: live_run(client, lambda r: len(r.produced) >= 5), timeout=120)
+    run = live_run(client, lambda r: len(r.produced) >= 5)
     victim = next(w for w in run.produced.values())
     kill(client, victim)
     wait(shuffled)
     result = pd.concat(client.gather(client.futures_of(shuffled)))
-    expected = rows_of(client, df)
-    assert sorted(result.key.tolist()) == sorted(expected.key.tolist())
-    cluster.scheduler.validate_state()
+    assert_same_rows(result, rows_of(client, df))
+    assert_restarted_for(client, victim)
+    validate_scheduler(client)
 
 
 def test_worker_killed_mid_merge(small_cluster):
@@ -83,8 +108,8 @@ def test_worker_killed_mid_merge(small_cluster):
     right = frame(10_000_000, npartitions=10).rename(columns={"value": "other"})
     right = right[["key", "other"]]
     joined = client.persist(left.merge(right, on="key", how="left", shuffle_method="service"))
-    poll_for(lambda: live_run(cluster, lambda r: len(r.handed_off) >= 5), timeout=120)
-    victim = live_run(cluster).participants[-1]
+    poll_for(lambda: live_run(client, lambda r: len(r.handed_off) >= 5), timeout=120)
+    victim = live_run(client, lambda r: len(r.handed_off) >= 5).participants[-1]
     kill(client, victim)
     wait(joined)
     result = pd.concat(client.gather(client.futures_of(joined)))
@@ -93,7 +118,8 @@ def test_worker_killed_mid_merge(small_cluster):
         result.sort_values(["key", "value"]).reset_index(drop=True),
         expected.sort_values(["key", "value"]).reset_index(drop=True),
     )
-    cluster.scheduler.validate_state()
+    assert_restarted_for(client, victim)
+    validate_scheduler(client)
 
 
 def _held_back_until_joined(part, partition_info=None):
@@ -111,38 +137,39 @@ def test_worker_joining_mid_shuffle_does_no_harm(small_cluster):
     df = source.map_partitions(_held_back_until_joined, meta=source._meta)
     joined = Event(JOINED, client=client)
     shuffled = client.persist(df.shuffle("key", shuffle_method="service"))
-    poll_for(lambda: live_run(cluster, lambda r: len(r.handed_off) >= 3), timeout=120)
-    run_id = live_run(cluster).run_id
+    poll_for(lambda: live_run(client, lambda r: len(r.handed_off) >= 3), timeout=120)
+    run_id = live_run(client).run_id
     cluster.scale(3)
     client.wait_for_workers(3)
-    joined_while_running = live_run(cluster) is not None
+    joined_while_running = live_run(client) is not None
     joined.set()
     wait(shuffled)
     assert joined_while_running
     result = pd.concat(client.gather(client.futures_of(shuffled)))
-    expected = rows_of(client, df)
-    assert sorted(result.key.tolist()) == sorted(expected.key.tolist())
-    events = [e for _, e in client.get_events("dask_services")]
+    assert_same_rows(result, rows_of(client, df))
+    events = service_events(client)
     assert [e["run_id"] for e in events if e["action"] == "started"] == [run_id], events
-    cluster.scheduler.validate_state()
+    validate_scheduler(client)
 
 
 def test_unresponsive_peer_delays_but_does_not_fail_the_shuffle(small_cluster):
     cluster, client, _ = small_cluster
     df = frame(40_000_000, npartitions=40)
     shuffled = client.persist(df.shuffle("key", shuffle_method="service"))
-    poll_for(lambda: live_run(cluster, lambda r: len(r.handed_off) >= 3), timeout=120)
-    peer = live_run(cluster).participants[-1]
+    poll_for(lambda: live_run(client, lambda r: len(r.handed_off) >= 3), timeout=120)
+    peer = live_run(client).participants[-1]
     pid = pid_of(client, peer)
+    futures = client.futures_of(shuffled)
     os.kill(pid, signal.SIGSTOP)  # frozen: neither answers nor sends
     try:
         time.sleep(3)  # the length of the outage, well within the comm timeouts
+        # the frozen peer holds back the shuffle: its share of outputs cannot be produced
+        assert not all(f.done() for f in futures)
     finally:
         os.kill(pid, signal.SIGCONT)
     wait(shuffled)
-    result = pd.concat(client.gather(client.futures_of(shuffled)))
-    expected = rows_of(client, df)
-    assert sorted(result.key.tolist()) == sorted(expected.key.tolist())
-    actions = {e["action"] for _, e in client.get_events("dask_services")}
+    result = pd.concat(client.gather(futures))
+    assert_same_rows(result, rows_of(client, df))
+    actions = {e["action"] for e in service_events(client)}
     assert "restarted" not in actions and "failed" not in actions, actions
-    cluster.scheduler.validate_state()
+    validate_scheduler(client)

@@ -5,10 +5,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import inspect
 import os
 import re
 import signal
+import threading
+import time
 
+import dask
 from distributed.utils_test import async_poll_for, gen_cluster
 
 import dask_services
@@ -69,6 +73,33 @@ async def assert_nothing_left(s, workers, timeout: float = 10) -> None:
         raise
 
 
+async def until(condition, timeout: float = 5) -> None:
+    """Let the event loop run until ``condition()`` holds; fail after ``timeout`` seconds."""
+    await async_poll_for(condition, timeout=timeout, period=0.001)
+
+
+def suspended_in(task: asyncio.Task, qualname: str, owner: object) -> bool:
+    """Whether ``task`` is parked inside the coroutine method ``qualname`` (e.g.
+    ``"Event.wait"``) called on ``owner``, anywhere down the chain of coroutines it awaits.
+
+    A task found parked on the event, lock or queue it should block on cannot make progress
+    until that is released: asserting that it is not done proves it waits, where a check
+    after a few turns of the loop would pass too for a task that is merely slow."""
+    if task.done():
+        return False
+    coro = task.get_coro()
+    while inspect.iscoroutine(coro):
+        if coro.cr_code.co_qualname == qualname and coro.cr_frame.f_locals.get("self") is owner:
+            return coro.cr_suspended
+        coro = coro.cr_await
+    return False
+
+
+def any_task_suspended_in(qualname: str, owner: object) -> bool:
+    """Whether some task of the running loop is parked in ``qualname`` of ``owner``."""
+    return any(suspended_in(t, qualname, owner) for t in asyncio.all_tasks())
+
+
 def events_of(kind: str) -> list[tuple]:
     from services import Recorder
 
@@ -103,25 +134,120 @@ def kill(client, address: str) -> None:
     os.kill(pid_of(client, address), signal.SIGKILL)
 
 
-def live_run(cluster, condition=lambda run: True):
-    """The first live run (of any service task) that satisfies ``condition``, or None."""
-    plugin = cluster.scheduler.extensions["dask_services"]
-    for machine in plugin.machines.values():
-        run = machine.live_run
-        if run is not None and condition(run):
-            return run
-    return None
+def live_run(client, condition=lambda run: True):
+    """A copy of the first live run (of any service task) that satisfies ``condition``, or
+    None.  Taken on the scheduler's event loop: the scheduler runs in another thread."""
+
+    def live_runs(dask_scheduler) -> list:
+        plugin = dask_scheduler.extensions["dask_services"]
+        return [m.live_run for m in plugin.machines.values() if m.live_run is not None]
+
+    return next((run for run in client.run_on_scheduler(live_runs) if condition(run)), None)
 
 
-def assert_lean_run(client, samples, limit: float, directory) -> None:
-    """Per-worker peak of ``samples`` (summed process memory of two workers) under
-    ``limit``, no worker killed on the way, and no file left under ``directory``."""
+def lost_worker(reason: str, worker: str | None = None) -> bool:
+    """Whether ``reason`` (of a restart) says that a worker was lost, ``worker`` where the
+    reason names one.  Which of two reasons comes first depends on what the scheduler
+    handles first: the worker leaving, or the service task losing an input it was waiting
+    on (that reason names no worker)."""
+    if "lost with its worker" in reason:
+        return True
+    return "left the cluster" in reason and (worker is None or worker in reason)
+
+
+def validate_scheduler(client) -> None:
+    """``Scheduler.validate_state()`` on the scheduler's event loop, not from this thread."""
+    client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.validate_state())
+
+
+def service_events(client, action: str | None = None) -> list[dict]:
+    """Events of the scheduler's ``dask_services`` topic (those with ``action`` if given)."""
+    return [e for _, e in client.get_events("dask_services")
+            if action is None or e["action"] == action]
+
+
+class WorkerWatch:
+    """Every worker process of a LocalCluster, watched from this process while the block runs.
+
+    A background thread reads each worker process's own resident memory every ``interval``
+    seconds (the nanny, which kills a worker over its terminate threshold, looks every
+    100 ms) and keeps each worker's peak.  ``deaths()`` lists every worker that died or left
+    the cluster since the block began: processes that ended, workers whose process id
+    changed (a nanny restarts a killed worker under a new pid and address), the scheduler's
+    ``remove-worker`` events and the nannies' ``worker-restart-memory`` events.
+    """
+
+    def __init__(self, client, interval: float = 0.02) -> None:
+        self.client = client
+        self.interval = interval
+        self.peaks: dict[str, int] = {}
+        self.samples = 0  # rounds in which every live worker was read
+        self.ended: list[str] = []
+
+    def __enter__(self) -> WorkerWatch:
+        import psutil
+
+        self.pids = self.client.run(os.getpid)
+        self.since = time.time()  # the scheduler of a LocalCluster runs in this process
+        processes = {address: psutil.Process(pid) for address, pid in self.pids.items()}
+        self.peaks = dict.fromkeys(processes, 0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, args=(processes,), daemon=True,
+                                        name="worker-memory-watch")
+        self._thread.start()
+        return self
+
+    def _sample(self, processes) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            for address, process in list(processes.items()):
+                try:
+                    rss = process.memory_info().rss
+                except psutil.NoSuchProcess:  # zombies too
+                    self.ended.append(address)
+                    del processes[address]
+                    continue
+                self.peaks[address] = max(self.peaks[address], rss)
+            self.samples += 1
+            self._stop.wait(self.interval)
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def deaths(self) -> list[str]:
+        """Every worker death or departure seen since the block began."""
+        found = [f"{address}: its process ended" for address in self.ended]
+        now = self.client.run(os.getpid)
+        found += [f"{address}: pid {pid} is now {now.get(address)}"
+                  for address, pid in self.pids.items() if now.get(address) != pid]
+        found += [f"remove-worker {e['worker']}" for t, e in self.client.get_events("all")
+                  if t >= self.since and e["action"] == "remove-worker"]
+        found += [f"worker-restart-memory {e}" for t, e in
+                  self.client.get_events("worker-restart-memory") if t >= self.since]
+        return found
+
+
+def assert_lean_run(watch: WorkerWatch, limit: float, directory) -> None:
+    """While ``watch`` ran: each worker's own peak memory stayed under the nanny's terminate
+    threshold (``distributed.worker.memory.terminate`` of ``limit``, 95% by default), no
+    worker died, no service run was restarted; afterwards no file is left under
+    ``directory``."""
     from distributed.utils_test import poll_for
 
-    per_worker_peak = samples.max() / 2
-    assert per_worker_peak < limit, per_worker_peak
-    restarts = [e for _, e in client.get_events("dask_services") if e["action"] == "restarted"]
-    assert not restarts, restarts  # no worker was killed for memory on the way
+    assert watch.samples >= 10, watch.samples  # the block ran long enough to be watched
+    fraction = dask.config.get("distributed.worker.memory.terminate")
+    threshold = fraction * limit
+    peaks_mb = {a: round(p / 1e6) for a, p in watch.peaks.items()}
+    print(f"worker peaks (MB): {peaks_mb}, threshold {threshold / 1e6:.0f} MB, "
+          f"{watch.samples} samples")
+    assert watch.peaks and all(watch.peaks.values()), peaks_mb  # every worker was read
+    assert max(watch.peaks.values()) < threshold, (peaks_mb, threshold / 1e6)
+    deaths = watch.deaths()
+    assert not deaths, deaths
+    restarts = service_events(watch.client, "restarted")
+    assert not restarts, restarts
     poll_for(lambda: not spill_files(directory), timeout=30)
 
 
