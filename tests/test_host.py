@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 import pytest
+from utils import suspended_in, until
 
 from dask_services import Service, ServiceId, rpc
 from dask_services._host import InstanceSpec, ServiceHost
@@ -49,8 +50,9 @@ def test_a_call_for_a_run_not_created_yet_waits_for_it(tmp_path):
         host = ServiceHost(LocalEnvironment(str(tmp_path)))
         s = spec(3)
         call = asyncio.create_task(host.deliver(s.id, s.id, 3, 0, "ping", arguments((1,))))
-        await asyncio.sleep(0)
-        assert not call.done()  # the start message has not arrived yet
+        # the start message has not arrived yet: the call waits for the instance
+        await until(lambda: suspended_in(call, "ServiceHost._created", host))
+        assert not call.done()
         await host.start(host.create(s))
         assert await call == 2
         # a call for an older run that never came here is refused at once

@@ -6,6 +6,7 @@ import asyncio
 import math
 
 import pytest
+from utils import suspended_in, until
 
 import dask_services
 from dask_services.replicated import (
@@ -36,7 +37,7 @@ def test_gate_admits_max_concurrency_then_queues_then_refuses():
         await gate.acquire()
         assert gate.in_flight == 2
         waiter = asyncio.ensure_future(gate.acquire())
-        await asyncio.sleep(0)
+        await until(lambda: suspended_in(waiter, "CallGate.acquire", gate))
         assert gate.queued == 1 and not waiter.done()
         with pytest.raises(ServiceOverloaded, match="max_queued=1"):
             await gate.acquire()
@@ -59,10 +60,11 @@ def test_gate_is_first_come_first_served_and_cancel_safe():
             gate.release()
 
         tasks = [asyncio.ensure_future(call(i)) for i in range(4)]
-        await asyncio.sleep(0)
+        await until(lambda: all(suspended_in(t, "CallGate.acquire", gate) for t in tasks))
+        assert gate.queued == 4
         tasks[1].cancel()  # a caller that gave up leaves the queue
-        await asyncio.sleep(0)
-        assert gate.queued == 3
+        await asyncio.wait([tasks[1]])
+        assert tasks[1].cancelled() and gate.queued == 3
         gate.release()
         await asyncio.gather(*tasks, return_exceptions=True)
         assert order == [0, 2, 3]
@@ -76,15 +78,15 @@ def test_gate_close_fails_queued_calls_and_refuses_new_ones():
         gate = CallGate(1, 5, name="replica x")
         await gate.acquire()
         waiter = asyncio.ensure_future(gate.acquire())
-        await asyncio.sleep(0)
+        await until(lambda: suspended_in(waiter, "CallGate.acquire", gate))  # queued
         gate.close()
         with pytest.raises(ServiceShutdown, match="replica x"):
             await waiter
         with pytest.raises(ServiceShutdown):
             await gate.acquire()
         idle = asyncio.ensure_future(gate.wait_idle())
-        await asyncio.sleep(0)
-        assert not idle.done()  # the running call still holds its slot
+        await until(lambda: suspended_in(idle, "Event.wait", gate._idle))
+        assert not idle.done() and gate.in_flight == 1  # the running call holds its slot
         gate.release()
         await idle
 

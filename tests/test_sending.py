@@ -11,6 +11,7 @@ import pytest
 from dask.sizeof import sizeof
 from hypothesis import given
 from hypothesis import strategies as st
+from utils import suspended_in, until
 
 from dask_services._sending import SendWindow
 from dask_services.dataframe import _service
@@ -38,14 +39,15 @@ def test_window_bounds_bytes_in_flight_and_flush_waits_for_delivery():
         await window.send(60, start(0))
         await window.send(40, start(1))  # exactly full
         third = asyncio.create_task(window.send(30, start(2)))
-        await asyncio.sleep(0)
-        assert not third.done() and window.in_flight == 100  # waits for room
+        await until(lambda: suspended_in(third, "Event.wait", window._room))  # waits for room
+        assert not third.done() and window.in_flight == 100
         gates[0].set()
         await third
         assert window.in_flight == 70
         flushing = asyncio.create_task(window.flush())
-        await asyncio.sleep(0)
-        assert not flushing.done()
+        # parked in flush, on the two sends still in flight
+        await until(lambda: suspended_in(flushing, "SendWindow.flush", window))
+        assert not flushing.done() and window.in_flight == 70
         gates[1].set()
         gates[2].set()
         await flushing
@@ -64,8 +66,8 @@ def test_window_sends_an_oversized_message_alone():
 
         await window.send(1000, big)  # nothing in flight: it goes
         waiting = asyncio.create_task(window.send(1, big))
-        await asyncio.sleep(0)
-        assert not waiting.done()
+        await until(lambda: suspended_in(waiting, "Event.wait", window._room))
+        assert not waiting.done() and window.in_flight == 1000
         done.set()
         await waiting
         await window.flush()

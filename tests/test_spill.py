@@ -10,6 +10,7 @@ import threading
 import numpy as np
 import pandas as pd
 import pytest
+from utils import suspended_in, until
 
 from dask_services import _spill
 from dask_services._spill import OutOfDiskError, SpillBuffer
@@ -67,13 +68,6 @@ def test_a_write_under_way_holds_back_batches_over_the_limit(tmp_path, monkeypat
 
     monkeypatch.setattr(SpillBuffer, "_write", staticmethod(held_up_write))
 
-    async def until(condition):
-        for _ in range(1000):
-            if condition():
-                return
-            await asyncio.sleep(0)
-        raise AssertionError("condition never met")
-
     async def main():
         buf = SpillBuffer(str(tmp_path), limit=1000)
         await buf.add_batch([("p0", b"x" * 10, 600)])
@@ -82,9 +76,9 @@ def test_a_write_under_way_holds_back_batches_over_the_limit(tmp_path, monkeypat
         assert buf.memory_bytes == 0 and buf.held_bytes == 600
         await asyncio.wait_for(buf.add_batch([("p1", b"y", 300)]), 5)  # 900 held: fits
         over = asyncio.create_task(buf.add_batch([("p1", b"z", 200)]))  # 1100 held
-        await until(lambda: buf.memory_bytes == 500)  # it has added its piece...
-        await asyncio.sleep(0)  # ...and would be done by now, had it not waited
-        assert not over.done()
+        # it has added its piece, and waits for the write under way
+        await until(lambda: suspended_in(over, "Event.wait", buf._written))
+        assert buf.memory_bytes == 500 and not over.done()
         release.set()
         await asyncio.wait_for(asyncio.gather(spilling, over), 10)
         assert buf.writing_bytes == 0 and buf.held_bytes == 500
