@@ -129,14 +129,21 @@ async def test_task_depending_on_service_task_is_rejected(c, s, a, b):
 )
 async def test_memory_accounting_and_please_evict(c, s, a, b):
     Hog.evicted.clear()
+    target = a.memory_manager.memory_target_fraction
+    for w in (a, b):  # no memory target yet: nothing may be evicted
+        w.memory_manager.memory_target_fraction = False
     outs = c.compute(dask_services.service_task(Hog, [], outputs=2))
     # While the hogs hold memory, the workers report it ...
     await async_poll_for(
-        lambda: any(w.metrics["dask_services_managed_bytes"](w) >= 50_000_000
-                    for w in (a, b)) or Hog.evicted,
+        lambda: all(w.metrics["dask_services_managed_bytes"](w) >= 50_000_000
+                    for w in (a, b)),
         timeout=10,
     )
-    # ... and the memory monitor asks them to evict, which lets them finish.
+    assert not Hog.evicted
+    # ... and, once there is a target, the memory monitor asks them to evict, which lets
+    # them finish.
+    for w in (a, b):
+        w.memory_manager.memory_target_fraction = target
     assert await c.gather(outs) == ["evicted", "evicted"]
     assert Hog.evicted and all(n > 0 for n in Hog.evicted)
     del outs

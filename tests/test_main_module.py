@@ -23,7 +23,7 @@ def test_an_error_class_from_main_keeps_its_type_and_message():
     exc = loads_exception(dumps_exception(cls("bad input 3")))
     assert type(exc).__name__ == "NotebookError" and isinstance(exc, Exception)
     assert str(exc) == "bad input 3"
-    assert any("Raised by a service instance" in n for n in getattr(exc, "__notes__", []))
+    assert any("Raised by a service instance" in n for n in exc.__notes__), exc.__notes__
 
 
 @pytest.mark.timeout(30)
