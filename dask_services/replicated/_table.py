@@ -6,14 +6,18 @@ errors, calls refused as overloaded, p50/p99 latency) live on the replica's work
 travel to the scheduler the way the run byte counters do: the replicated worker
 extension's ``heartbeat()`` returns them (``ReplicaWorker.report()``), and distributed
 hands them to the scheduler extension of the same name (``Deployments.heartbeat``), which
-keeps them in :class:`ReplicaReports`.  So the figures are as of the worker's last
-heartbeat (0.5 s on a small cluster), with no extra messages and nothing to poll.
+keeps them in :class:`ReplicaReports`.  So the dashboard's figures are as of the worker's
+last heartbeat (0.5 s on a small cluster; the page says how old), with no extra messages.
+``dask_services.status(client, table="replicas")`` is current: before it reads the table,
+:func:`refresh` asks the workers whose figures are older than :data:`FRESH_S` for them,
+as ``svc.metrics()`` does.
 
 Only the current incarnations of placed replicas are kept, so the table is bounded by
 the number of replicas deployed; a shut-down service leaves no row and no report behind.
 Rows are registered as ``_status.TABLES["replicas"]``: the dashboard's ``/services`` page,
-``dask_services.status(client, table="replicas")`` and the ``dask_services_replicas_*``
-Prometheus gauges all read them.
+``dask_services.status(client, table="replicas")`` and the per-service Prometheus
+families (``dask_services_replicas{service, class, state}``,
+``dask_services_replica_calls_total``, ...: ``_metrics.ReplicaTotals``) all read them.
 """
 
 from __future__ import annotations
