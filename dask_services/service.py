@@ -207,8 +207,11 @@ class Service(Deployable, abc.ABC):
         dashboard's ``/services`` page and the Prometheus metrics (summed over the run).
 
         Known names: ``bytes_sent`` and ``bytes_received`` (data exchanged with peers) and
-        ``bytes_spilled`` (data written to disk); missing ones count as 0.  Called on the
-        worker's event loop at every heartbeat and once after ``stop``: keep it cheap.
+        ``bytes_spilled`` (data written to disk).  The framework counts the first two itself
+        for every service, from the peer calls it carries (``_counters.py``); a value
+        returned here overrides its count of the same name, and a missing one keeps it
+        (``bytes_spilled`` counts as 0).  Called on the worker's event loop at every
+        heartbeat and once after ``stop``: keep it cheap.
         """
         return {}
 

@@ -259,3 +259,29 @@ async def load(chromium: str, url: str, tmp_path: Path) -> tuple[dict, bytes]:
             process.wait(10)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+# ------------------------------------------------------------------ the page's figures
+
+
+def test_replica_history_counts_calls_per_second_across_relaunches():
+    from dask_services.dashboard import ReplicaHistory
+
+    history = ReplicaHistory()
+    row = {"service": "s", "replica": "a.1", "calls": 10, "p50_ms": 1.0, "p99_ms": 2.0}
+    history.sample([row], 100.0)
+    history.sample([dict(row, calls=30)], 102.0)  # 20 calls in 2 s
+    # relaunched: a new incarnation counts from zero, its calls are new ones
+    history.sample([dict(row, replica="a.2", calls=5, p99_ms=9.0)], 103.0)
+    rate = history.lines("rate")
+    assert rate["service"] == ["s"]
+    assert rate["ys"] == [[10.0, 5.0]] and rate["xs"] == [[102_000.0, 103_000.0]]
+    assert history.lines("p99")["ys"] == [[2.0, 2.0, 9.0]]
+
+
+def test_readable_bytes_and_addresses():
+    from dask_services.dashboard import human_bytes, short_address
+
+    assert [human_bytes(n) for n in (0, 999, 1234, 5_600_000, 7.2e9)] == [
+        "0 B", "999 B", "1.2 kB", "5.6 MB", "7.2 GB"]
+    assert short_address("tcp://127.0.0.1:4000") == "127.0.0.1:4000"
