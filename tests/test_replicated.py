@@ -442,6 +442,9 @@ async def test_replica_waits_for_an_eligible_worker_to_join(c, s, a):
                                           .deployments.values() for m in d.slots.values())
 
     await async_poll_for(waiting, timeout=10)
+    # the scheduler's answer to as_service is parked, waiting for a healthy replica
+    plugin = s.extensions["dask_services_replicated"]
+    await async_poll_for(lambda: any_task_suspended_in("Deployments.wait", plugin), 10)
     assert not deploying.done()
     async with Worker(s.address, name="late", nthreads=1) as late:
         svc = await asyncio.wait_for(deploying, 20)
