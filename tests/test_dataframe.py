@@ -162,6 +162,37 @@ def test_property_matches_tasks_and_pandas(params):
         assert list(a.index) == list(b.index)
 
 
+@pytest.mark.parametrize("on", ["k", ["k", "s"], "frame", "series"])
+@pytest.mark.parametrize("ignore_index", [True, False])
+def test_result_index_agrees_with_meta(on, ignore_index):
+    """With ``ignore_index=True`` the outputs keep the index exactly when dask's meta of the
+    shuffle does (it does for every method but ``tasks``), whatever ``on`` is: column
+    names, or a frame or series of key columns."""
+    from dask.dataframe.utils import assert_eq
+
+    n = 40
+    pdf = pd.DataFrame(
+        {"k": np.arange(n) % 7, "s": [f"s{i % 3}" for i in range(n)], "v": np.arange(n) / 2},
+        index=pd.date_range("2024-01-01", periods=n, freq="h", name="timestamp"),
+    )
+    ddf = dd.from_pandas(pdf, npartitions=4)
+    if on == "frame":
+        key = ddf[["k", "s"]].copy()
+    elif on == "series":
+        key = ddf["k"].copy()
+    else:
+        key = on
+    out = ddf.shuffle(key, ignore_index=ignore_index, shuffle_method="service")
+    assert out._meta.index.name == "timestamp"
+    for part in partitions(out):
+        assert part.index.name == out._meta.index.name
+        assert part.index.dtype == out._meta.index.dtype
+    assert_eq(out, pdf)  # also checks every partition against the meta
+    ref = partitions(ddf.shuffle(key, ignore_index=ignore_index, shuffle_method="tasks"))
+    for a, b in zip(partitions(out), ref, strict=True):  # same rows, same order
+        pd.testing.assert_frame_equal(a.reset_index(drop=True), b.reset_index(drop=True))
+
+
 @pytest.mark.parametrize("how", ["inner", "left", "right", "outer"])
 def test_merges(how):
     rng = np.random.default_rng(1)

@@ -37,8 +37,11 @@ class ServiceShuffle(SimpleShuffle):
     def _meta(self):
         if self.operand("assign") is not None:
             meta = self.frame._meta
-            return meta.to_frame() if meta.ndim == 1 else meta
-        return self.frame._meta.drop(columns=self.partitioning_index)
+            meta = meta.to_frame() if meta.ndim == 1 else meta
+        else:
+            meta = self.frame._meta.drop(columns=self.partitioning_index)
+        # the outputs are assembled with ``ignore_index`` (``DataFrameShuffle``)
+        return meta.reset_index(drop=True) if self.ignore_index else meta
 
     def _simplify_up(self, parent, dependents):
         if self.operand("assign") is not None:
@@ -101,13 +104,33 @@ def _lower(self: Shuffle):
             frame,
             self.partitioning_index,
             self.npartitions_out,
-            self.ignore_index,
+            drops_index(self),
             self.options,
             self.original_partitioning_index,
             None,
             assign,
         )
     return _dask_lower(self)
+
+
+def drops_index(shuffle: Shuffle) -> bool:
+    """Whether the outputs of ``shuffle`` drop their index: only where dask's meta of the
+    shuffle does.
+
+    ``ignore_index=True`` allows a shuffle to drop the index, and dask's meta of a shuffle
+    (``ShuffleBase._meta``) only drops it for the ``tasks`` method (``p2p`` and ``disk`` keep
+    it).  The collection a user holds has that meta, so the service's partitions must have
+    its index too: dropping it whenever ``ignore_index`` was set gave a result whose index
+    (unnamed, integer) disagreed with the meta's (``df.shuffle(on, ignore_index=True)``).
+    """
+    if not shuffle.ignore_index:
+        return False
+    meta, before = shuffle._meta, shuffle.frame._meta
+    if meta is before:
+        return False
+    return not (type(meta.index) is type(before.index)
+                and list(meta.index.names) == list(before.index.names)
+                and meta.index.dtype == before.index.dtype)
 
 
 _lower.__wrapped__ = _dask_lower  # type: ignore[attr-defined]
