@@ -84,6 +84,54 @@ def test_property_matches_numpy_and_tasks(case):
     np.testing.assert_array_equal(result, a)
 
 
+def test_merging_neighbouring_chunks_needs_no_larger_graph_than_tasks():
+    x = da.ones(16, chunks=2)
+    y = x.rechunk(8, method="service")
+    assert len(y.__dask_graph__()) == len(x.rechunk(8, method="tasks").__dask_graph__()) == 10
+    np.testing.assert_array_equal(y.compute(scheduler="sync"), np.ones(16))
+    # a rechunk that is not only a merge (12-element chunks need parts of 2-element ones
+    # that other outputs need too, along no axis) stays one service task
+    z = da.ones((16, 6), chunks=(2, 6)).rechunk((16, 3), method="service")
+    assert any(str(k).startswith("rechunk-service-task") for k in z.__dask_graph__())
+
+
+@st.composite
+def merge_cases(draw):
+    """Old chunks, and new chunks whose boundaries are some of the old ones."""
+    ndim = draw(st.integers(1, 4))
+    shape = tuple(draw(st.integers(0, 9 if ndim < 3 else 4)) for _ in range(ndim))
+    old = tuple(chunking(draw, s) for s in shape)
+    new = []
+    for size, chunks in zip(shape, old, strict=True):
+        inner = sorted(set(np.cumsum(chunks)[:-1].tolist()) - {0, size})
+        keep = sorted(draw(st.sets(st.sampled_from(inner))) if inner else [])
+        bounds = [0, *keep, size]
+        new.append(tuple(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)) or (0,))
+    dtype = draw(st.sampled_from(DTYPES))
+    return shape, old, tuple(new), dtype
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(merge_cases())
+def test_property_merges_match_numpy_in_a_graph_no_larger_than_tasks(case):
+    shape, old, new, dtype = case
+    a = sample(shape, dtype)
+    x = da.from_array(a, chunks=old)
+    ours = x.rechunk(new, method="service")
+    tasks = x.rechunk(new, method="tasks")
+    assert ours.chunks == tasks.chunks
+    assert len(ours.__dask_graph__()) <= len(tasks.__dask_graph__())
+    if ours is not x:
+        assert not any(str(k).startswith("rechunk-service-task") for k in ours.__dask_graph__())
+    blocks = [ours.blocks[i].compute(scheduler="sync") for i in np.ndindex(*ours.numblocks)]
+    if ours is not x:
+        assert all(b.flags.writeable and b.flags.c_contiguous for b in blocks)
+        assert not any(np.shares_memory(b, a) for b in blocks)
+    result = ours.compute(scheduler="sync")
+    assert result.dtype == a.dtype and result.shape == a.shape
+    np.testing.assert_array_equal(result, a)
+
+
 @pytest.mark.parametrize("chunks,kwargs", [
     ("auto", {}), ({0: 7}, {}), ({1: -1}, {}), ((-1, None), {}), ((None, 9), {}),
     ((13, 5), {"balance": True}), (-1, {}),

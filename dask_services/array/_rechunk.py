@@ -43,16 +43,24 @@ def service_rechunk(x: Array, chunks: Any = "auto", block_size_limit: Any = None
             f"{type(x._meta).__module__}.{type(x._meta).__name__}. Use method='tasks' "
             "(or 'p2p') for other array types"
         )
+    if x.ndim > 0 and all(s == 0 for s in x.shape):
+        return x  # as dask does: an array with no element along every axis stays as it is
     chunks = _normalize(x, chunks, block_size_limit, balance)
     if not balance and chunks == x.chunks:
         return x
     _module._validate_rechunk(x.chunks, chunks)
     if x.ndim == 0 or chunks == x.chunks:
         return x
-    from dask_services.array._service import ArrayRechunk, most_needed_inputs
+    if x.size == 0:
+        # no element to move: new empty chunks, without the inputs (as ``tasks`` does)
+        return da.empty(x.shape, chunks=chunks, dtype=x.dtype)
+    from dask_services.array._service import ArrayRechunk, merge_plan, most_needed_inputs
 
     token = tokenize(x, chunks, METHOD)
     name = f"rechunk-service-{token}"
+    plan = merge_plan(x.chunks, chunks)
+    if plan is not None:
+        return _merge_rechunk(x, chunks, name, plan)
     input_keys = list(flatten(x.__dask_keys__()))
     shape = [len(c) for c in chunks]
     nearest = most_needed_inputs(x.chunks, chunks)
@@ -69,6 +77,25 @@ def service_rechunk(x: Array, chunks: Any = "auto", block_size_limit: Any = None
         },
     )
     layer = build_service_graph(definition, f"rechunk-service-task-{token}", input_keys)
+    graph = HighLevelGraph.from_collections(name, layer, dependencies=[x])
+    return Array(graph, name, chunks, meta=x._meta)
+
+
+def _merge_rechunk(x: Array, chunks: tuple, name: str, plan: dict) -> Array:
+    """``x`` rechunked by one task per output chunk, which copies its (whole, neighbouring)
+    input chunks into one new array: what a rechunk that only merges chunks needs, in a
+    graph no larger than the ``tasks`` method's (``merge_plan``)."""
+    from dask._task_spec import Task, TaskRef
+
+    from dask_services.array._service import merge_blocks
+
+    layer = {}
+    for j, pieces in plan.items():
+        shape = tuple(chunks[d][jd] for d, jd in enumerate(j))
+        layer[(name, *j)] = Task(
+            (name, *j), merge_blocks, shape, x.dtype, [offset for offset, _ in pieces],
+            *(TaskRef((x.name, *i)) for _, i in pieces),
+        )
     graph = HighLevelGraph.from_collections(name, layer, dependencies=[x])
     return Array(graph, name, chunks, meta=x._meta)
 

@@ -92,6 +92,45 @@ def pieces_per_output(overlaps: list[list[list[tuple[int, slice, int]]]],
     return counts
 
 
+def merge_plan(old: Chunks, new: Chunks
+               ) -> dict[Index, list[tuple[tuple[int, ...], Index]]] | None:
+    """For a rechunk that only merges neighbouring chunks, each output chunk's input chunks
+    and their offsets in it (``{output index: [(offset, input index), ...]}``); ``None``
+    for any other rechunk.
+
+    A rechunk only merges when every input chunk lies in one output chunk along every
+    axis (each new chunk boundary is an old one): then every input goes, whole, to exactly
+    one output, and no output needs an input that another output needs.  Such a rechunk
+    moves nothing between outputs, and one task per output (copy the inputs into one new
+    array) is all the graph it needs; a service task would add a hand-off per input, the
+    service task and a claim per output.  Outputs with no input at all must have a known
+    shape (they are empty arrays), or the plan is ``None``.
+    """
+    overlaps = [axis_overlaps(o, n) for o, n in zip(old, new, strict=True)]
+    if any(len(pieces) > 1 for axis in overlaps for pieces in axis):
+        return None
+    plan: dict[Index, list[tuple[tuple[int, ...], Index]]] = {
+        j: [] for j in itertools.product(*(range(len(c)) for c in new))
+    }
+    for i in itertools.product(*(range(len(c)) for c in old)):
+        per_axis = [overlaps[d][id_] for d, id_ in enumerate(i)]
+        if all(per_axis):
+            j = tuple(p[0][0] for p in per_axis)
+            plan[j].append((tuple(p[0][2] for p in per_axis), i))
+    for j, pieces in plan.items():
+        if not pieces and any(math.isnan(new[d][jd]) for d, jd in enumerate(j)):
+            return None
+    return plan
+
+
+def merge_blocks(shape: tuple[float, ...], dtype: np.dtype, offsets: list[tuple[int, ...]],
+                 *blocks: np.ndarray) -> np.ndarray:
+    """One output chunk of a rechunk that only merges: its input chunks, each placed at its
+    offset, in one new (C-ordered, writeable) array."""
+    return write_pieces(shape, dtype, [(o, np.asarray(b)) for o, b in zip(offsets, blocks,
+                                                                          strict=True)])
+
+
 def slice_block(block: np.ndarray, index: Index,
                 overlaps: list[list[list[tuple[int, slice, int]]]]) -> list[Piece]:
     """The pieces of the input chunk at ``index``: one per output chunk it overlaps."""
