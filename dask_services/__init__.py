@@ -16,7 +16,7 @@ from dask_services import (
 from dask_services import config as _config  # noqa: F401  (registers config defaults)
 from dask_services._spill import OutOfDiskError
 from dask_services._status import status
-from dask_services.client import install, install_async, service_task, submit
+from dask_services.client import install, install_async, service_task, story, submit
 from dask_services.replicated import (
     DeploymentError,
     EndpointRefused,
@@ -70,6 +70,7 @@ __all__ = [
     "rpc",
     "service_task",
     "status",
+    "story",
     "submit",
 ]
 

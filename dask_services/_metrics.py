@@ -148,8 +148,8 @@ def _live(history: RunHistory) -> dict[str, dict[str, int]]:
             continue
         live = out.setdefault(record.service, dict.fromkeys(LIVE_STATES + RUN_FIGURES, 0))
         live[state] += 1
-        live["inputs_handed_off"] += len(run.handed_off)
-        live["outputs_produced"] += len(run.produced)
+        live["inputs_handed_off"] += run.inputs_handed_off
+        live["outputs_produced"] += run.outputs_produced
     return out
 
 

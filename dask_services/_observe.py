@@ -15,9 +15,11 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from dask.typing import Key
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_services import _status
+from dask_services._run_state import RunSnapshot
 from dask_services.scheduler import RunLogEntry, RunObserver
 from dask_services.worker import EXTENSION as CORE
 
@@ -91,3 +93,8 @@ class ServiceDiagnostics(SchedulerPlugin, RunObserver):
 
     def counters_reported(self, worker: str, records: Sequence[Mapping[str, Any]]) -> None:
         self.history.worker_report(worker, records)
+
+    def run_progressed(self, key: Key, run: RunSnapshot) -> None:
+        record = self.history.records.get(run.run_id)
+        if record is not None and record.ended is None:
+            record.run = run

@@ -1,17 +1,24 @@
-"""The lifecycle of a service task's runs, as a pure state machine: events in, actions out.
+"""The lifecycle of a service task's runs, as a closed state machine: events in, actions out.
 
-The scheduler plugin feeds events (a hand-off was scheduled, an instance started, an input
-was handed off, an output was produced, a worker left...) to one :class:`ServiceTaskMachine`
-per service task and carries out the actions it returns.  Nothing here touches the network
-or the scheduler, so every transition is testable without a cluster.
+The scheduler plugin translates scheduler callbacks and worker messages into events (a
+hand-off was scheduled, an instance started, an input was handed off, an output was
+produced, a worker left...), feeds them to one :class:`ServiceTaskMachine` per service
+task and carries out the actions it returns; every decision about a run is made here.
+Nothing here touches the network or the scheduler, so every transition is testable without
+a cluster.  Modelled on distributed's ``worker_state_machine``: every event and action
+carries a ``stimulus_id``; the machine keeps a bounded story per run of what it received,
+decided and sent (``story()``); ``validate()`` checks its invariants, after every event when
+``validating`` (``distributed.scheduler.validate``); actions carry immutable
+:class:`RunSnapshot` objects, never the live :class:`Run`.
 
 Lifecycle of one run::
 
     (no run) --RunNeeded--> STARTING --all InstanceStarted--> RUNNING
     RUNNING --all InputHandedOff--> INPUTS_DONE --all wanted OutputProduced--> FINISHED
     any live phase --RunFailed--> FAILED
-    any live phase --RestartRequested / participant WorkerLost--> (no run; next RunNeeded)
-    any live phase --ServiceTaskReleased--> (no run)
+    any live phase --RestartRequested / participant WorkerLost / OutputLost /
+                     WantedGrew / OutputsWanted / OutputWaiting--> (no run; next RunNeeded)
+    any live phase --ServiceTaskReleased / ServiceTaskForgotten--> (no run)
 
 The barrier (``all_inputs_done``) is sent once every input was handed off *and* every
 instance has started, so ``all_started`` always comes first.
@@ -20,12 +27,29 @@ instance has started, so ``all_started`` always comes first.
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+import itertools
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+import dask.config
+from dask.typing import Key
 
 from dask_services.service import ProduceKeyError, ServiceId, TooManyRestarts
 
-Key = Hashable
+_stimuli = itertools.count(1)
+
+
+def new_stimulus_id(name: str) -> str:
+    """A fresh stimulus id, ``<name>-<time>-<n>`` (distributed's style, made unique)."""
+    return f"{name}-{time.time()}-{next(_stimuli)}"
+
+
+def _stimulus_field(name: str) -> Any:
+    return field(default_factory=lambda: new_stimulus_id(name), kw_only=True)
 
 
 class Phase(enum.Enum):
@@ -39,9 +63,35 @@ class Phase(enum.Enum):
 LIVE_PHASES = frozenset({Phase.STARTING, Phase.RUNNING, Phase.INPUTS_DONE})
 
 
+@dataclass(frozen=True)
+class RunSnapshot:
+    """An immutable view of a :class:`Run` at one moment: what actions, status rows and
+    observers get."""
+
+    run_id: int
+    participants: tuple[str, ...]
+    ids: Mapping[str, ServiceId]  # read-only
+    wanted: tuple[Key, ...]
+    owners: Mapping[Key, ServiceId]  # read-only
+    leader: ServiceId
+    phase: Phase
+    instances_started: int
+    inputs_handed_off: int
+    outputs_produced: int
+    outputs_landed: int
+
+    @property
+    def outputs_wanted(self) -> int:
+        return len(self.wanted)
+
+    @property
+    def live(self) -> bool:
+        return self.phase in LIVE_PHASES
+
+
 @dataclass
 class Run:
-    """One attempt at a service task."""
+    """One attempt at a service task; owned and changed by its machine only."""
 
     run_id: int
     participants: tuple[str, ...]  # worker addresses, in placement order
@@ -59,6 +109,9 @@ class Run:
     def __post_init__(self) -> None:
         # membership tests once per event: a tuple would make a run quadratic in its outputs
         self.wanted_set = frozenset(self.wanted)
+        # never change after creation: shared, read-only, by every snapshot
+        self._ids_view = MappingProxyType(dict(self.ids))
+        self._owners_view = MappingProxyType(dict(self.owners))
 
     @property
     def live(self) -> bool:
@@ -68,31 +121,88 @@ class Run:
     def worker_of(self) -> dict[ServiceId, str]:
         return {sid: w for w, sid in self.ids.items()}
 
+    # the figures of a snapshot, read off the live run
+    @property
+    def instances_started(self) -> int:
+        return len(self.started)
+
+    @property
+    def inputs_handed_off(self) -> int:
+        return len(self.handed_off)
+
+    @property
+    def outputs_wanted(self) -> int:
+        return len(self.wanted)
+
+    @property
+    def outputs_produced(self) -> int:
+        return len(self.produced)
+
+    @property
+    def outputs_landed(self) -> int:
+        return len(self.landed)
+
+    def snapshot(self) -> RunSnapshot:
+        return RunSnapshot(
+            run_id=self.run_id, participants=self.participants, ids=self._ids_view,
+            wanted=self.wanted, owners=self._owners_view, leader=self.leader,
+            phase=self.phase, instances_started=len(self.started),
+            inputs_handed_off=len(self.handed_off), outputs_produced=len(self.produced),
+            outputs_landed=len(self.landed),
+        )
+
 
 # ---------------------------------------------------------------- events
 
 
 @dataclass(frozen=True)
 class RunNeeded:
-    """A hand-off (or a service task without inputs) is about to run; a run must exist."""
+    """The plugin's answer to :class:`PrepareRun`: the facts a new run is made of."""
 
     run_id: int  # a fresh number; used only if a run is created
     id_prefix: str
     participants: Sequence[str]
     wanted: Sequence[Key]
     placement: dict[Key, str] | None = None  # output -> worker, to agree with other runs
+    stimulus_id: str = _stimulus_field("run-needed")
+
+
+@dataclass(frozen=True)
+class HandOffScheduled:
+    """A hand-off of input ``key`` is about to run: a run must exist to receive it."""
+
+    key: Key
+    stimulus_id: str = _stimulus_field("hand-off-scheduled")
+
+
+@dataclass(frozen=True)
+class WorkerAdded:
+    """A worker joined: a service task without inputs that found no worker may start."""
+
+    worker: str
+    stimulus_id: str = _stimulus_field("worker-added")
+
+
+@dataclass(frozen=True)
+class GraphRejected:
+    """The graph breaks a rule of service tasks: the service task errs with ``error``."""
+
+    error: BaseException
+    stimulus_id: str = _stimulus_field("graph-rejected")
 
 
 @dataclass(frozen=True)
 class InstanceStarted:
     run_id: int
     id: ServiceId
+    stimulus_id: str = _stimulus_field("instance-started")
 
 
 @dataclass(frozen=True)
 class InputHandedOff:
     run_id: int
     key: Key
+    stimulus_id: str = _stimulus_field("input-handed-off")
 
 
 @dataclass(frozen=True)
@@ -100,6 +210,7 @@ class OutputProduced:
     run_id: int
     key: Key
     worker: str
+    stimulus_id: str = _stimulus_field("output-produced")
 
 
 @dataclass(frozen=True)
@@ -107,18 +218,62 @@ class OutputLanded:
     """A produced output reached memory (or was forgotten before it could)."""
 
     key: Key
+    stimulus_id: str = _stimulus_field("output-landed")
+
+
+@dataclass(frozen=True)
+class OutputNotNeeded:
+    """A produced output cannot be released (nobody wants it any more): drop it."""
+
+    key: Key
+    worker: str
+    stimulus_id: str = _stimulus_field("output-not-needed")
+
+
+@dataclass(frozen=True)
+class OutputLost:
+    """A produced output that had not reached memory was lost with its worker."""
+
+    key: Key
+    stimulus_id: str = _stimulus_field("output-lost")
+
+
+@dataclass(frozen=True)
+class OutputUnproduced:
+    """An output that no run produced is about to run: its value does not exist."""
+
+    key: Key
+    stimulus_id: str = _stimulus_field("output-unproduced")
+
+
+@dataclass(frozen=True)
+class OutputWaiting:
+    """Output ``key`` is waiting for its service task (asked for, or lost, again)."""
+
+    key: Key
+    stimulus_id: str = _stimulus_field("output-waiting")
+
+
+@dataclass(frozen=True)
+class OutputsWanted:
+    """A new graph arrived: ``wanted`` are the outputs not in memory now."""
+
+    wanted: Sequence[Key]
+    stimulus_id: str = _stimulus_field("outputs-wanted")
 
 
 @dataclass(frozen=True)
 class RunFailed:
     run_id: int
     error: BaseException
+    stimulus_id: str = _stimulus_field("run-failed")
 
 
 @dataclass(frozen=True)
 class RestartRequested:
     run_id: int
     reason: str
+    stimulus_id: str = _stimulus_field("restart-requested")
 
 
 @dataclass(frozen=True)
@@ -126,11 +281,13 @@ class WantedGrew:
     """Outputs the live run does not produce are wanted now: start over, not a failure."""
 
     reason: str
+    stimulus_id: str = _stimulus_field("wanted-grew")
 
 
 @dataclass(frozen=True)
 class WorkerLost:
     worker: str
+    stimulus_id: str = _stimulus_field("worker-lost")
 
 
 @dataclass(frozen=True)
@@ -138,6 +295,17 @@ class ServiceTaskProcessing:
     """The service task itself was sent to ``worker`` (it waits there for the outcome)."""
 
     worker: str
+    stimulus_id: str = _stimulus_field("service-task-processing")
+
+
+@dataclass(frozen=True)
+class OutcomeUndelivered:
+    """The outcome could not be delivered: the service task left ``processing`` on the
+    worker it was meant for; it runs on ``worker`` now (None: nowhere yet)."""
+
+    error: BaseException | None
+    worker: str | None
+    stimulus_id: str = _stimulus_field("outcome-undelivered")
 
 
 @dataclass(frozen=True)
@@ -151,44 +319,81 @@ class ServiceTaskReleased:
 
     worker_gone: bool = False
     still_wanted: bool = False
+    stimulus_id: str = _stimulus_field("service-task-released")
 
 
 @dataclass(frozen=True)
 class ServiceTaskDone:
     """The service task reached memory or erred; the outcome was delivered."""
 
+    stimulus_id: str = _stimulus_field("service-task-done")
+
+
+@dataclass(frozen=True)
+class ServiceTaskForgotten:
+    """The scheduler forgot the service task: a live run is cancelled."""
+
+    stimulus_id: str = _stimulus_field("service-task-forgotten")
+
 
 Event = (
     RunNeeded
+    | HandOffScheduled
+    | WorkerAdded
+    | GraphRejected
     | InstanceStarted
     | InputHandedOff
     | OutputProduced
     | OutputLanded
+    | OutputNotNeeded
+    | OutputLost
+    | OutputUnproduced
+    | OutputWaiting
+    | OutputsWanted
     | RunFailed
     | RestartRequested
     | WantedGrew
     | WorkerLost
     | ServiceTaskProcessing
+    | OutcomeUndelivered
     | ServiceTaskReleased
     | ServiceTaskDone
+    | ServiceTaskForgotten
 )
 
 # ---------------------------------------------------------------- actions
+# ``stimulus_id`` is the id of the event that caused the action (set by ``handle``); it
+# does not take part in comparisons.
+
+
+def _action_stimulus() -> Any:
+    return field(default="", kw_only=True, compare=False)
+
+
+@dataclass(frozen=True)
+class PrepareRun:
+    """A run may start: gather its facts (participants, wanted outputs, placement) and
+    answer with :class:`RunNeeded`."""
+
+    stimulus_id: str = _action_stimulus()
 
 
 @dataclass(frozen=True)
 class StartInstances:
-    run: Run
+    run: RunSnapshot
+    stimulus_id: str = _action_stimulus()
 
 
 @dataclass(frozen=True)
 class BroadcastAllStarted:
-    run: Run
+    run: RunSnapshot
+    stimulus_id: str = _action_stimulus()
 
 
 @dataclass(frozen=True)
 class BroadcastInputsDone:
-    run: Run
+    run: RunSnapshot
+    stimulus_id: str = _action_stimulus()
 
 
 @dataclass(frozen=True)
@@ -197,6 +402,7 @@ class ReleaseOutput:
 
     key: Key
     worker: str
+    stimulus_id: str = _action_stimulus()
 
 
 @dataclass(frozen=True)
@@ -205,12 +411,14 @@ class DropOutput:
 
     key: Key
     worker: str
+    stimulus_id: str = _action_stimulus()
 
 
 @dataclass(frozen=True)
 class StopInstances:
-    run: Run
+    run: RunSnapshot
     reason: str
+    stimulus_id: str = _action_stimulus()
 
 
 @dataclass(frozen=True)
@@ -219,6 +427,7 @@ class NotifyServiceTask:
 
     worker: str
     error: BaseException | None
+    stimulus_id: str = _action_stimulus()
 
 
 @dataclass(frozen=True)
@@ -226,6 +435,7 @@ class RescheduleServiceTask:
     """Release the service task and its hand-offs so that a new run gets every input."""
 
     reason: str
+    stimulus_id: str = _action_stimulus()
 
 
 @dataclass(frozen=True)
@@ -233,10 +443,12 @@ class Log:
     action: str  # "started" | "finished" | "failed" | "restarted" | "cancelled"
     run_id: int
     detail: str = ""
+    stimulus_id: str = _action_stimulus()
 
 
 Action = (
-    StartInstances
+    PrepareRun
+    | StartInstances
     | BroadcastAllStarted
     | BroadcastInputsDone
     | ReleaseOutput
@@ -247,9 +459,83 @@ Action = (
     | Log
 )
 
+# Per-key events and actions: many per run.  A story keeps them apart from the run's
+# milestones, so that a large run's routine never pushes its start out of the story.
+ROUTINE: frozenset[type] = frozenset({
+    HandOffScheduled, InstanceStarted, InputHandedOff, OutputProduced, OutputLanded,
+    OutputNotNeeded, OutputWaiting, ReleaseOutput, DropOutput,
+})
+
+
+# ---------------------------------------------------------------- stories
+
+_sequence = itertools.count()
+
+
+@dataclass(frozen=True)
+class StoryEntry:
+    """One line of a run's story."""
+
+    seq: int  # global order
+    time: float
+    key: Key
+    run_id: int | None  # None: before any run, or about none
+    stimulus_id: str
+    kind: str  # "received" (an event), "decided" (a change of state), "sent" (an action)
+    what: Any  # the event or action, or the decision's text
+
+    def as_dict(self) -> dict[str, Any]:
+        what = self.what
+        return {
+            "time": self.time, "key": self.key, "run_id": self.run_id,
+            "stimulus_id": self.stimulus_id, "kind": self.kind,
+            "what": what if isinstance(what, str) else type(what).__name__,
+            "detail": "" if isinstance(what, str) else describe(what),
+        }
+
+
+def describe(obj: Any) -> str:
+    """The fields of an event or action, briefly (a snapshot as its run id)."""
+    parts = []
+    for f in fields(obj):
+        if f.name == "stimulus_id":
+            continue
+        value = getattr(obj, f.name)
+        if isinstance(value, RunSnapshot):
+            parts.append(f"run={value.run_id}")
+        elif isinstance(value, (list, tuple)) and len(value) > 8:
+            parts.append(f"{f.name}=<{len(value)} items>")
+        else:
+            parts.append(f"{f.name}={value!r}")
+    return ", ".join(parts)
+
+
+class RunStory:
+    """The story of one run: its milestones and its per-key routine, each bounded."""
+
+    __slots__ = ("milestones", "routine")
+
+    def __init__(self, entries: int) -> None:
+        self.milestones: deque[StoryEntry] = deque(maxlen=entries)
+        self.routine: deque[StoryEntry] = deque(maxlen=entries)
+
+    def entries(self) -> list[StoryEntry]:
+        return sorted([*self.milestones, *self.routine], key=lambda e: e.seq)
+
+
+def story_limits() -> tuple[int, int]:
+    """``(entries per run, runs)`` from ``dask_services.story``."""
+    return (max(1, int(dask.config.get("dask_services.story.entries", 1000))),
+            max(1, int(dask.config.get("dask_services.story.runs", 100))))
+
+
+# ---------------------------------------------------------------- the machine
+
 
 class ServiceTaskMachine:
     """Scheduler-side state of one service task across its runs."""
+
+    _handlers: ClassVar[dict[type, Callable[[ServiceTaskMachine, Any], list[Action]]]]
 
     def __init__(
         self,
@@ -257,6 +543,7 @@ class ServiceTaskMachine:
         input_keys: Sequence[Key],
         output_keys: Sequence[Key],
         max_restarts: int,
+        validating: bool | None = None,
     ) -> None:
         self.key = key
         self.input_keys = tuple(input_keys)
@@ -271,6 +558,11 @@ class ServiceTaskMachine:
         self.pending_outcome: tuple[BaseException | None] | None = None
         # Set when the graph breaks a rule of service tasks; the task then errs with it.
         self.graph_error: BaseException | None = None
+        if validating is None:
+            validating = bool(dask.config.get("distributed.scheduler.validate", False))
+        self.validating = validating
+        self.story_entries, self.story_runs = story_limits()
+        self.stories: OrderedDict[int | None, RunStory] = OrderedDict()
 
     # ------------------------------------------------------------ helpers
 
@@ -281,6 +573,16 @@ class ServiceTaskMachine:
     def _current(self, run_id: int) -> Run | None:
         run = self.live_run
         return run if run is not None and run.run_id == run_id else None
+
+    def _may_start(self) -> bool:
+        """Whether a new run may start now (facts permitting)."""
+        if self.live_run is not None or self.pending_outcome is not None:
+            return False
+        if self.graph_error is not None:
+            return False
+        # finished; the service task is about to reach memory
+        return not (self.run is not None and self.run.phase is Phase.FINISHED
+                    and self.task_worker)
 
     def _conclude(self, error: BaseException | None) -> list[Action]:
         if self.task_worker is not None:
@@ -294,7 +596,7 @@ class ServiceTaskMachine:
             and len(run.handed_off) == len(self.input_keys)
         ):
             run.phase = Phase.INPUTS_DONE
-            return [BroadcastInputsDone(run)]
+            return [BroadcastInputsDone(run.snapshot())]
         return []
 
     def _maybe_finished(self, run: Run) -> list[Action]:
@@ -305,7 +607,7 @@ class ServiceTaskMachine:
     def _finish(self, run: Run) -> list[Action]:
         run.phase = Phase.FINISHED
         return [
-            StopInstances(run, "finished"),
+            StopInstances(run.snapshot(), "finished"),
             Log("finished", run.run_id, f"{len(run.produced)} outputs produced"),
             *self._maybe_conclude(run),
         ]
@@ -325,7 +627,7 @@ class ServiceTaskMachine:
         actions: list[Action] = []
         if run is not None:
             run.phase = Phase.FAILED
-            actions.append(StopInstances(run, f"failed: {error!r}"))
+            actions.append(StopInstances(run.snapshot(), f"failed: {error!r}"))
             actions.append(Log("failed", run.run_id, repr(error)))
         return actions + self._conclude(error)
 
@@ -342,7 +644,7 @@ class ServiceTaskMachine:
         run.phase = Phase.FAILED
         self.run = None
         return [
-            StopInstances(run, f"restarting: {reason}"),
+            StopInstances(run.snapshot(), f"restarting: {reason}"),
             Log("restarted", run.run_id, reason),
             RescheduleServiceTask(reason),
         ]
@@ -350,16 +652,25 @@ class ServiceTaskMachine:
     # ------------------------------------------------------------ events
 
     def handle(self, event: Event) -> list[Action]:
-        method = getattr(self, "_on_" + type(event).__name__)
-        return method(event)
+        """Feed one event; returns the actions to carry out, in order, each stamped with
+        the event's ``stimulus_id``.  An event type without a handler raises."""
+        handler = self._handlers.get(type(event))
+        if handler is None:
+            raise TypeError(f"{type(self).__name__} has no handler for {event!r}")
+        before = self._state()
+        run_before = self.run
+        actions = handler(self, event)
+        stimulus_id = event.stimulus_id
+        actions = [a if a.stimulus_id else replace(a, stimulus_id=stimulus_id)
+                   for a in actions]
+        self._tell_story(event, run_before, before, actions)
+        if self.validating:
+            self.validate()
+        return actions
 
     def _on_RunNeeded(self, ev: RunNeeded) -> list[Action]:
-        if self.live_run is not None or self.pending_outcome is not None:
+        if not self._may_start():
             return []
-        if self.graph_error is not None:
-            return []
-        if self.run is not None and self.run.phase is Phase.FINISHED and self.task_worker:
-            return []  # finished; the service task is about to reach memory
         if not ev.participants:
             return []  # no worker yet; the plugin asks again when one arrives
         participants = tuple(ev.participants)
@@ -379,7 +690,21 @@ class ServiceTaskMachine:
             leader=ids[participants[0]],
         )
         self.run = run
-        return [StartInstances(run), Log("started", run.run_id, f"on {len(ids)} workers")]
+        return [StartInstances(run.snapshot()),
+                Log("started", run.run_id, f"on {len(ids)} workers")]
+
+    def _on_HandOffScheduled(self, ev: HandOffScheduled) -> list[Action]:
+        return [PrepareRun()] if self._may_start() else []
+
+    def _on_WorkerAdded(self, ev: WorkerAdded) -> list[Action]:
+        # a service task without inputs, processing, that found no worker to run on
+        if not self.input_keys and self.task_worker is not None and self._may_start():
+            return [PrepareRun()]
+        return []
+
+    def _on_GraphRejected(self, ev: GraphRejected) -> list[Action]:
+        self.graph_error = ev.error
+        return []
 
     def _on_InstanceStarted(self, ev: InstanceStarted) -> list[Action]:
         run = self._current(ev.run_id)
@@ -388,7 +713,7 @@ class ServiceTaskMachine:
         run.started.add(ev.id)
         if run.phase is Phase.STARTING and len(run.started) == len(run.ids):
             run.phase = Phase.RUNNING
-            actions: list[Action] = [BroadcastAllStarted(run)]
+            actions: list[Action] = [BroadcastAllStarted(run.snapshot())]
             actions += self._maybe_barrier(run)
             actions += self._maybe_finished(run)
             return actions
@@ -438,6 +763,35 @@ class ServiceTaskMachine:
         run.landed.add(ev.key)
         return self._maybe_conclude(run)
 
+    def _on_OutputNotNeeded(self, ev: OutputNotNeeded) -> list[Action]:
+        return [DropOutput(ev.key, ev.worker),
+                *self._on_OutputLanded(OutputLanded(ev.key, stimulus_id=ev.stimulus_id))]
+
+    def _on_OutputLost(self, ev: OutputLost) -> list[Action]:
+        reason = "a produced output was lost"
+        run = self.live_run
+        if run is not None:
+            return self._restart(run, reason)
+        return [RescheduleServiceTask(reason)]
+
+    def _on_OutputUnproduced(self, ev: OutputUnproduced) -> list[Action]:
+        # take it back (before the worker can answer) and give it a new run
+        return [RescheduleServiceTask(f"output {ev.key!r} was about to run but no run "
+                                      "produced it")]
+
+    def _on_OutputWaiting(self, ev: OutputWaiting) -> list[Action]:
+        run = self.live_run
+        if run is not None and ev.key in self.output_key_set and ev.key not in run.wanted_set:
+            # e.g. lost while a run that does not know it is under way
+            return self._restart(run, "more outputs were asked for", counted=False)
+        return []
+
+    def _on_OutputsWanted(self, ev: OutputsWanted) -> list[Action]:
+        run = self.live_run
+        if run is not None and not run.wanted_set.issuperset(ev.wanted):
+            return self._restart(run, "more outputs were asked for", counted=False)
+        return []
+
     def _on_RunFailed(self, ev: RunFailed) -> list[Action]:
         run = self._current(ev.run_id)
         if run is None:
@@ -471,7 +825,20 @@ class ServiceTaskMachine:
             (error,) = self.pending_outcome
             self.pending_outcome = None
             return [NotifyServiceTask(ev.worker, error)]
+        if self.graph_error is not None:
+            return [NotifyServiceTask(ev.worker, self.graph_error)]
+        if not self.input_keys and self._may_start():
+            return [PrepareRun()]  # nothing to hand off: the task itself needs the run
         return []
+
+    def _on_OutcomeUndelivered(self, ev: OutcomeUndelivered) -> list[Action]:
+        # deliver the outcome wherever the service task runs next
+        self.task_worker = None
+        self.pending_outcome = (ev.error,)
+        if ev.worker is None:
+            return []
+        return self._on_ServiceTaskProcessing(
+            ServiceTaskProcessing(ev.worker, stimulus_id=ev.stimulus_id))
 
     def _on_ServiceTaskReleased(self, ev: ServiceTaskReleased) -> list[Action]:
         worker, self.task_worker = self.task_worker, None
@@ -487,10 +854,14 @@ class ServiceTaskMachine:
                 self.run = None
             self.pending_outcome = None
             return []
+        return self._cancel(run, "")
+
+    def _cancel(self, run: Run, detail: str) -> list[Action]:
         run.phase = Phase.FAILED
         self.run = None
         self.pending_outcome = None
-        return [StopInstances(run, "cancelled"), Log("cancelled", run.run_id)]
+        return [StopInstances(run.snapshot(), detail or "cancelled"),
+                Log("cancelled", run.run_id, detail)]
 
     def _on_ServiceTaskDone(self, ev: ServiceTaskDone) -> list[Action]:
         self.task_worker = None
@@ -498,6 +869,128 @@ class ServiceTaskMachine:
         self.run = None
         self.restarts = 0
         return []
+
+    def _on_ServiceTaskForgotten(self, ev: ServiceTaskForgotten) -> list[Action]:
+        run = self.live_run
+        self.task_worker = None
+        self.pending_outcome = None
+        if run is None:
+            return []
+        return self._cancel(run, "forgotten")
+
+    # ------------------------------------------------------------ story
+
+    def _state(self) -> tuple:
+        run = self.run
+        return (run.run_id if run is not None else None,
+                run.phase if run is not None else None, self.restarts,
+                self.pending_outcome is not None, self.task_worker,
+                self.graph_error is not None)
+
+    def _story(self, run_id: int | None) -> RunStory:
+        story = self.stories.get(run_id)
+        if story is None:
+            story = self.stories[run_id] = RunStory(self.story_entries)
+            while len(self.stories) > self.story_runs:
+                self.stories.popitem(last=False)
+        return story
+
+    def _tell_story(self, event: Any, run_before: Run | None, before: tuple,
+                    actions: list[Action]) -> None:
+        now = time.time()
+        sid = event.stimulus_id
+        # the run the event is about: its own run id if that run is known, else the run
+        # current when it arrived (or the one it created)
+        run_id = None if isinstance(event, RunNeeded) else getattr(event, "run_id", None)
+        if run_id is None or run_id not in self.stories:
+            run = run_before if run_before is not None else self.run
+            run_id = run.run_id if run is not None else None
+        story = self._story(run_id)
+        (story.routine if type(event) in ROUTINE else story.milestones).append(
+            StoryEntry(next(_sequence), now, self.key, run_id, sid, "received", event))
+        after = self._state()
+        if after != before:
+            for text in _decisions(before, after):
+                story.milestones.append(StoryEntry(next(_sequence), now, self.key, run_id,
+                                                   sid, "decided", text))
+        for action in actions:
+            arid = action.run.run_id if hasattr(action, "run") else getattr(
+                action, "run_id", run_id)
+            target = story if arid == run_id else self._story(arid)
+            (target.routine if type(action) in ROUTINE else target.milestones).append(
+                StoryEntry(next(_sequence), now, self.key, arid, sid, "sent", action))
+
+    def story(self, run_id: int | None = None) -> list[StoryEntry]:
+        """What this machine received, decided and sent, in order: about run ``run_id``,
+        or (None) about every run it keeps and about none."""
+        if run_id is not None:
+            story = self.stories.get(run_id)
+            return story.entries() if story is not None else []
+        entries = [e for story in self.stories.values() for e in story.entries()]
+        entries.sort(key=lambda e: e.seq)
+        return entries
+
+    # ------------------------------------------------------------ invariants
+
+    def validate(self) -> None:
+        """Check the machine's invariants; raises AssertionError naming the broken one."""
+        run = self.run
+        assert 0 <= self.restarts <= self.max_restarts + 1, self.restarts
+        assert self.pending_outcome is None or self.task_worker is None, \
+            "an outcome waits although the service task is processing"
+        for story in self.stories.values():
+            assert len(story.milestones) <= self.story_entries
+            assert len(story.routine) <= self.story_entries
+        assert len(self.stories) <= self.story_runs
+        if run is None:
+            return
+        assert run.participants and set(run.ids) == set(run.participants), run.ids
+        sids = set(run.ids.values())
+        assert len(sids) == len(run.ids), "two workers share an instance id"
+        assert run.leader in sids
+        assert set(run.owners.values()) <= sids
+        assert list(run.owners) == list(run.wanted)
+        assert run.started <= sids
+        assert run.handed_off <= self.input_key_set
+        assert set(run.produced) <= run.wanted_set
+        assert run.landed <= set(run.produced)
+        if run.phase in (Phase.RUNNING, Phase.INPUTS_DONE, Phase.FINISHED):
+            assert run.started == sids or run.phase is Phase.FINISHED and not run.live
+        if run.phase in (Phase.INPUTS_DONE, Phase.FINISHED):
+            assert len(run.handed_off) == len(self.input_keys)
+        if run.phase is Phase.FINISHED:
+            assert len(run.produced) == len(run.wanted)
+        if run.concluded:
+            assert run.phase is Phase.FINISHED and run.landed == set(run.produced)
+
+
+ServiceTaskMachine._handlers = {
+    ev_type: getattr(ServiceTaskMachine, "_on_" + ev_type.__name__)
+    for ev_type in Event.__args__  # type: ignore[attr-defined]
+}
+
+
+def _decisions(before: tuple, after: tuple) -> list[str]:
+    """The changes of state between two ``ServiceTaskMachine._state()`` tuples, as text."""
+    (run0, phase0, restarts0, pending0, worker0, rejected0) = before
+    (run1, phase1, restarts1, pending1, worker1, rejected1) = after
+    out = []
+    if run0 != run1:
+        if run0 is not None:
+            out.append(f"run {run0} is over")
+        if run1 is not None:
+            out.append(f"run {run1} created")
+    elif phase0 is not phase1 and phase1 is not None:
+        out.append(f"run {run1}: {phase0.value} -> {phase1.value}")
+    if restarts1 != restarts0:
+        out.append(f"restarts: {restarts0} -> {restarts1}")
+    if pending1 and not pending0:
+        out.append("outcome decided; it waits for the service task to be processing")
+    if worker1 != worker0:
+        out.append(f"service task on {worker1}" if worker1 else "service task not processing")
+    if rejected1 and not rejected0:
+        out.append("graph rejected")
+    return out
 
 
 def _owners(wanted: Sequence[Key], participants: Sequence[str],

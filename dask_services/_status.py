@@ -5,7 +5,7 @@ The scheduler plugin keeps one :class:`RunHistory`.  It is fed by the plugin's l
 run started, finished, failed, was restarted or cancelled) and by the workers' heartbeats,
 which carry each live instance's byte counters (``Service.counters()``) and, once, the final
 counters of every instance stopped since the previous heartbeat.  Live runs are read from
-the state machine's ``Run`` objects, so their figures are always current; ended runs are
+the latest snapshots of the runs (sent by the core after every event); ended runs are
 kept, up to ``dask_services.status.recent-runs`` of them, the oldest forgotten first.
 
 Every table is a :class:`StatusTable` in :data:`TABLES`: a name, its columns, which columns
@@ -27,7 +27,7 @@ import dask.config
 
 from dask_services._counters import COUNTERS, GAUGES
 from dask_services._metrics import RunTotals
-from dask_services._run_state import Run
+from dask_services._run_state import RunSnapshot
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -81,7 +81,7 @@ class RunRecord:
     inputs: int
     restarts: int
     started: float
-    run: Run | None  # while live: the machine's own Run, updated in place
+    run: RunSnapshot | None  # while live: the latest snapshot of the run
     state: str = "running"
     detail: str = ""
     ended: float | None = None
@@ -95,9 +95,9 @@ class RunRecord:
     def row(self, now: float) -> dict[str, Any]:
         run = self.run
         if run is not None:
-            self.inputs_handed_off = len(run.handed_off)
-            self.outputs_wanted = len(run.wanted)
-            self.outputs_produced = len(run.produced)
+            self.inputs_handed_off = run.inputs_handed_off
+            self.outputs_wanted = run.outputs_wanted
+            self.outputs_produced = run.outputs_produced
         state = self.state
         if run is not None and state == "running":
             state = run.phase.value
@@ -154,7 +154,7 @@ class RunHistory:
         self.forgotten: OrderedDict[int, RunRecord] = OrderedDict()
 
     def logged(self, service: str, key: Key, action: str, run_id: int, detail: str,
-               run: Run | None, inputs: int, restarts: int) -> None:
+               run: RunSnapshot | None, inputs: int, restarts: int) -> None:
         """A log line of the state machine (see ``_run_state.Log``)."""
         self.totals[service, action] = self.totals.get((service, action), 0) + 1
         if action == "started":

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from dask.base import is_dask_collection, tokenize
 from dask.core import flatten
 from dask.delayed import Delayed
 from dask.highlevelgraph import HighLevelGraph
+from dask.typing import Key
 from dask.utils import funcname
 
 from dask_services.graph import ServiceDefinition, build_service_graph
 from dask_services.service import Service, ServiceGraphError
 
-Key = Hashable
 _installed: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -165,3 +165,32 @@ def _maybe_install_default_client() -> None:
         install(client)
     except Exception:  # pragma: no cover - best effort; the worker raises a clear error
         pass
+
+
+def story(client: Any = None, key_or_run: Any = None) -> Any:
+    """What happened to a service task, or to one of its runs: the scheduler's story.
+
+    ``key_or_run`` is a service task's key (or one of its outputs: a key, a ``Future`` or
+    a ``Delayed``), or a run id (an ``int``, as in ``dask_services.status()``).  Returns
+    a list of entries in the order they happened, each a dict: ``time``, ``key``,
+    ``run_id``, ``stimulus_id`` (what caused it: a scheduler transition, a worker message,
+    a worker leaving...), ``kind`` (``"received"``: an event reached the run's state
+    machine; ``"decided"``: the machine changed state, e.g. ``run 3: running ->
+    inputs-done``; ``"sent"``: an action it took, e.g. ``StartInstances``, ``Log``),
+    ``what`` and ``detail``.  The scheduler keeps ``dask_services.story.entries`` entries
+    per run (the run's per-key routine apart from its milestones), for
+    ``dask_services.story.runs`` runs per service task and as many service tasks once
+    they are forgotten.  With an asynchronous client, await the result.
+    """
+    from distributed import default_client
+
+    client = client or default_client()
+    if not client.asynchronous:
+        install(client)
+    if isinstance(key_or_run, int) and not isinstance(key_or_run, bool):
+        return client.sync(_story, client, run_id=key_or_run)
+    return client.sync(_story, client, key=getattr(key_or_run, "key", key_or_run))
+
+
+async def _story(client: Any, **query: Any) -> list[dict[str, Any]]:
+    return [dict(entry) for entry in await client.scheduler.service_story(**query)]

@@ -478,6 +478,12 @@ def services_doc(scheduler: Scheduler, extra: dict, doc: Any) -> None:
     plugin = scheduler.extensions[EXTENSION]
     page = ServicesPage(plugin)
     doc.add_periodic_callback(page.update, REFRESH_MS)
+    # the story of a selected run (``_story_view.py``), under the page
+    from dask_services._story_view import StoryView
+
+    story = StoryView(scheduler)
+    page.root.children.append(story.root)
+    doc.add_periodic_callback(story.update, REFRESH_MS)
     doc.title = "Dask: Services"
     doc.add_root(page.root)
     doc.template = env.get_template("simple.html")

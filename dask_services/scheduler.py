@@ -1,14 +1,20 @@
 """The scheduler side: the leader of every run.
 
 ``ServiceSchedulerPlugin`` watches the scheduler's transitions for the three kinds of nodes
-that ``graph.py`` builds, feeds a :class:`ServiceTaskMachine` per service task, and carries
-out the actions it returns: start/stop instances, broadcast the barrier, release produced
-outputs into memory, finish or fail the service task, and reschedule it for a restart.
+that ``graph.py`` builds, translates them (and the workers' messages) into events for a
+:class:`ServiceTaskMachine` per service task, and carries out the actions it returns:
+start/stop instances, broadcast the barrier, release produced outputs into memory, finish
+or fail the service task, and reschedule it for a restart.  It decides nothing about a run
+itself; every event and action carries a ``stimulus_id``, and ``story()`` (the
+``service_story`` handler behind ``dask_services.story()``) tells what the machines
+received, decided and sent.
 
-Scheduler internals it relies on (checked by ``tests/test_hooks.py``): ``TaskState``'s
-``dependencies``/``dependents``/``waiting_on``/``waiters``/``worker_restrictions``/
-``loose_restrictions``, ``Scheduler.transitions``, ``stream_comms``, ``stream_handlers``
-and ``handlers``.
+Scheduler internals it relies on (checked by ``tests/test_hooks.py``; why each, in
+``design/architecture.md``, *Distributed internals*): ``TaskState``'s
+``dependencies``/``dependents``/``waiting_on``/``waiters`` (the edge of a virtual output is
+cut and restored), ``loose_restrictions`` and ``priority``; ``Scheduler.transitions``,
+``stimulus_queue_slots_maybe_opened``, ``set_restrictions``, ``stream_comms``,
+``stream_handlers`` and ``handlers``.
 """
 
 from __future__ import annotations
@@ -17,11 +23,13 @@ import asyncio
 import itertools
 import logging
 import uuid
-from collections.abc import Hashable, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import dask
+from dask.typing import Key
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 from distributed.protocol.serialize import ToPickle
@@ -42,7 +50,6 @@ if TYPE_CHECKING:
     from distributed.scheduler import Scheduler, TaskState
 
 logger = logging.getLogger("dask_services")
-Key = Hashable
 
 EVENT_TOPIC = "dask_services"
 
@@ -56,7 +63,7 @@ class RunLogEntry:
     action: str
     run_id: int
     detail: str
-    run: rs.Run | None  # the service task's current run, if any
+    run: rs.RunSnapshot | None  # the service task's current run, if any
     inputs: int
     restarts: int
 
@@ -74,6 +81,9 @@ class RunObserver:
     def counters_reported(self, worker: str, records: Sequence[Mapping[str, Any]]) -> None:
         """``Service.counters()`` of instances on ``worker``, from its heartbeat
         (``_counters.py``)."""
+
+    def run_progressed(self, key: Key, run: rs.RunSnapshot) -> None:
+        """The current run of service task ``key`` changed (an event was handled)."""
 
 
 class ServiceSchedulerPlugin(SchedulerPlugin):
@@ -96,6 +106,8 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         self._run_ids = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:6] + "-"
         self.observers: list[RunObserver] = []  # e.g. the diagnostics (``_observe.py``)
+        # stories of forgotten service tasks: key -> their machine's stories
+        self.archive: OrderedDict[Key, OrderedDict[int | None, rs.RunStory]] = OrderedDict()
 
     # ------------------------------------------------------------- set-up
 
@@ -110,6 +122,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             "service-restart": self._guard(self._on_restart),
         })
         scheduler.handlers["service_run_info"] = self.run_info
+        scheduler.handlers["service_story"] = self.story
         await scheduler.register_worker_plugin(
             # pickled, so that every worker gets its own object (inproc comms would hand
             # in-process workers one and the same)
@@ -165,7 +178,10 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             if ts is not None and isinstance(ts.run_spec, (ServiceTaskSpec, OutputClaimSpec)):
                 self._check_graph_rules(ts, keys)
         for service_key in {self.output_of[k] for k in tasks if k in self.output_of}:
-            self._restart_for_new_outputs(service_key)
+            if service_key in self.machines and service_key in tasks_:
+                self._event(service_key, rs.OutputsWanted(
+                    self._wanted(service_key),
+                    stimulus_id=rs.new_stimulus_id("update-graph")))
         for key in tasks:
             if key in self.handoff_of:
                 self._restrict_handoff(tasks_[key])
@@ -175,8 +191,10 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         key = ts.key
         self.definitions[key] = definition
         self.machines[key] = rs.ServiceTaskMachine(
-            key, definition.input_keys, definition.output_keys, self.max_restarts
+            key, definition.input_keys, definition.output_keys, self.max_restarts,
+            validating=bool(getattr(self.scheduler, "validate", False)),
         )
+        self.archive.pop(key, None)  # submitted again: its stories go on in the machine
         for h, i in zip(definition.handoff_keys, definition.input_keys, strict=True):
             self.handoff_of[h] = key
             self.handoffs_of_input.setdefault(i, set()).add(h)
@@ -225,9 +243,8 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             ts.key if isinstance(ts.run_spec, ServiceTaskSpec) else ts.run_spec.service_key
         )
         logger.error("dask_services: rejected graph: %s", problem)
-        machine = self.machines.get(service_key)
-        if machine is not None:
-            machine.graph_error = ServiceGraphError(problem)
+        self._event(service_key, rs.GraphRejected(
+            ServiceGraphError(problem), stimulus_id=rs.new_stimulus_id("update-graph")))
 
     def _restrict_handoff(self, hts: TaskState) -> None:
         """Make a hand-off run where its input already lives."""
@@ -235,51 +252,50 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             return
         (dep,) = hts.dependencies or (None,)
         if dep is not None and dep.who_has:
-            hts.worker_restrictions = {ws.address for ws in dep.who_has}
-            hts.loose_restrictions = True
+            self.scheduler.set_restrictions({hts.key: [ws.address for ws in dep.who_has]})
+            hts.loose_restrictions = True  # no API for it: see design/architecture.md
 
     # ------------------------------------------------------------- transitions
 
     def transition(self, key: Key, start: str, finish: str, *args: Any,
                    stimulus_id: str = "", **kwargs: Any) -> None:
+        stimulus_id = stimulus_id or rs.new_stimulus_id("transition")
         if key in self.machines:
-            self._service_task_transition(key, start, finish)
+            self._service_task_transition(key, start, finish, stimulus_id)
         elif key in self.handoff_of:
             if finish == "processing":
-                self._run_needed(self.handoff_of[key])
+                self._event(self.handoff_of[key],
+                            rs.HandOffScheduled(key, stimulus_id=stimulus_id))
         elif key in self.output_of:
-            self._output_transition(key, start, finish)
+            self._output_transition(key, start, finish, stimulus_id)
         if finish == "memory" and key in self.handoffs_of_input:
             for h in self.handoffs_of_input[key]:
                 hts = self.scheduler.tasks.get(h)
                 if hts is not None:
                     self._restrict_handoff(hts)
         if finish == "forgotten":
-            self._forget(key)
+            self._forget(key, stimulus_id)
 
-    def _service_task_transition(self, key: Key, start: str, finish: str) -> None:
+    def _service_task_transition(self, key: Key, start: str, finish: str,
+                                 stimulus_id: str) -> None:
         machine = self.machines[key]
         ts = self.scheduler.tasks[key]
         if finish == "processing":
-            if machine.graph_error is not None:
-                self._later(self._notify, key, ts.processing_on.address, machine.graph_error)
-                return
-            if not self.definitions[key].input_keys:
-                self._run_needed(key)
-            self._apply(key, machine.handle(rs.ServiceTaskProcessing(ts.processing_on.address)))
+            self._event(key, rs.ServiceTaskProcessing(ts.processing_on.address,
+                                                      stimulus_id=stimulus_id))
         elif start == "processing" and finish in ("memory", "erred"):
-            self._apply(key, machine.handle(rs.ServiceTaskDone()))
+            self._event(key, rs.ServiceTaskDone(stimulus_id=stimulus_id))
         elif start == "processing":
             worker = machine.task_worker
             gone = worker is not None and worker not in self.scheduler.workers
             # Still wanted means it will run again: not a cancellation (e.g. a worker that
             # held a hand-off receipt it had not fetched yet died).
             wanted = bool(ts.waiters or ts.who_wants)
-            self._apply(key, machine.handle(
-                rs.ServiceTaskReleased(worker_gone=gone, still_wanted=wanted)
-            ))
+            self._event(key, rs.ServiceTaskReleased(
+                worker_gone=gone, still_wanted=wanted, stimulus_id=stimulus_id))
 
-    def _output_transition(self, key: Key, start: str, finish: str) -> None:
+    def _output_transition(self, key: Key, start: str, finish: str,
+                           stimulus_id: str) -> None:
         service_key = self.output_of[key]
         if key in self.cut:
             if finish == "memory":
@@ -292,33 +308,30 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                 if sts is not None:
                     ots.dependencies.add(sts)
                     sts.dependents.add(ots)
-                self._event(service_key, rs.OutputLanded(key))
+                self._event(service_key, rs.OutputLanded(key, stimulus_id=stimulus_id))
             elif finish in ("erred", "forgotten"):
                 del self.cut[key]
-                self._event(service_key, rs.OutputLanded(key))
+                self._event(service_key, rs.OutputLanded(key, stimulus_id=stimulus_id))
             elif finish == "no-worker":
-                # The producing worker died before the output landed.
-                self._later(self._reattach_lost_outputs, service_key)
+                # The producing worker died before the output landed; told after the
+                # transitions under way (the worker's loss comes first).
+                self._later(self._event, service_key,
+                            rs.OutputLost(key, stimulus_id=stimulus_id))
         elif finish in ("processing", "no-worker"):
-            # An output that no run produced is about to run: its value does not exist.
-            # Take it back (before the worker can answer) and give it a new run.
-            self._later(self._reschedule, service_key)
+            self._event(service_key, rs.OutputUnproduced(key, stimulus_id=stimulus_id))
         elif finish == "waiting":
-            machine = self.machines.get(service_key)
-            run = machine.live_run if machine is not None else None
-            if run is not None and key not in run.wanted_set:
-                # e.g. lost while a run that does not know it is under way
-                self._later(self._restart_for_new_outputs, service_key)
+            self._event(service_key, rs.OutputWaiting(key, stimulus_id=stimulus_id))
 
-    def _forget(self, key: Key) -> None:
+    def _forget(self, key: Key, stimulus_id: str) -> None:
         if key in self.output_of and key in self.produced_at:
             self._send(self.produced_at.pop(key), {"op": "service-drop-output", "key": key})
         elif key in self.machines:
-            machine = self.machines.pop(key)
-            if machine.live_run is not None:
-                self._apply_stop(machine.live_run, "forgotten")
-                self._log(key, rs.Log("cancelled", machine.live_run.run_id, "forgotten"),
-                          machine)
+            machine = self.machines[key]
+            self._event(key, rs.ServiceTaskForgotten(stimulus_id=stimulus_id))
+            del self.machines[key]
+            self.archive[key] = machine.stories
+            while len(self.archive) > machine.story_runs:
+                self.archive.popitem(last=False)
             definition = self.definitions.pop(key)
             for h, i in zip(definition.handoff_keys, definition.input_keys, strict=True):
                 self.handoff_of.pop(h, None)
@@ -334,17 +347,16 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                     self.produced_at.pop(o, None)
                     self.restrictions.pop(o, None)
 
-    def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
-        for key, machine in list(self.machines.items()):
-            self._apply(key, machine.handle(rs.WorkerLost(worker)))
+    def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str = "",
+                      **kwargs: Any) -> None:
+        stimulus_id = stimulus_id or rs.new_stimulus_id("remove-worker")
+        for key in list(self.machines):
+            self._event(key, rs.WorkerLost(worker, stimulus_id=stimulus_id))
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
-        # Service tasks without inputs that could not start for lack of workers.
-        for key, machine in self.machines.items():
-            ts = scheduler.tasks.get(key)
-            if ts is not None and ts.state == "processing" and machine.live_run is None \
-                    and machine.pending_outcome is None and not self.definitions[key].input_keys:
-                self._run_needed(key)
+        stimulus_id = rs.new_stimulus_id(f"add-worker-{worker}")
+        for key in list(self.machines):
+            self._event(key, rs.WorkerAdded(worker, stimulus_id=stimulus_id))
 
     # ------------------------------------------------------------- runs
 
@@ -363,11 +375,10 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         pending.sort(key=lambda d: d.priority or ())
         return [d.key for d in pending]
 
-    def _run_needed(self, service_key: Key) -> None:
+    def _prepare_run(self, service_key: Key, stimulus_id: str) -> None:
+        """Carry out ``PrepareRun``: the facts a run is made of, as ``RunNeeded``."""
         machine = self.machines.get(service_key)
-        if machine is None or machine.graph_error is not None:
-            return
-        if machine.live_run is not None:
+        if machine is None or service_key not in self.scheduler.tasks:
             return
         participants = self._participants(service_key)
         placement = None
@@ -382,8 +393,9 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             participants=participants,
             wanted=self._wanted(service_key),
             placement=placement,
+            stimulus_id=stimulus_id,
         )
-        self._apply(service_key, machine.handle(event))
+        self._event(service_key, event)
 
     def _near_inputs(self, service_key: Key, participants: list[str]) -> dict[Key, str]:
         """Output -> the worker holding the input it needs most, where that input is in
@@ -426,50 +438,92 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
     # ------------------------------------------------------------- worker messages
 
     def _on_started(self, service_key: Key, run_id: int, id: str, worker: str = "") -> None:
-        self._event(service_key, rs.InstanceStarted(run_id, ServiceId(id)))
+        self._event(service_key, rs.InstanceStarted(
+            run_id, ServiceId(id), stimulus_id=rs.new_stimulus_id(f"service-started-{id}")))
 
     def _on_handed_off(self, service_key: Key, run_id: int, key: Key, worker: str = "") -> None:
-        self._event(service_key, rs.InputHandedOff(run_id, key))
+        self._event(service_key, rs.InputHandedOff(
+            run_id, key, stimulus_id=rs.new_stimulus_id("service-handed-off")))
 
     def _on_produced(self, service_key: Key, run_id: int, key: Key, worker: str = "") -> None:
-        self._event(service_key, rs.OutputProduced(run_id, key, worker))
+        self._event(service_key, rs.OutputProduced(
+            run_id, key, worker, stimulus_id=rs.new_stimulus_id("service-produced")))
 
     def _on_failed(self, service_key: Key, run_id: int, exception: bytes,
                    worker: str = "") -> None:
-        self._event(service_key, rs.RunFailed(run_id, loads_exception(exception)))
+        self._event(service_key, rs.RunFailed(
+            run_id, loads_exception(exception),
+            stimulus_id=rs.new_stimulus_id(f"service-failed-{worker}")))
 
     def _on_restart(self, service_key: Key, run_id: int, reason: str, worker: str = "") -> None:
-        self._event(service_key, rs.RestartRequested(run_id, reason))
+        self._event(service_key, rs.RestartRequested(
+            run_id, reason, stimulus_id=rs.new_stimulus_id(f"service-restart-{worker}")))
 
     def _event(self, service_key: Key, event: rs.Event) -> None:
+        """Feed ``event`` to the machine of ``service_key`` (if it still has one) and carry
+        out its actions."""
         machine = self.machines.get(service_key)
-        if machine is not None:
-            self._apply(service_key, machine.handle(event))
+        if machine is None:
+            return
+        actions = machine.handle(event)
+        if self.observers and machine.run is not None:
+            self._tell("run_progressed", service_key, machine.run.snapshot())
+        self._apply(service_key, actions)
 
     # ------------------------------------------------------------- actions
 
     def _apply(self, service_key: Key, actions: list[rs.Action]) -> None:
         for action in actions:
-            if isinstance(action, rs.StartInstances):
-                self._apply_start(service_key, action.run)
-            elif isinstance(action, rs.BroadcastAllStarted):
-                self._broadcast(action.run, "service-all-started")
-            elif isinstance(action, rs.BroadcastInputsDone):
-                self._broadcast(action.run, "service-inputs-done")
-            elif isinstance(action, rs.ReleaseOutput):
-                self._release_output(service_key, action.key, action.worker)
-            elif isinstance(action, rs.DropOutput):
-                self._send(action.worker, {"op": "service-drop-output", "key": action.key})
-            elif isinstance(action, rs.StopInstances):
-                self._apply_stop(action.run, action.reason)
-            elif isinstance(action, rs.NotifyServiceTask):
-                # After the current transitions, so that the worker has the service task
-                # (its compute-task message) before it hears the outcome.
-                self._later(self._notify, service_key, action.worker, action.error)
-            elif isinstance(action, rs.RescheduleServiceTask):
-                self._later(self._reschedule, service_key)
-            elif isinstance(action, rs.Log):
-                self._log(service_key, action)
+            carry_out = self._ACTIONS.get(type(action))
+            if carry_out is None:
+                raise TypeError(f"no way to carry out {action!r}")
+            carry_out(self, service_key, action)
+
+    def _do_prepare_run(self, service_key: Key, action: rs.PrepareRun) -> None:
+        self._prepare_run(service_key, action.stimulus_id)
+
+    def _do_start(self, service_key: Key, action: rs.StartInstances) -> None:
+        self._apply_start(service_key, action.run)
+
+    def _do_all_started(self, service_key: Key, action: rs.BroadcastAllStarted) -> None:
+        self._broadcast(action.run, "service-all-started")
+
+    def _do_inputs_done(self, service_key: Key, action: rs.BroadcastInputsDone) -> None:
+        self._broadcast(action.run, "service-inputs-done")
+
+    def _do_release(self, service_key: Key, action: rs.ReleaseOutput) -> None:
+        self._release_output(service_key, action.key, action.worker, action.stimulus_id)
+
+    def _do_drop(self, service_key: Key, action: rs.DropOutput) -> None:
+        self._send(action.worker, {"op": "service-drop-output", "key": action.key})
+
+    def _do_stop(self, service_key: Key, action: rs.StopInstances) -> None:
+        self._apply_stop(action.run, action.reason)
+
+    def _do_notify(self, service_key: Key, action: rs.NotifyServiceTask) -> None:
+        # After the current transitions, so that the worker has the service task (its
+        # compute-task message) before it hears the outcome.
+        self._later(self._notify, service_key, action.worker, action.error,
+                    action.stimulus_id)
+
+    def _do_reschedule(self, service_key: Key, action: rs.RescheduleServiceTask) -> None:
+        self._later(self._reschedule, service_key, action.stimulus_id)
+
+    def _do_log(self, service_key: Key, action: rs.Log) -> None:
+        self._log(service_key, action)
+
+    _ACTIONS: dict[type, Any] = {
+        rs.PrepareRun: _do_prepare_run,
+        rs.StartInstances: _do_start,
+        rs.BroadcastAllStarted: _do_all_started,
+        rs.BroadcastInputsDone: _do_inputs_done,
+        rs.ReleaseOutput: _do_release,
+        rs.DropOutput: _do_drop,
+        rs.StopInstances: _do_stop,
+        rs.NotifyServiceTask: _do_notify,
+        rs.RescheduleServiceTask: _do_reschedule,
+        rs.Log: _do_log,
+    }
 
     def _send(self, worker: str, msg: dict, now: bool = False) -> None:
         """Send ``msg`` to ``worker``; ``now`` for a run's control messages (``_streams``)."""
@@ -479,7 +533,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             if now:
                 flush(comm)
 
-    def _apply_start(self, service_key: Key, run: rs.Run) -> None:
+    def _apply_start(self, service_key: Key, run: rs.RunSnapshot) -> None:
         definition = self.definitions[service_key]
         peers = {sid: w for w, sid in run.ids.items()}
         tasks = self.scheduler.tasks
@@ -496,27 +550,25 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             )
             self._send(worker, {"op": "service-start", "spec": ToPickle(spec)}, now=True)
 
-    def _broadcast(self, run: rs.Run, op: str) -> None:
+    def _broadcast(self, run: rs.RunSnapshot, op: str) -> None:
         for worker, sid in run.ids.items():
             self._send(worker, {"op": op, "id": str(sid)}, now=True)
 
-    def _apply_stop(self, run: rs.Run, reason: str) -> None:
+    def _apply_stop(self, run: rs.RunSnapshot, reason: str) -> None:
         for worker, sid in run.ids.items():
             self._send(worker, {"op": "service-stop", "id": str(sid), "reason": reason},
                        now=True)
 
-    def _notify(self, service_key: Key, worker: str, error: BaseException | None) -> None:
+    def _notify(self, service_key: Key, worker: str, error: BaseException | None,
+                stimulus_id: str) -> None:
         ts = self.scheduler.tasks.get(service_key)
-        machine = self.machines.get(service_key)
-        if ts is None or machine is None:
+        if ts is None or service_key not in self.machines:
             return
         if ts.processing_on is None or ts.processing_on.address != worker:
-            # It moved meanwhile; deliver the outcome wherever it runs next.
-            machine.pending_outcome = (error,)
-            if ts.processing_on is not None:
-                self._apply(service_key, machine.handle(
-                    rs.ServiceTaskProcessing(ts.processing_on.address)
-                ))
+            # It moved meanwhile.
+            now = ts.processing_on.address if ts.processing_on is not None else None
+            self._event(service_key, rs.OutcomeUndelivered(error, now,
+                                                           stimulus_id=stimulus_id))
             return
         if error is None:
             self._send(worker, {"op": "service-task-outcome", "key": service_key}, now=True)
@@ -524,14 +576,14 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             self._send(worker, {"op": "service-task-outcome", "key": service_key,
                                 "error": dumps_exception(error)}, now=True)
 
-    def _release_output(self, service_key: Key, key: Key, worker: str) -> None:
+    def _release_output(self, service_key: Key, key: Key, worker: str,
+                        stimulus_id: str) -> None:
         """Cut the edge service task -> output and let the output run on ``worker``."""
         tasks = self.scheduler.tasks
         ots = tasks.get(key)
         sts = tasks.get(service_key)
         if ots is None or sts is None or ots.state not in ("waiting", "released"):
-            self._send(worker, {"op": "service-drop-output", "key": key})
-            self._event(service_key, rs.OutputLanded(key))  # nobody wants it any more
+            self._event(service_key, rs.OutputNotNeeded(key, worker, stimulus_id=stimulus_id))
             return
         ots.dependencies.discard(sts)
         sts.dependents.discard(ots)
@@ -540,7 +592,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         if sts.waiters:
             sts.waiters.discard(ots)
         self.restrictions.setdefault(key, (ots.worker_restrictions, ots.loose_restrictions))
-        ots.worker_restrictions = {worker}
+        self.scheduler.set_restrictions({key: worker})
         ots.loose_restrictions = False
         if ots.priority is not None:
             # The value exists already: its claim only moves it into the worker's memory,
@@ -550,7 +602,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         self.cut[key] = worker
         self.produced_at[key] = worker
         if ots.state == "waiting" and not ots.waiting_on:
-            self.scheduler.transitions({key: "processing"}, stimulus_id=f"service-produced-{key}")
+            self.scheduler.transitions({key: "processing"}, stimulus_id=stimulus_id)
             # the claim's compute-task message: the value is ready and waits only for it
             flush(self.scheduler.stream_comms.get(worker))
 
@@ -567,14 +619,13 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
 
         asyncio.get_running_loop().call_soon(run)
 
-    def _reschedule(self, service_key: Key) -> None:
+    def _reschedule(self, service_key: Key, stimulus_id: str) -> None:
         """Release the service task and its hand-offs: a new run receives every input."""
         tasks = self.scheduler.tasks
         sts = tasks.get(service_key)
         definition = self.definitions.get(service_key)
         if sts is None or definition is None:
             return
-        stimulus_id = f"service-reschedule-{service_key}"
         # The service task first, in a batch of its own: the scheduler works through a
         # batch last-in first-out, so a hand-off released with it could run again (and
         # start the next run) before the service task left processing, which would then
@@ -613,29 +664,8 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
     def _restore_restrictions(self, ots: TaskState) -> None:
         saved = self.restrictions.pop(ots.key, None)
         if saved is not None:
-            ots.worker_restrictions, ots.loose_restrictions = saved
-
-    def _reattach_lost_outputs(self, service_key: Key) -> None:
-        machine = self.machines.get(service_key)
-        if machine is None:
-            return
-        run = machine.live_run
-        if run is not None:
-            self._apply(service_key, machine.handle(
-                rs.RestartRequested(run.run_id, "a produced output was lost")
-            ))
-        else:
-            self._reschedule(service_key)
-
-    def _restart_for_new_outputs(self, service_key: Key) -> None:
-        """Outputs were (re)submitted that no run will produce: start a run that does."""
-        machine = self.machines.get(service_key)
-        sts = self.scheduler.tasks.get(service_key)
-        if machine is None or sts is None:
-            return
-        run = machine.live_run
-        if run is not None and not run.wanted_set.issuperset(self._wanted(service_key)):
-            self._apply(service_key, machine.handle(rs.WantedGrew("more outputs were asked for")))
+            self.scheduler.set_restrictions({ots.key: saved[0]})
+            ots.loose_restrictions = saved[1]
 
     # ------------------------------------------------------------- events
 
@@ -645,12 +675,54 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         name = definition.service_class.__name__ if definition else "?"
         machine = machine or self.machines.get(service_key)
         if machine is not None and self.observers:
+            run = machine.run.snapshot() if machine.run is not None else None
             self._tell("run_logged", RunLogEntry(
                 name, service_key, action.action, action.run_id, action.detail,
-                machine.run, len(machine.input_keys), machine.restarts,
+                run, len(machine.input_keys), machine.restarts,
             ))
         msg = {"action": action.action, "service": name, "key": str(service_key),
                "run_id": action.run_id, "detail": action.detail}
         self.scheduler.log_event(EVENT_TOPIC, msg)
         logger.info("service %s %r run %d %s %s", name, service_key, action.run_id,
                     action.action, action.detail)
+
+    # ------------------------------------------------------------- stories
+
+    def story(self, key: Key | None = None, run_id: int | None = None
+              ) -> list[dict[str, Any]]:
+        """What happened to service task ``key`` (every run the scheduler keeps of it) or
+        to run ``run_id``: each event received, decision taken and action sent, in order,
+        with its time and stimulus id.  Forgotten service tasks are kept too, up to
+        ``dask_services.story.runs`` of them."""
+        books: list[Mapping[int | None, rs.RunStory]] = []
+        if key is not None:
+            if isinstance(key, list):  # tuple keys arrive as lists
+                key = _as_tuple(key)
+            machine = self.machines.get(key)
+            if machine is None and key not in self.archive and key in self.output_of:
+                key = self.output_of[key]  # an output: the story of its service task
+                machine = self.machines.get(key)
+            if machine is not None:
+                books.append(machine.stories)
+            elif key in self.archive:
+                books.append(self.archive[key])
+        else:
+            books += [m.stories for m in self.machines.values()]
+            books += list(self.archive.values())
+        entries = []
+        for book in books:
+            if key is None:
+                story = book.get(run_id)
+                if story is not None:
+                    entries += story.entries()
+            else:
+                for rid, story in book.items():
+                    if run_id is None or rid == run_id:
+                        entries += story.entries()
+        entries.sort(key=lambda e: e.seq)
+        return [e.as_dict() for e in entries]
+
+
+def _as_tuple(key: Any) -> Any:
+    """A tuple key that travelled as a (nested) list."""
+    return tuple(_as_tuple(k) for k in key) if isinstance(key, list) else key

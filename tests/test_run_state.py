@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dask
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -218,3 +219,75 @@ def test_owners_keep_placement_and_balance_the_rest(wanted, workers, placed):
         for w in participants:
             if counts[w] > placed_on[w]:  # it took outputs that had no place
                 assert counts[w] <= least + 1, (counts, placed_on)
+
+
+# ------------------------------------------------------------------ a closed machine
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(EVENTS, max_size=40))
+def test_validate_holds_after_any_event(events):
+    """``validate()`` runs after every event of a validating machine and never fails."""
+    m = rs.ServiceTaskMachine("svc", INPUTS, OUTPUTS, 2, validating=True)
+    run_id = 0
+    for ev in events:
+        if ev == "need":
+            run_id += 1
+            need(m, run_id=run_id)
+        else:
+            m.handle(ev)
+    m.validate()
+
+
+def test_unknown_events_and_actions_raise():
+    m = machine()
+    with pytest.raises(TypeError, match="no handler"):
+        m.handle(object())  # type: ignore[arg-type]
+    from dask_services.scheduler import ServiceSchedulerPlugin
+
+    with pytest.raises(TypeError, match="no way to carry out"):
+        ServiceSchedulerPlugin()._apply("svc", [object()])  # type: ignore[list-item]
+
+
+def test_actions_carry_snapshots_and_the_stimulus_of_their_event():
+    m = machine()
+    actions = m.handle(rs.RunNeeded(1, "p-", WORKERS, OUTPUTS, stimulus_id="s-1"))
+    start = actions[0]
+    assert isinstance(start.run, rs.RunSnapshot) and start.run is not m.run
+    assert all(a.stimulus_id == "s-1" for a in actions)
+    with pytest.raises(TypeError):
+        start.run.ids["tcp://c:1"] = "x"  # read-only
+    start_all(m)
+    assert start.run.phase is rs.Phase.STARTING  # the snapshot did not move on
+    assert m.run.phase is rs.Phase.RUNNING
+
+
+def test_story_tells_what_was_received_decided_and_sent():
+    m = machine()
+    m.handle(rs.HandOffScheduled("h0", stimulus_id="h"))
+    need(m)
+    m.handle(rs.WorkerLost(WORKERS[1], stimulus_id="gone"))
+    story = [(e.run_id, e.kind, e.what if isinstance(e.what, str) else type(e.what).__name__)
+             for e in m.story()]
+    assert story[:2] == [(None, "received", "HandOffScheduled"), (None, "sent", "PrepareRun")]
+    assert (1, "decided", "run 1 created") in story
+    lost = story.index((1, "received", "WorkerLost"))
+    assert story[lost + 1:] == [(1, "decided", "run 1 is over"),
+                                (1, "decided", "restarts: 0 -> 1"),
+                                (1, "sent", "StopInstances"), (1, "sent", "Log"),
+                                (1, "sent", "RescheduleServiceTask")]
+    assert {e.stimulus_id for e in m.story(1) if e.seq >= m.story(1)[-1].seq - 5} == {"gone"}
+    assert [e.as_dict()["what"] for e in m.story(1)][-1] == "RescheduleServiceTask"
+
+
+def test_stories_are_bounded():
+    with dask.config.set({"dask_services.story.entries": 3, "dask_services.story.runs": 2}):
+        m = machine(max_restarts=10)
+    for run_id in range(1, 5):
+        need(m, run_id=run_id)
+        for k in INPUTS:
+            m.handle(rs.InputHandedOff(run_id, k))
+        m.handle(rs.RestartRequested(run_id, "again"))
+    assert list(m.stories) == [3, 4]
+    assert all(len(s.milestones) <= 3 and len(s.routine) <= 3 for s in m.stories.values())
+    m.validate()

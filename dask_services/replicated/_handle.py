@@ -550,6 +550,15 @@ class ReplicatedService:
         """One dict per replica: id, worker, calls, errors, overloaded, p50_ms, p99_ms."""
         return self._transport.sync(self._management, "replicated_metrics")
 
+    def story(self, replica: Any = None) -> Any:
+        """What the scheduler's lifecycle machine of replica ``replica`` (an id from
+        ``replicas()``, any incarnation of the slot; None: every replica) received,
+        decided and sent, oldest first: one dict per entry with ``time``, ``replica``,
+        ``stimulus_id``, ``kind`` (``received``, ``decided``, ``sent``), ``what`` and
+        ``detail``.  Bounded by ``dask_services.story.entries`` per replica."""
+        return self._transport.sync(self._management, "replicated_story",
+                                    replica=None if replica is None else str(replica))
+
     async def _management(self, op: str, **kwargs: Any) -> Any:
         result = await getattr(self._transport.scheduler, op)(name=self.name, **kwargs)
         if result is None:

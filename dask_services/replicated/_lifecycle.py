@@ -16,15 +16,37 @@ events for another id are ignored.
     any state --stop requested--> STOPPED
 
 Nothing here does I/O; the scheduler part (``_scheduler.py``) feeds events and carries out
-the actions (choose a worker, start the instance there, stop an instance).
+the actions (choose a worker, start the instance there, stop an instance).  As in
+``dask_services._run_state``: one handler per event (``_on_<Event>``), an event without one
+raises; every event and action carries a ``stimulus_id``; each replica keeps a bounded
+story of what it received, decided and sent (``ReplicaMachine.story()``, ``svc.story()``);
+``validate()`` checks the invariants.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
 
+import dask.config
+
+from dask_services._run_state import describe, new_stimulus_id
 from dask_services.service import ServiceId
+
+_sequence = itertools.count()
+
+
+def _stimulus(name: str) -> Any:
+    return field(default_factory=lambda: new_stimulus_id(name), kw_only=True)
+
+
+def _action_stimulus() -> Any:
+    return field(default="", kw_only=True, compare=False)
 
 
 class ReplicaState(enum.Enum):
@@ -49,6 +71,7 @@ class Placed:
 
     id: ServiceId
     worker: str
+    stimulus_id: str = _stimulus("replica-placed")
 
 
 @dataclass(frozen=True)
@@ -56,11 +79,13 @@ class NoWorker:
     """No eligible worker for incarnation ``id``; it waits for one (see ``WorkerAdded``)."""
 
     id: ServiceId
+    stimulus_id: str = _stimulus("replica-no-worker")
 
 
 @dataclass(frozen=True)
 class WorkerAdded:
     """A worker joined or became eligible: a replica waiting for one launches again."""
+    stimulus_id: str = _stimulus("replica-worker-added")
 
 
 @dataclass(frozen=True)
@@ -68,6 +93,7 @@ class SetupSucceeded:
     """``setup`` returned on incarnation ``id``."""
 
     id: ServiceId
+    stimulus_id: str = _stimulus("replica-setup-succeeded")
 
 
 @dataclass(frozen=True)
@@ -76,6 +102,7 @@ class SetupFailed:
 
     id: ServiceId
     error: str
+    stimulus_id: str = _stimulus("replica-setup-failed")
 
 
 @dataclass(frozen=True)
@@ -85,6 +112,7 @@ class LaunchLost:
 
     id: ServiceId
     error: str
+    stimulus_id: str = _stimulus("replica-launch-lost")
 
 
 @dataclass(frozen=True)
@@ -92,6 +120,7 @@ class WorkerLost:
     """``worker`` left the cluster."""
 
     worker: str
+    stimulus_id: str = _stimulus("replica-worker-lost")
 
 
 @dataclass(frozen=True)
@@ -99,6 +128,7 @@ class WorkerRetiring:
     """``worker`` is being retired: move the replica before it goes."""
 
     worker: str
+    stimulus_id: str = _stimulus("replica-worker-retiring")
 
 
 @dataclass(frozen=True)
@@ -107,11 +137,13 @@ class ProbeFailed:
 
     id: ServiceId
     error: str
+    stimulus_id: str = _stimulus("replica-probe-failed")
 
 
 @dataclass(frozen=True)
 class StopRequested:
     """Scale-down or shutdown: stop for good, letting calls in flight finish."""
+    stimulus_id: str = _stimulus("replica-stop-requested")
 
 
 Event = (Placed | NoWorker | WorkerAdded | SetupSucceeded | SetupFailed | LaunchLost
@@ -128,6 +160,7 @@ class Launch:
 
     id: ServiceId
     exclude: frozenset[str] = frozenset()
+    stimulus_id: str = _action_stimulus()
 
 
 @dataclass(frozen=True)
@@ -136,6 +169,7 @@ class StartOn:
 
     id: ServiceId
     worker: str
+    stimulus_id: str = _action_stimulus()
 
 
 @dataclass(frozen=True)
@@ -145,6 +179,7 @@ class Stop:
     id: ServiceId
     worker: str
     drain: bool
+    stimulus_id: str = _action_stimulus()
 
 
 @dataclass(frozen=True)
@@ -152,9 +187,37 @@ class StateChanged:
     """The replica's state changed (wake up whoever waits for it)."""
 
     state: ReplicaState
+    stimulus_id: str = _action_stimulus()
 
 
 Action = Launch | StartOn | Stop | StateChanged
+
+
+# ------------------------------------------------------------------ stories
+
+
+@dataclass(frozen=True)
+class ReplicaStoryEntry:
+    """One line of a replica's story."""
+
+    seq: int
+    time: float
+    replica: str  # the incarnation it is about
+    stimulus_id: str
+    kind: str  # "received" (an event), "decided" (a change), "sent" (an action)
+    what: Any  # the event or action, or the decision's text
+
+    def as_dict(self) -> dict[str, Any]:
+        what = self.what
+        return {
+            "time": self.time, "replica": self.replica, "stimulus_id": self.stimulus_id,
+            "kind": self.kind, "what": what if isinstance(what, str) else type(what).__name__,
+            "detail": "" if isinstance(what, str) else describe(what),
+        }
+
+
+def _story_log() -> deque[ReplicaStoryEntry]:
+    return deque(maxlen=max(1, int(dask.config.get("dask_services.story.entries", 1000))))
 
 
 # ------------------------------------------------------------------ the machine
@@ -179,6 +242,10 @@ class ReplicaMachine:
     setup_failures: int = 0
     last_error: str | None = None
     excluded: frozenset[str] = field(default_factory=frozenset)
+    story_log: deque[ReplicaStoryEntry] = field(default_factory=_story_log, repr=False,
+                                                 compare=False)
+
+    _handlers: ClassVar[dict[type, Callable[[ReplicaMachine, Any], list[Action]]]]
 
     def __post_init__(self) -> None:
         if self.max_setup_attempts < 1:
@@ -193,75 +260,160 @@ class ReplicaMachine:
         """The first launch of the slot."""
         if self.incarnation != 0 or self.state is not ReplicaState.UNINITIALIZED:
             raise RuntimeError("start() is called once, on a new replica")
-        return self._relaunch(frozenset())
+        actions = self._relaunch(frozenset())
+        sid = new_stimulus_id("replica-start")
+        actions = [replace(a, stimulus_id=sid) for a in actions]
+        now = time.time()
+        self.story_log.append(ReplicaStoryEntry(next(_sequence), now, str(self.id), sid,
+                                                "decided", "new replica"))
+        for action in actions:
+            self.story_log.append(ReplicaStoryEntry(next(_sequence), now, str(self.id), sid,
+                                                    "sent", action))
+        return actions
 
     def handle(self, event: Event) -> list[Action]:
-        """Feed one event; returns the actions to carry out, in order."""
+        """Feed one event; returns the actions to carry out, in order, each stamped with
+        the event's ``stimulus_id``.  An event type without a handler raises."""
+        handler = self._handlers.get(type(event))
+        if handler is None:
+            raise TypeError(f"ReplicaMachine has no handler for {event!r}")
+        before = (self.state, self.id, self.worker)
         if self.state is ReplicaState.STOPPED:
+            ignored: str | None = "ignored: the replica is stopped"
+        elif self.state is ReplicaState.UNHEALTHY and not isinstance(event, StopRequested):
+            ignored = "ignored: the replica is unhealthy (until stopped)"
+        elif getattr(event, "id", self.id) != self.id:
+            ignored = "ignored: about an older incarnation"
+        else:
+            ignored = None
+        actions = [] if ignored is not None else handler(self, event)
+        actions = [a if a.stimulus_id else replace(a, stimulus_id=event.stimulus_id)
+                   for a in actions]
+        self._tell_story(event, before, ignored, actions)
+        return actions
+
+    def _on_StopRequested(self, event: StopRequested) -> list[Action]:
+        actions: list[Action] = []
+        if self.worker is not None and self.state is not ReplicaState.UNHEALTHY:
+            actions.append(Stop(self.id, self.worker, drain=True))
+        self.worker = None
+        self.waiting_for_worker = self.launching = self.starting = False
+        return actions + self._set(ReplicaState.STOPPED)
+
+    def _on_WorkerAdded(self, event: WorkerAdded) -> list[Action]:
+        if self.waiting_for_worker:
+            return self._relaunch(self.excluded)
+        return []
+
+    def _on_WorkerLost(self, event: WorkerLost) -> list[Action]:
+        if self.worker != event.worker:
             return []
-        if isinstance(event, StopRequested):
-            actions: list[Action] = []
-            if self.worker is not None and self.state is not ReplicaState.UNHEALTHY:
-                actions.append(Stop(self.id, self.worker, drain=True))
-            self.worker = None
-            self.waiting_for_worker = self.launching = self.starting = False
-            return actions + self._set(ReplicaState.STOPPED)
-        if self.state is ReplicaState.UNHEALTHY:
+        old_worker = self.worker
+        self.last_error = f"worker {old_worker} left the cluster"
+        return self._recover(frozenset({old_worker}))
+
+    def _on_WorkerRetiring(self, event: WorkerRetiring) -> list[Action]:
+        if self.worker != event.worker:
             return []
-        if isinstance(event, WorkerAdded):
-            if self.waiting_for_worker:
-                return self._relaunch(self.excluded)
+        old_id, old_worker = self.id, self.worker
+        self.last_error = f"worker {old_worker} is being retired"
+        return [Stop(old_id, old_worker, drain=True),
+                *self._recover(frozenset({old_worker}))]
+
+    def _on_Placed(self, event: Placed) -> list[Action]:
+        if not self.launching:
+            return []  # answers a launch that is not pending
+        self.launching = False
+        self.worker = event.worker
+        self.starting = True
+        return [StartOn(self.id, event.worker)]
+
+    def _on_NoWorker(self, event: NoWorker) -> list[Action]:
+        if not self.launching:
+            return []  # answers a launch that is not pending
+        self.launching = False
+        self.waiting_for_worker = True
+        return []
+
+    def _setup_answered(self) -> bool:
+        """Whether a setup was under way for this incarnation (it is not any more)."""
+        if not self.starting:
+            return False
+        self.starting = False
+        return True
+
+    def _on_SetupSucceeded(self, event: SetupSucceeded) -> list[Action]:
+        if not self._setup_answered():
+            return []  # no setup under way for this incarnation
+        self.setup_failures = 0
+        self.last_error = None
+        return self._set(ReplicaState.HEALTHY)
+
+    def _on_SetupFailed(self, event: SetupFailed) -> list[Action]:
+        if not self._setup_answered():
             return []
-        if isinstance(event, (WorkerLost, WorkerRetiring)):
-            if self.worker != event.worker:
-                return []
-            retiring = isinstance(event, WorkerRetiring)
-            old_id, old_worker = self.id, self.worker
-            self.last_error = (f"worker {old_worker} is being retired" if retiring
-                               else f"worker {old_worker} left the cluster")
-            actions = [Stop(old_id, old_worker, drain=True)] if retiring else []
-            return actions + self._recover(frozenset({old_worker}))
-        if getattr(event, "id", None) != self.id:
-            return []  # about an older incarnation
-        if isinstance(event, (Placed, NoWorker)):
-            if not self.launching:
-                return []  # answers a launch that is not pending
-            self.launching = False
-            if isinstance(event, NoWorker):
-                self.waiting_for_worker = True
-                return []
-            self.worker = event.worker
-            self.starting = True
-            return [StartOn(self.id, event.worker)]
-        if isinstance(event, (SetupSucceeded, SetupFailed, LaunchLost)):
-            if not self.starting:
-                return []  # no setup under way for this incarnation
-            self.starting = False
-        if isinstance(event, SetupSucceeded):
-            self.setup_failures = 0
-            self.last_error = None
-            return self._set(ReplicaState.HEALTHY)
-        if isinstance(event, SetupFailed):
-            self.setup_failures += 1
-            self.last_error = event.error
-            failed_on = frozenset({self.worker})
-            self.worker = None
-            if self.setup_failures >= self.max_setup_attempts:
-                return self._set(ReplicaState.UNHEALTHY)
-            return self._relaunch(failed_on)
-        if isinstance(event, LaunchLost):
-            self.last_error = event.error
-            failed_on = frozenset({self.worker})
-            self.worker = None
-            return self._relaunch(failed_on)
-        if isinstance(event, ProbeFailed):
-            if self.state is not ReplicaState.HEALTHY:
-                return []
-            old_id, old_worker = self.id, self.worker
-            self.last_error = f"health probe failed: {event.error}"
-            return [Stop(old_id, old_worker, drain=False)] + self._recover(
-                frozenset({old_worker}))
-        raise TypeError(f"unknown event {event!r}")
+        self.setup_failures += 1
+        self.last_error = event.error
+        failed_on = frozenset({self.worker}) if self.worker is not None else frozenset()
+        self.worker = None
+        if self.setup_failures >= self.max_setup_attempts:
+            return self._set(ReplicaState.UNHEALTHY)
+        return self._relaunch(failed_on)
+
+    def _on_LaunchLost(self, event: LaunchLost) -> list[Action]:
+        if not self._setup_answered():
+            return []
+        self.last_error = event.error
+        failed_on = frozenset({self.worker}) if self.worker is not None else frozenset()
+        self.worker = None
+        return self._relaunch(failed_on)
+
+    def _on_ProbeFailed(self, event: ProbeFailed) -> list[Action]:
+        if self.state is not ReplicaState.HEALTHY or self.worker is None:
+            return []
+        old_id, old_worker = self.id, self.worker
+        self.last_error = f"health probe failed: {event.error}"
+        return [Stop(old_id, old_worker, drain=False),
+                *self._recover(frozenset({old_worker}))]
+
+    # ------------------------------------------------------------ story
+
+    def _tell_story(self, event: Event, before: tuple, ignored: str | None,
+                    actions: list[Action]) -> None:
+        now = time.time()
+        sid = event.stimulus_id
+        rid = str(before[1])
+        log = self.story_log
+        log.append(ReplicaStoryEntry(next(_sequence), now, rid, sid, "received", event))
+        decisions = [ignored] if ignored is not None else []
+        state, incarnation, worker = before
+        if self.state is not state:
+            decisions.append(f"{state.value} -> {self.state.value}")
+        if self.id != incarnation:
+            decisions.append(f"new incarnation {self.id}")
+        if self.worker != worker and self.worker is not None:
+            decisions.append(f"placed on {self.worker}")
+        for text in decisions:
+            log.append(ReplicaStoryEntry(next(_sequence), now, str(self.id), sid, "decided",
+                                         text))
+        for action in actions:
+            log.append(ReplicaStoryEntry(next(_sequence), now, str(self.id), sid, "sent",
+                                         action))
+
+    def story(self) -> list[dict[str, Any]]:
+        """What this replica slot received, decided and sent, oldest first (bounded by
+        ``dask_services.story.entries``)."""
+        return [entry.as_dict() for entry in self.story_log]
+
+    def validate(self) -> None:
+        """Check the invariants; raises AssertionError naming the broken one."""
+        assert not (self.launching and self.starting), "launching and starting at once"
+        assert not self.starting or self.worker is not None, "starting without a worker"
+        assert not (self.waiting_for_worker and (self.launching or self.starting))
+        if self.state is ReplicaState.STOPPED:
+            assert self.worker is None and not (self.launching or self.starting
+                                                or self.waiting_for_worker)
+        assert 0 <= self.setup_failures <= self.max_setup_attempts
 
     # ------------------------------------------------------------ helpers
 
@@ -286,3 +438,9 @@ class ReplicaMachine:
             return []
         self.state = state
         return [StateChanged(state)]
+
+
+ReplicaMachine._handlers = {
+    ev_type: getattr(ReplicaMachine, "_on_" + ev_type.__name__)
+    for ev_type in Event.__args__  # type: ignore[attr-defined]
+}

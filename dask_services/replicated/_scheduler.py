@@ -26,6 +26,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 from tornado.ioloop import PeriodicCallback
 
+from dask_services._run_state import new_stimulus_id
 from dask_services.replicated import _lifecycle as lc
 from dask_services.replicated._lifecycle import ReplicaState
 from dask_services.replicated._options import config_seconds
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("dask_services")
 EVENT_TOPIC = "dask_services"
 HANDLERS = ("replicated_deploy", "replicated_wait", "replicated_table", "replicated_replicas",
-            "replicated_metrics", "replicated_scale", "replicated_shutdown")
+            "replicated_metrics", "replicated_scale", "replicated_shutdown", "replicated_story")
 
 
 @dataclass(eq=False)
@@ -120,12 +121,13 @@ class Deployments(SchedulerPlugin):
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
         """A worker joined: replicas waiting for one are launched."""
-        self._broadcast(lc.WorkerAdded())
+        self._broadcast(lc.WorkerAdded(stimulus_id=new_stimulus_id(f"add-worker-{worker}")))
 
     def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str = "",
                       **kwargs: Any) -> None:
         """A worker left: its replicas are relaunched elsewhere."""
-        self._broadcast(lc.WorkerLost(worker))
+        self._broadcast(lc.WorkerLost(
+            worker, stimulus_id=stimulus_id or new_stimulus_id(f"remove-worker-{worker}")))
 
     def log_event(self, topic: Any, msg: Any) -> None:
         """Worker status changes reach plugins only through the event log; retiring a
@@ -278,6 +280,19 @@ class Deployments(SchedulerPlugin):
         self._log(name, "shutdown", None, None, f"timeout={timeout}")
         return {"status": "ok"}
 
+    def story(self, comm: Any, name: str, replica: str | None = None) -> list[dict] | None:
+        """What the replica slot of incarnation ``replica`` (every slot: None) received,
+        decided and sent, oldest first; None for an unknown service."""
+        dep = self.deployments.get(name)
+        if dep is None:
+            return None
+        slots = list(dep.slots.values())
+        if replica is not None:
+            slots = [m for m in slots if str(replica).rsplit(".", 1)[0] == m.base]
+        entries = [e for m in slots for e in m.story_log]
+        entries.sort(key=lambda e: e.seq)
+        return [e.as_dict() for e in entries]
+
     # ------------------------------------------------------------ status
 
     def placed(self) -> dict[str, str]:
@@ -294,10 +309,11 @@ class Deployments(SchedulerPlugin):
 
     def worker_status(self, worker: str, status: str) -> None:
         """A worker changed status (seen through the scheduler's event log)."""
+        stimulus_id = new_stimulus_id(f"worker-status-{status}-{worker}")
         if status == Status.closing_gracefully.name:
-            self._broadcast(lc.WorkerRetiring(worker))
+            self._broadcast(lc.WorkerRetiring(worker, stimulus_id=stimulus_id))
         elif status == Status.running.name:
-            self._broadcast(lc.WorkerAdded())
+            self._broadcast(lc.WorkerAdded(stimulus_id=stimulus_id))
 
     def _broadcast(self, event: lc.Event) -> None:
         for dep in list(self.deployments.values()):
@@ -332,8 +348,9 @@ class Deployments(SchedulerPlugin):
             action = pending.pop(0)
             if isinstance(action, lc.Launch):
                 worker = self._choose_worker(dep, action.exclude)
-                event = lc.NoWorker(action.id) if worker is None else lc.Placed(action.id,
-                                                                                 worker)
+                sid = action.stimulus_id
+                event = lc.NoWorker(action.id, stimulus_id=sid) if worker is None \
+                    else lc.Placed(action.id, worker, stimulus_id=sid)
                 if worker is None:
                     # With no running worker left (the cluster is closing or scaled to
                     # zero) the replica simply waits for one: not worth a warning.
@@ -354,6 +371,10 @@ class Deployments(SchedulerPlugin):
                 self._log(dep.name, action.state.value, machine.id, machine.worker,
                           machine.last_error)
                 dep.notify()
+            else:
+                raise TypeError(f"no way to carry out {action!r}")
+            if self.scheduler.validate:
+                machine.validate()
         if actions and prune:  # a replaced or stopped incarnation's figures go at once
             self.reports.prune(self.placed())
         return stops
@@ -417,13 +438,14 @@ class Deployments(SchedulerPlugin):
                 self._spawn(dep, self._stop(worker, sid, 0, "stale"))
             return
         status = resp["status"]
+        stimulus_id = new_stimulus_id(f"replicated-start-{status}")
         if status == "ok":
-            event: lc.Event = lc.SetupSucceeded(sid)
+            event: lc.Event = lc.SetupSucceeded(sid, stimulus_id=stimulus_id)
         elif status == "error":
             dep.errors[slot] = resp.get("exception")
-            event = lc.SetupFailed(sid, resp["error"])
+            event = lc.SetupFailed(sid, resp["error"], stimulus_id=stimulus_id)
         elif status == "lost":
-            event = lc.LaunchLost(sid, resp["error"])
+            event = lc.LaunchLost(sid, resp["error"], stimulus_id=stimulus_id)
         else:
             return
         self._apply(dep, slot, machine.handle(event))
@@ -466,7 +488,8 @@ class Deployments(SchedulerPlugin):
                     and not dep.stopping and worker in self.scheduler.workers:
                 logger.warning("replica %s of %s failed its health probe: %s", sid,
                                dep.name, error)
-                self._apply(dep, slot, machine.handle(lc.ProbeFailed(sid, error)))
+                self._apply(dep, slot, machine.handle(lc.ProbeFailed(
+                    sid, error, stimulus_id=new_stimulus_id(f"probe-failed-{sid}"))))
         finally:
             self._probing.discard(sid)
 
