@@ -195,9 +195,16 @@ def demo(args: argparse.Namespace) -> int:
             timed(f"shuffle of 3.2M rows, 32 partitions ({method})", run)
         print(f"     rows after each shuffle: {rows}")
         print("\n5. What the scheduler saw (dask_services.status(client)):")
+        print("   bytes sent and received: data the instances exchanged with their peers,")
+        print("   counted where it left and where it arrived")
         columns = ["service", "run_id", "state", "workers", "inputs_handed_off",
-                   "outputs_produced", "bytes_sent", "duration_s"]
-        print(dask_services.status(client)[columns].to_string(index=False))
+                   "outputs_produced", "bytes_sent", "bytes_received", "duration_s"]
+        table = dask_services.status(client)[columns].copy()
+        from dask_services.dashboard import human_bytes
+
+        for column in ("bytes_sent", "bytes_received"):
+            table[column] = table[column].map(human_bytes)
+        print(table.to_string(index=False))
         print("\nDone. See README.md for writing your own service, and notebooks/ for tours.")
     return 0
 
