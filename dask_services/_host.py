@@ -14,11 +14,12 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import dask.config
+from dask.typing import Key
 
 from dask_services._counters import Traffic, size_of
 from dask_services.service import (
@@ -32,7 +33,6 @@ from dask_services.service import (
 )
 
 logger = logging.getLogger("dask_services")
-Key = Hashable
 T = TypeVar("T")
 
 

@@ -18,15 +18,14 @@ each claim picks its value from that dict.  All three node types block fusion.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from dask._task_spec import Task, TaskRef
+from dask.typing import Key
 
 from dask_services.service import OutputLostError, Service, ServiceGraphError
-
-Key = Hashable
 
 
 @dataclass(frozen=True)

@@ -10,16 +10,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import tempfile
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import dask
+from dask.typing import Key
 
 from dask_services._host import Environment, InstanceSpec, ServiceHost
 from dask_services.graph import ServiceDefinition
 from dask_services.service import ServiceId, TooManyRestarts
 
-Key = Hashable
 T = TypeVar("T")
 LOCAL_ADDRESS = "inproc://dask-services"
 

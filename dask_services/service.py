@@ -7,12 +7,13 @@ plugin decides when.
 from __future__ import annotations
 
 import abc
-from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
+
+from dask.typing import Key
 
 from dask_services._deployable import Deployable
 
-Key = Hashable
 T = TypeVar("T")
 
 _RPC_MARK = "__dask_services_rpc__"

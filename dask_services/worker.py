@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from dask.typing import Key
 from distributed.core import Status
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol.serialize import to_serialize
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
     from distributed import Worker
 
 logger = logging.getLogger("dask_services")
-Key = Hashable
 T = TypeVar("T")
 
 EXTENSION = "dask_services"

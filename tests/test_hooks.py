@@ -38,6 +38,17 @@ def test_scheduler_internals_we_use():
     for method in ("transitions", "stimulus_queue_slots_maybe_opened", "log_event",
                    "register_worker_plugin", "validate_state", "add_plugin"):
         assert callable(getattr(Scheduler, method, None)), method
+    # set_restrictions replaces a task's worker restrictions, and only them (the plugin
+    # sets loose_restrictions itself; a string is one worker, None none)
+    src = inspect.getsource(Scheduler.set_restrictions)
+    assert "ts.worker_restrictions = set(restrictions) if restrictions else None" in src
+    assert "loose_restrictions" not in src
+    # worker extensions' heartbeat data reaches the scheduler extension of the same name
+    # (replicated services and the core each receive their own)
+    assert "self.extensions[name].heartbeat(ws, data)" in inspect.getsource(
+        Scheduler.heartbeat_worker)
+    assert "stimulus_id" in inspect.signature(SchedulerPlugin.remove_worker).parameters
+    assert callable(SchedulerPlugin.log_event) and callable(SchedulerPlugin.add_worker)
     params = inspect.signature(SchedulerPlugin.update_graph).parameters
     assert {"scheduler", "keys", "tasks"} <= set(params)
     assert "stimulus_id" in inspect.signature(SchedulerPlugin.transition).parameters
