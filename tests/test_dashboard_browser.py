@@ -164,7 +164,7 @@ def ready(state: dict | None) -> bool:
             and "DataFrameShuffle" in state["runs"] and state["rate_points"] >= 2
             and state["p99_points"] >= 2 and state["healthy"] == 2
             and "DataFrameShuffle" in text and "adder" in text
-            and " kB" in text or " MB" in text)
+            and (" kB" in text or " MB" in text))
 
 
 @pytest.mark.slow
