@@ -7,7 +7,7 @@ import pytest
 from distributed import Client, LocalCluster
 from distributed.utils_test import poll_for
 from replicated_services import Adder
-from utils import kill
+from utils import kill, validate_scheduler
 
 from dask_services.replicated import ServiceShutdown, ServiceUnavailable
 
@@ -27,7 +27,7 @@ def cluster():
 def hosted(client) -> dict[str, int]:
     """Replicas held by each worker's extension."""
     return client.run(lambda dask_worker: len(
-        dask_worker.extensions["dask_services"].replicated.replicas))
+        dask_worker.extensions["dask_services_replicated"].replicas))
 
 
 def all_healthy(svc, n: int, avoid: str = "") -> bool:
@@ -57,10 +57,11 @@ def test_worker_killed_while_calls_are_in_flight(cluster):
     assert answered == 40, refused  # the lost calls were re-sent to the other replica
     poll_for(lambda: all_healthy(svc, 2, avoid=victim["worker"]), timeout=60)
     assert svc.add.route(1).result(timeout=30) == 1001
-    cluster.scheduler.validate_state()
+    validate_scheduler(client)
     svc.shutdown()
     poll_for(lambda: not any(hosted(client).values()), timeout=10)
-    assert not cluster.scheduler.extensions["dask_services"].replicated.deployments
+    assert not client.run_on_scheduler(lambda dask_scheduler: list(
+        dask_scheduler.extensions["dask_services_replicated"].deployments))
 
 
 def test_session_moves_when_its_replica_worker_is_killed(cluster):
