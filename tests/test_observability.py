@@ -12,6 +12,7 @@ import dask.dataframe as dd
 import pandas as pd
 import pytest
 from distributed import progress
+from distributed.metrics import time
 from distributed.utils_test import async_poll_for, poll_for
 from services import Recorder
 from tornado.httpclient import AsyncHTTPClient
@@ -48,10 +49,14 @@ async def test_status_counts_inputs_outputs_and_bytes_of_a_shuffle(c, s, a, b):
     assert len(result) == 4000
     assert len(runs(s)) == 1
 
-    def final() -> bool:  # the last counters arrive with the heartbeat after stop
-        r = runs(s)[0]
-        return r["bytes_sent"] > 0 and r["bytes_spilled"] > 0
-    await async_poll_for(final, timeout=10)
+    # The final counters arrive with each worker's first heartbeat after its instance
+    # stopped (an instance leaves host.instances just before its final counters are queued):
+    # wait until the scheduler has handled a heartbeat of each worker sent after that.
+    await async_poll_for(lambda: not any(w.extensions["dask_services"].host.instances
+                                         for w in (a, b)), timeout=10)
+    stopped = time()
+    await async_poll_for(lambda: all(s.workers[w.address].last_seen > stopped
+                                     for w in (a, b)), timeout=10)
     row = runs(s)[0]
     assert row["service"] == "DataFrameShuffle", row
     assert row["state"] == "finished"
@@ -60,6 +65,7 @@ async def test_status_counts_inputs_outputs_and_bytes_of_a_shuffle(c, s, a, b):
     assert row["outputs_wanted"] == row["outputs_produced"] == 8
     # received counts the pieces an instance keeps for itself too
     assert row["bytes_received"] >= row["bytes_sent"] > 0
+    assert row["bytes_spilled"] > 0
     assert row["restarts"] == 0 and row["duration_s"] > 0
     await assert_nothing_left(s, [a, b])
     for w in (a, b):  # the final counters were taken by a heartbeat
