@@ -30,6 +30,8 @@ def blocks(lang: str = "python") -> list[str]:
 def test_readme_examples_run_as_written_without_warnings():
     found = blocks()
     assert "client = Client()" in found[0]  # the Quickstart comes first
+    from distributed import Client
+
     ns: dict = {"__name__": "__main__"}  # as pasted into a script or a session
     clients: list = []
     try:
@@ -39,9 +41,8 @@ def test_readme_examples_run_as_written_without_warnings():
             warnings.filterwarnings("ignore", "Port 8787 is already in use")
             for i, block in enumerate(found):
                 exec(compile(block, f"README-block-{i}", "exec"), ns)
-                client = ns.get("client")
-                if client is not None and all(client is not c for c in clients):
-                    clients.append(client)
+                clients += [c for c in ns.values() if isinstance(c, Client)
+                            and all(c is not known for known in clients)]
                 if i == 0:
                     assert ns["client"].gather(ns["futures"]) == [45, 45]
                     assert dask.compute(*ns["outs"]) == (45, 45, 45)
@@ -56,6 +57,8 @@ def test_readme_examples_run_as_written_without_warnings():
                     assert dask.compute(*hist, scheduler="sync") == (expected, expected)
                 if "class Model" in block:
                     assert ns["y"] == [2, 4] and ns["total"] == 6 and ns["a"] == ns["b"]
+                if "dask_services.story(" in block:
+                    assert ns["e"]["kind"] in ("received", "decided", "sent")
     finally:
         for client in reversed(clients):
             cluster = client.cluster
