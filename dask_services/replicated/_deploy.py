@@ -60,6 +60,8 @@ async def _deploy(client: Any, handle: ReplicatedService, blob: bytes,
         workers=list(options.workers) if options.workers else None,
         resources=dict(options.resources) if options.resources else None,
         cls=handle.service_class.__name__,
+        **({"procs_per_replica": options.procs_per_replica}
+           if options.procs_per_replica != 1 else {}),
     )
     if resp["status"] != "ok":
         raise DeploymentError(resp["error"])

@@ -67,18 +67,22 @@ TERMINAL = frozenset({ReplicaState.UNHEALTHY, ReplicaState.STOPPED})
 
 @dataclass(frozen=True)
 class Placed:
-    """The scheduler chose ``worker`` for incarnation ``id``."""
+    """The scheduler chose ``worker`` for incarnation ``id`` (rank 0), and ``others`` for
+    its other ranks (a replica of several ranks), all at once."""
 
     id: ServiceId
     worker: str
+    others: tuple[str, ...] = ()
     stimulus_id: str = _stimulus("replica-placed")
 
 
 @dataclass(frozen=True)
 class NoWorker:
-    """No eligible worker for incarnation ``id``; it waits for one (see ``WorkerAdded``)."""
+    """No eligible worker for incarnation ``id``, or (several ranks) not enough at once; it
+    waits for one (see ``WorkerAdded``), holding none.  ``reason`` says what is missing."""
 
     id: ServiceId
+    reason: str = ""
     stimulus_id: str = _stimulus("replica-no-worker")
 
 
@@ -165,20 +169,24 @@ class Launch:
 
 @dataclass(frozen=True)
 class StartOn:
-    """Create incarnation ``id`` on ``worker`` and run its ``setup``."""
+    """Create incarnation ``id`` on ``worker`` (and its other ranks on ``others``) and run
+    its ``setup`` on every rank."""
 
     id: ServiceId
     worker: str
+    others: tuple[str, ...] = ()
     stimulus_id: str = _action_stimulus()
 
 
 @dataclass(frozen=True)
 class Stop:
-    """Stop incarnation ``id`` on ``worker``; ``drain``: let calls in flight finish."""
+    """Stop incarnation ``id`` on ``worker`` (and its ranks on ``others``); ``drain``: let
+    calls in flight finish."""
 
     id: ServiceId
     worker: str
     drain: bool
+    others: tuple[str, ...] = ()
     stimulus_id: str = _action_stimulus()
 
 
@@ -228,14 +236,18 @@ class ReplicaMachine:
     """One replica slot of a deployment.
 
     ``base`` prefixes the incarnation ids (``<base>.<n>``); ``max_setup_attempts`` is how
-    many times in a row ``setup`` may fail before the replica is ``UNHEALTHY``.
+    many times in a row ``setup`` may fail before the replica is ``UNHEALTHY``; ``size`` is
+    the number of ranks (``procs_per_replica``): rank 0 on ``worker``, the others on
+    ``others``, placed, started, lost and stopped together.
     """
 
     base: str
     max_setup_attempts: int = 3
+    size: int = 1
     state: ReplicaState = ReplicaState.UNINITIALIZED
     incarnation: int = 0
     worker: str | None = None
+    others: tuple[str, ...] = ()
     waiting_for_worker: bool = False
     launching: bool = False  # a Launch awaits its Placed / NoWorker
     starting: bool = False  # a StartOn awaits its setup result
@@ -250,6 +262,13 @@ class ReplicaMachine:
     def __post_init__(self) -> None:
         if self.max_setup_attempts < 1:
             raise ValueError(f"max_setup_attempts must be >= 1, got {self.max_setup_attempts}")
+        if self.size < 1:
+            raise ValueError(f"size must be >= 1, got {self.size}")
+
+    @property
+    def workers(self) -> tuple[str, ...]:
+        """The workers of every rank, rank 0 first (empty while not placed)."""
+        return () if self.worker is None else (self.worker, *self.others)
 
     @property
     def id(self) -> ServiceId:
@@ -295,8 +314,9 @@ class ReplicaMachine:
     def _on_StopRequested(self, event: StopRequested) -> list[Action]:
         actions: list[Action] = []
         if self.worker is not None and self.state is not ReplicaState.UNHEALTHY:
-            actions.append(Stop(self.id, self.worker, drain=True))
+            actions.append(Stop(self.id, self.worker, drain=True, others=self.others))
         self.worker = None
+        self.others = ()
         self.waiting_for_worker = self.launching = self.starting = False
         return actions + self._set(ReplicaState.STOPPED)
 
@@ -306,33 +326,43 @@ class ReplicaMachine:
         return []
 
     def _on_WorkerLost(self, event: WorkerLost) -> list[Action]:
-        if self.worker != event.worker:
+        if event.worker not in self.workers:
             return []
-        old_worker = self.worker
-        self.last_error = f"worker {old_worker} left the cluster"
-        return self._recover(frozenset({old_worker}))
+        old_id = self.id
+        survivors = tuple(w for w in self.workers if w != event.worker)
+        self.last_error = (f"worker {event.worker} left the cluster" if self.size == 1 else
+                           f"rank {self.workers.index(event.worker)} lost: worker "
+                           f"{event.worker} left the cluster")
+        stops: list[Action] = []
+        if survivors:  # the gang goes as a whole: its other ranks are stopped at once
+            stops.append(Stop(old_id, survivors[0], drain=False, others=survivors[1:]))
+        return stops + self._recover(frozenset({event.worker}))
 
     def _on_WorkerRetiring(self, event: WorkerRetiring) -> list[Action]:
-        if self.worker != event.worker:
+        if event.worker not in self.workers:
             return []
-        old_id, old_worker = self.id, self.worker
-        self.last_error = f"worker {old_worker} is being retired"
-        return [Stop(old_id, old_worker, drain=True),
-                *self._recover(frozenset({old_worker}))]
+        old_id, old_worker, old_others = self.id, self.worker, self.others
+        assert old_worker is not None
+        self.last_error = f"worker {event.worker} is being retired"
+        return [Stop(old_id, old_worker, drain=True, others=old_others),
+                *self._recover(frozenset({event.worker}))]
 
     def _on_Placed(self, event: Placed) -> list[Action]:
         if not self.launching:
             return []  # answers a launch that is not pending
         self.launching = False
         self.worker = event.worker
+        self.others = event.others
         self.starting = True
-        return [StartOn(self.id, event.worker)]
+        return [StartOn(self.id, event.worker, others=event.others)]
 
     def _on_NoWorker(self, event: NoWorker) -> list[Action]:
         if not self.launching:
             return []  # answers a launch that is not pending
         self.launching = False
         self.waiting_for_worker = True
+        if event.reason:
+            self.last_error = event.reason
         return []
 
     def _setup_answered(self) -> bool:
@@ -354,8 +384,9 @@ class ReplicaMachine:
             return []
         self.setup_failures += 1
         self.last_error = event.error
-        failed_on = frozenset({self.worker}) if self.worker is not None else frozenset()
+        failed_on = frozenset(self.workers)
         self.worker = None
+        self.others = ()
         if self.setup_failures >= self.max_setup_attempts:
             return self._set(ReplicaState.UNHEALTHY)
         return self._relaunch(failed_on)
@@ -364,17 +395,18 @@ class ReplicaMachine:
         if not self._setup_answered():
             return []
         self.last_error = event.error
-        failed_on = frozenset({self.worker}) if self.worker is not None else frozenset()
+        failed_on = frozenset(self.workers)
         self.worker = None
+        self.others = ()
         return self._relaunch(failed_on)
 
     def _on_ProbeFailed(self, event: ProbeFailed) -> list[Action]:
         if self.state is not ReplicaState.HEALTHY or self.worker is None:
             return []
-        old_id, old_worker = self.id, self.worker
+        old_id, old_worker, old_others = self.id, self.worker, self.others
         self.last_error = f"health probe failed: {event.error}"
-        return [Stop(old_id, old_worker, drain=False),
-                *self._recover(frozenset({old_worker}))]
+        return [Stop(old_id, old_worker, drain=False, others=old_others),
+                *self._recover(frozenset({old_worker, *old_others}))]
 
     # ------------------------------------------------------------ story
 
@@ -392,7 +424,7 @@ class ReplicaMachine:
         if self.id != incarnation:
             decisions.append(f"new incarnation {self.id}")
         if self.worker != worker and self.worker is not None:
-            decisions.append(f"placed on {self.worker}")
+            decisions.append(f"placed on {', '.join(self.workers)}")
         for text in decisions:
             log.append(ReplicaStoryEntry(next(_sequence), now, str(self.id), sid, "decided",
                                          text))
@@ -410,6 +442,9 @@ class ReplicaMachine:
         assert not (self.launching and self.starting), "launching and starting at once"
         assert not self.starting or self.worker is not None, "starting without a worker"
         assert not (self.waiting_for_worker and (self.launching or self.starting))
+        assert self.worker is not None or not self.others, "ranks placed without rank 0"
+        assert len(self.workers) in (0, self.size), "a replica partly placed"
+        assert len(set(self.workers)) == len(self.workers), "two ranks on one worker"
         if self.state is ReplicaState.STOPPED:
             assert self.worker is None and not (self.launching or self.starting
                                                 or self.waiting_for_worker)
@@ -419,6 +454,7 @@ class ReplicaMachine:
 
     def _recover(self, exclude: frozenset[str]) -> list[Action]:
         self.worker = None
+        self.others = ()
         actions: list[Action] = []
         if self.state is ReplicaState.HEALTHY:
             actions += self._set(ReplicaState.RECOVERING)
@@ -427,6 +463,7 @@ class ReplicaMachine:
     def _relaunch(self, exclude: frozenset[str]) -> list[Action]:
         self.incarnation += 1
         self.worker = None
+        self.others = ()
         self.waiting_for_worker = False
         self.launching = True
         self.starting = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -21,17 +22,35 @@ _ENDPOINT_MARK = "__dask_services_endpoint__"
 _BASE = "__dask_services_options_base__"
 
 
-def endpoint(method: Callable[..., T]) -> Callable[..., T]:
+_RANKS_MARK = "__dask_services_endpoint_ranks__"
+RANKS = ("all", "first")
+
+
+def endpoint(method: Callable[..., T] | None = None, *, ranks: str = "all") -> Any:
     """Mark a method of a :class:`~dask_services.Service` as callable on a deployed service.
 
     ``svc.method.route(...)``, ``.fanout(...)`` and ``.submit(...)`` reach only marked
     methods.  ``async def`` endpoints run on the worker's event loop; plain ``def`` ones in
     a thread of the replica (so they may block).
+
+    ``ranks`` matters for replicas of several ranks (``options(procs_per_replica=n)``):
+    ``"all"`` (the default) runs a call on every rank of the replica at once and returns
+    rank 0's result; ``@endpoint(ranks="first")`` runs it on rank 0 only.
     """
+    if ranks not in RANKS:
+        raise ValueError(f"endpoint(ranks=...) must be one of {RANKS}, got {ranks!r}")
+    if method is None:
+        return functools.partial(endpoint, ranks=ranks)
     if not callable(method):
         raise TypeError(f"@endpoint decorates methods, got {method!r}")
     setattr(method, _ENDPOINT_MARK, True)
+    setattr(method, _RANKS_MARK, ranks)
     return method
+
+
+def endpoint_ranks(cls: type, name: str) -> str:
+    """``"all"`` or ``"first"``: which ranks of a replica run endpoint ``name``."""
+    return getattr(getattr(cls, name, None), _RANKS_MARK, "all")
 
 
 def is_endpoint(cls: type, name: str) -> bool:
@@ -58,9 +77,11 @@ class ReplicaOptions:
     resources: Mapping[str, float] | None = None
     router: Any = "least_loaded"
     name: str | None = None
+    procs_per_replica: int = 1
 
     def __post_init__(self) -> None:
-        for field, low in (("replicas", 0), ("max_concurrency", 1), ("max_queued", 0)):
+        for field, low in (("replicas", 0), ("max_concurrency", 1), ("max_queued", 0),
+                           ("procs_per_replica", 1)):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(

@@ -28,6 +28,7 @@ from tornado.ioloop import PeriodicCallback
 
 from dask_services._run_state import new_stimulus_id
 from dask_services.replicated import _lifecycle as lc
+from dask_services.replicated._gang import rank_id
 from dask_services.replicated._lifecycle import ReplicaState
 from dask_services.replicated._options import config_seconds
 from dask_services.replicated._table import ReplicaReports
@@ -53,6 +54,7 @@ class Deployment:
     workers: tuple[str, ...] | None
     resources: Mapping[str, float] | None
     cls: str = ""  # the service class's name, for the status table
+    procs_per_replica: int = 1  # ranks of each replica, each on a worker of its own
     slots: dict[int, lc.ReplicaMachine] = field(default_factory=dict)
     errors: dict[int, bytes] = field(default_factory=dict)  # slot -> last setup exception
     next_slot: int = 0
@@ -140,14 +142,16 @@ class Deployments(SchedulerPlugin):
 
     async def deploy(self, comm: Any, name: str, blob: bytes, replicas: int,
                      max_concurrency: int, max_queued: int, workers: list[str] | None,
-                     resources: dict | None, cls: str = "") -> dict:
-        """Create a deployment of ``replicas`` replicas and launch them (does not wait)."""
+                     resources: dict | None, cls: str = "", procs_per_replica: int = 1) -> dict:
+        """Create a deployment of ``replicas`` replicas of ``procs_per_replica`` ranks and
+        launch them (does not wait)."""
         if name in self.deployments:
             return {"status": "error", "error": f"a service named {name!r} is already "
                                                 "deployed; pick another options(name=...)"}
         dep = Deployment(name=name, blob=blob, max_concurrency=max_concurrency,
                          max_queued=max_queued, workers=tuple(workers) if workers else None,
-                         resources=resources or None, cls=cls)
+                         resources=resources or None, cls=cls,
+                         procs_per_replica=procs_per_replica)
         self.deployments[name] = dep
         for _ in range(replicas):
             self._add_slot(dep)
@@ -331,6 +335,7 @@ class Deployments(SchedulerPlugin):
         machine = lc.ReplicaMachine(
             base=f"{self._prefix}{dep.name}.{slot}",
             max_setup_attempts=int(dask.config.get("dask_services.replicated.setup-attempts")),
+            size=dep.procs_per_replica,
         )
         dep.slots[slot] = machine
         self._apply(dep, slot, machine.start())
@@ -347,26 +352,26 @@ class Deployments(SchedulerPlugin):
         while pending:
             action = pending.pop(0)
             if isinstance(action, lc.Launch):
-                worker = self._choose_worker(dep, action.exclude)
+                workers, why = self._place(dep, action.exclude)
                 sid = action.stimulus_id
-                event = lc.NoWorker(action.id, stimulus_id=sid) if worker is None \
-                    else lc.Placed(action.id, worker, stimulus_id=sid)
-                if worker is None:
+                event = lc.NoWorker(action.id, why, stimulus_id=sid) if workers is None \
+                    else lc.Placed(action.id, workers[0], tuple(workers[1:]), stimulus_id=sid)
+                if workers is None:
                     # With no running worker left (the cluster is closing or scaled to
                     # zero) the replica simply waits for one: not worth a warning.
                     running = any(ws.status == Status.running
                                   for ws in self.scheduler.workers.values())
                     logger.log(logging.WARNING if running else logging.INFO,
-                               "no eligible worker for replica %s of %s%s", action.id,
-                               dep.name, "" if running else
-                               " (no running worker: it waits for one to join)")
+                               "replica %s of %s waits: %s", action.id, dep.name, why)
                 pending += machine.handle(event)
             elif isinstance(action, lc.StartOn):
-                self._spawn(dep, self._start(dep, slot, action.id, action.worker))
+                self._spawn(dep, self._start(dep, slot, action.id,
+                                             (action.worker, *action.others)))
             elif isinstance(action, lc.Stop):
                 drain = config_seconds("drain-timeout") if timeout is None else timeout
-                stops.append(self._spawn(dep, self._stop(
-                    action.worker, action.id, drain if action.drain else 0, reason)))
+                for worker in (action.worker, *action.others):
+                    stops.append(self._spawn(dep, self._stop(
+                        worker, action.id, drain if action.drain else 0, reason)))
             elif isinstance(action, lc.StateChanged):
                 self._log(dep.name, action.state.value, machine.id, machine.worker,
                           machine.last_error)
@@ -389,53 +394,116 @@ class Deployments(SchedulerPlugin):
         if tasks:
             await asyncio.wait(tasks, timeout=timeout)
 
+    def _used(self) -> dict[str, dict[str, float]]:
+        """Resources that placed ranks hold on each worker (``options(resources=...)`` is
+        per rank, and held while the rank is placed)."""
+        used: dict[str, dict[str, float]] = {}
+        for d in self.deployments.values():
+            if not d.resources:
+                continue
+            for m in d.slots.values():
+                for w in m.workers:
+                    held = used.setdefault(w, {})
+                    for k, v in d.resources.items():
+                        held[k] = held.get(k, 0) + v
+        return used
+
     def _eligible(self, dep: Deployment) -> list[WorkerState]:
         out = []
+        used = self._used() if dep.resources else {}
         for ws in self.scheduler.workers.values():
             if ws.status != Status.running:
                 continue
             if dep.workers is not None and ws.address not in dep.workers \
                     and str(ws.name) not in dep.workers:
                 continue
-            if dep.resources and any(ws.resources.get(k, 0) < v
-                                     for k, v in dep.resources.items()):
-                continue
+            if dep.resources:
+                held = used.get(ws.address, {})
+                if any(ws.resources.get(k, 0) - held.get(k, 0) < v
+                       for k, v in dep.resources.items()):
+                    continue
             out.append(ws)
         return out
 
-    def _choose_worker(self, dep: Deployment, exclude: frozenset[str]) -> str | None:
-        """The eligible worker with the fewest replicas of this service, then of all."""
+    def _place(self, dep: Deployment,
+               exclude: frozenset[str]) -> tuple[list[str] | None, str]:
+        """Workers for every rank of a replica at once, all distinct, or (None, why): a
+        replica never holds some workers while it waits for others, so replicas competing
+        for too few workers cannot deadlock.  The eligible workers with the fewest
+        replicas of this service, then of all, are chosen; ``exclude`` (the workers a
+        replica is leaving) only when there is no other choice."""
+        size = dep.procs_per_replica
         eligible = self._eligible(dep)
-        preferred = [ws for ws in eligible if ws.address not in exclude] or eligible
-        if not preferred:
-            return None
+        if len(eligible) < size:
+            needs = [f"workers={list(dep.workers)}"] if dep.workers else []
+            if dep.resources:
+                needs.append(f"resources={dep.resources} free")
+            running = sum(ws.status == Status.running for ws in self.scheduler.workers.values())
+            what = f"{size} workers at once" if size > 1 else "a worker"
+            return None, (f"waiting for {what}{' with ' + ', '.join(needs) if needs else ''}"
+                          f": {len(eligible)} eligible of {running} running")
         mine: dict[str, int] = {}
         total: dict[str, int] = {}
         for d in self.deployments.values():
             for m in d.slots.values():
-                if m.worker is not None:
-                    total[m.worker] = total.get(m.worker, 0) + 1
+                for w in m.workers:
+                    total[w] = total.get(w, 0) + 1
                     if d is dep:
-                        mine[m.worker] = mine.get(m.worker, 0) + 1
-        best = min(preferred, key=lambda ws: (mine.get(ws.address, 0),
-                                              total.get(ws.address, 0), ws.address))
-        return best.address
+                        mine[w] = mine.get(w, 0) + 1
+        ranked = sorted(eligible, key=lambda ws: (ws.address in exclude,
+                                                  mine.get(ws.address, 0),
+                                                  total.get(ws.address, 0), ws.address))
+        return [ws.address for ws in ranked[:size]], ""
 
-    async def _start(self, dep: Deployment, slot: int, sid: Any, worker: str) -> None:
+    async def _start_rank(self, dep: Deployment, sid: Any, rank: int,
+                          ranks: list[tuple[str, str]]) -> dict:
+        gang = {"rank": rank, "ranks": ranks} if len(ranks) > 1 else {}
         try:
-            resp = await self.scheduler.rpc(worker).replicated_start(
-                id=str(sid), name=dep.name, blob=dep.blob, max_concurrency=dep.max_concurrency,
-                max_queued=dep.max_queued, setup_timeout=config_seconds("setup-timeout"),
-                peers_of=dep.name,
+            return await self.scheduler.rpc(ranks[rank][1]).replicated_start(
+                id=ranks[rank][0], name=dep.name, blob=dep.blob,
+                max_concurrency=dep.max_concurrency, max_queued=dep.max_queued,
+                setup_timeout=config_seconds("setup-timeout"), peers_of=dep.name, **gang,
             )
         except Exception as e:  # lost connection, worker closing, no handler
-            resp = {"status": "lost", "error": f"{type(e).__name__}: {e}"}
+            return {"status": "lost", "error": f"{type(e).__name__}: {e}"}
+
+    async def _start_gang(self, dep: Deployment, sid: Any,
+                          workers: tuple[str, ...]) -> dict:
+        """Start every rank at once; the first that fails stops the others (their setup
+        may be waiting for it) and is the answer."""
+        ranks = [(str(rank_id(str(sid), r)), w) for r, w in enumerate(workers)]
+        if len(ranks) == 1:
+            return await self._start_rank(dep, sid, 0, ranks)
+        starts = [asyncio.ensure_future(self._start_rank(dep, sid, r, ranks))
+                  for r in range(len(ranks))]
+        failed: dict | None = None
+        try:
+            for next_done in asyncio.as_completed(starts):
+                resp = await next_done
+                if resp["status"] != "ok":
+                    failed = resp
+                    if resp["status"] == "error":
+                        rank = next(r for r, t in enumerate(starts)
+                                    if t.done() and t.result() is resp)
+                        resp["error"] = f"rank {rank}: {resp['error']}"
+                    break
+        finally:
+            if failed is not None:
+                await self._await([self._spawn(dep, self._stop(w, sid, 0, "gang-failed"))
+                                   for w in workers], 50)
+                await asyncio.gather(*starts, return_exceptions=True)
+        return failed or {"status": "ok"}
+
+    async def _start(self, dep: Deployment, slot: int, sid: Any,
+                     workers: tuple[str, ...]) -> None:
+        resp = await self._start_gang(dep, sid, workers)
         machine = dep.slots.get(slot)
         current = (self.deployments.get(dep.name) is dep and machine is not None
                    and machine.id == sid and machine.state is not ReplicaState.STOPPED)
         if not current:
             if resp["status"] == "ok":  # an instance nobody wants any more
-                self._spawn(dep, self._stop(worker, sid, 0, "stale"))
+                for worker in workers:
+                    self._spawn(dep, self._stop(worker, sid, 0, "stale"))
             return
         status = resp["status"]
         stimulus_id = new_stimulus_id(f"replicated-start-{status}")
@@ -469,23 +537,30 @@ class Deployments(SchedulerPlugin):
             for slot, m in list(dep.slots.items()):
                 if m.state is ReplicaState.HEALTHY and m.id not in self._probing:
                     self._probing.add(m.id)
-                    self._spawn(dep, self._probe_one(dep, slot, m.id, m.worker, timeout))
+                    self._spawn(dep, self._probe_one(dep, slot, m.id, m.workers, timeout))
 
-    async def _probe_one(self, dep: Deployment, slot: int, sid: Any, worker: str,
-                         timeout: float) -> None:
-        try:
+    async def _probe_one(self, dep: Deployment, slot: int, sid: Any,
+                         workers: tuple[str, ...], timeout: float) -> None:
+        """Probe every rank; the first failure is the replica's."""
+        async def probe(rank: int, worker: str) -> str | None:
+            rid = str(rank_id(str(sid), rank))
             try:
                 resp = await asyncio.wait_for(
-                    self.scheduler.rpc(worker).replicated_health(id=str(sid), timeout=timeout),
+                    self.scheduler.rpc(worker).replicated_health(id=rid, timeout=timeout),
                     timeout + 1)
-                error = None if resp["status"] == "ok" else resp["error"]
+                return None if resp["status"] == "ok" else resp["error"]
             except TimeoutError:
-                error = f"no answer within {timeout} s"
+                return f"no answer from {rid} within {timeout} s"
             except Exception as e:
-                error = f"{type(e).__name__}: {e}"
+                return f"{type(e).__name__}: {e}"
+
+        try:
+            errors = await asyncio.gather(*(probe(r, w) for r, w in enumerate(workers)))
+            error = next((e for e in errors if e is not None), None)
             machine = dep.slots.get(slot)
             if error is not None and machine is not None and machine.id == sid \
-                    and not dep.stopping and worker in self.scheduler.workers:
+                    and not dep.stopping \
+                    and all(w in self.scheduler.workers for w in workers):
                 logger.warning("replica %s of %s failed its health probe: %s", sid,
                                dep.name, error)
                 self._apply(dep, slot, machine.handle(lc.ProbeFailed(

@@ -34,11 +34,13 @@ from dask_services.service import Service, ServiceId
 if TYPE_CHECKING:
     from distributed import Worker
 
+    from dask_services.replicated._gang import GangMember
+
 logger = logging.getLogger("dask_services")
 
 EXTENSION = "dask_services_replicated"  # the worker and the scheduler extension's name
 HANDLERS = ("replicated_start", "replicated_stop", "replicated_call", "replicated_health",
-            "replicated_stats")
+            "replicated_stats", "replicated_rank_call", "replicated_rank_rpc")
 
 
 @dataclass(eq=False)
@@ -58,6 +60,7 @@ class HostedReplica:
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
     setup_task: asyncio.Task | None = None
     running: set[asyncio.Task] = field(default_factory=set)
+    gang: GangMember | None = None  # its rank and the other ranks (``_gang.py``)
 
 
 class ReplicaWorker(WorkerPlugin):
@@ -103,8 +106,11 @@ class ReplicaWorker(WorkerPlugin):
 
     @worker_handler
     async def start(self, comm: Any, id: str, name: str, blob: bytes, max_concurrency: int,
-                    max_queued: int, setup_timeout: float, peers_of: str) -> dict:
-        """Create replica ``id`` and run its ``setup``; answers once it is healthy or not."""
+                    max_queued: int, setup_timeout: float, peers_of: str, rank: int = 0,
+                    ranks: list[tuple[str, str]] | None = None) -> dict:
+        """Create replica ``id`` (rank ``rank`` of the gang ``ranks``, (id, worker) by rank)
+        and run its ``setup``; answers once it is healthy or not."""
+        from dask_services.replicated import _gang
         from dask_services.replicated._handle import ReplicatedService, WorkerTransport
 
         sid = ServiceId(id)
@@ -122,10 +128,13 @@ class ReplicaWorker(WorkerPlugin):
                     "exception": dumps_exception(e)}
         rep = HostedReplica(
             id=sid, name=name, service=service,
-            gate=CallGate(max_concurrency, max_queued, f"replica {sid} of {name}"),
+            # ranks > 0 run what rank 0 admitted: its queue bounds theirs
+            gate=CallGate(max_concurrency, max_queued if rank == 0 else _gang.RANK_QUEUE,
+                          f"replica {sid} of {name}"),
             executor=ThreadPoolExecutor(max_concurrency, thread_name_prefix=f"replica-{sid}"),
         )
         self.replicas[sid] = rep
+        _gang.attach(self, rep, rank, ranks)
         rep.setup_task = asyncio.ensure_future(self._setup(rep, args, kwargs, setup_timeout))
         try:
             await rep.setup_task
@@ -168,7 +177,8 @@ class ReplicaWorker(WorkerPlugin):
     async def stop(self, comm: Any, id: str, timeout: float, reason: str) -> dict:
         """Stop replica ``id``: calls in flight get ``timeout`` seconds to finish; queued
         calls fail (``reason="shutdown"``) or go back to their callers to be re-sent."""
-        rep = self.replicas.get(ServiceId(id))
+        rep = self.replicas.get(ServiceId(id)) or next(  # or its rank held here
+            (r for r in self.replicas.values() if str(r.id).split("/", 1)[0] == id), None)
         if rep is None:
             return {"status": "unknown"}
         if reason == "shutdown":
@@ -241,6 +251,23 @@ class ReplicaWorker(WorkerPlugin):
             return {"status": "error", "error": "check_health() returned False"}
         return {"status": "ok"}
 
+    @worker_handler
+    async def rank_call(self, comm: Any, id: str, method: str, payload: Any) -> dict:
+        """Run a call that rank 0 of a replica admitted on this rank (``_gang.py``)."""
+        from dask_services.replicated._gang import rank_call
+
+        return await rank_call(self, id, method, payload)
+
+    @worker_handler
+    async def rank_rpc(self, comm: Any, target: str, source: int, seq: int, method: str,
+                       payload: Any) -> dict:
+        """An ordered ``@rpc`` call from rank ``source`` to rank ``target`` (``_gang.py``)."""
+        from dask_services.replicated._gang import rank_rpc
+        from dask_services.replicated._options import config_seconds
+
+        return await rank_rpc(self, target, source, seq, method, payload,
+                              config_seconds("setup-timeout"))
+
     def stats(self, comm: Any, ids: list[str]) -> dict:
         """In-flight and queued calls plus metrics of the replicas ``ids`` held here."""
         out = {}
@@ -289,7 +316,11 @@ class ReplicaWorker(WorkerPlugin):
         error = True
         try:
             fn = getattr(rep.service, method)
-            if inspect.iscoroutinefunction(fn):
+            if rep.gang is not None and rep.gang.fans_out(type(rep.service), method):
+                from dask_services.replicated._gang import gang_call
+
+                result = await gang_call(self, rep, method, args, kwargs)  # every rank
+            elif inspect.iscoroutinefunction(fn):
                 result = await fn(*args, **kwargs)
             else:
                 result = await asyncio.get_running_loop().run_in_executor(
@@ -303,6 +334,8 @@ class ReplicaWorker(WorkerPlugin):
             return {"status": "shutdown", "message": (
                 f"the call was cancelled: replica {rep.id} of {rep.name} stopped before it "
                 "finished (svc.shutdown timeout)")}
+        except ReplicaGone as e:  # another rank of the replica is lost: re-sent
+            return {"status": "gone", "message": str(e)}
         except Exception as e:
             return {"status": "error", "exception": dumps_exception(e)}
         finally:
