@@ -62,6 +62,7 @@ async def _deploy(client: Any, handle: ReplicatedService, blob: bytes,
         cls=handle.service_class.__name__,
         **({"procs_per_replica": options.procs_per_replica}
            if options.procs_per_replica != 1 else {}),
+        **({"autoscaling": dict(options.autoscaling)} if options.autoscaling else {}),
     )
     if resp["status"] != "ok":
         raise DeploymentError(resp["error"])

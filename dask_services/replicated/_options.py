@@ -78,6 +78,7 @@ class ReplicaOptions:
     router: Any = "least_loaded"
     name: str | None = None
     procs_per_replica: int = 1
+    autoscaling: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for field, low in (("replicas", 0), ("max_concurrency", 1), ("max_queued", 0),
@@ -106,6 +107,11 @@ class ReplicaOptions:
                                 f"amounts, e.g. {{'GPU': 1}}; got {self.resources!r}")
             object.__setattr__(self, "resources", dict(self.resources))
         check_router(self.router)
+        if self.autoscaling is not None:
+            from dask_services.replicated._autoscale import AutoscalingConfig
+
+            config = AutoscalingConfig.from_options(self.autoscaling)
+            object.__setattr__(self, "autoscaling", config.as_dict())
         if self.name is not None and (not isinstance(self.name, str) or not self.name):
             raise TypeError(f"options(name=...) must be a non-empty string, got {self.name!r}")
 

@@ -28,6 +28,7 @@ from tornado.ioloop import PeriodicCallback
 
 from dask_services._run_state import new_stimulus_id
 from dask_services.replicated import _lifecycle as lc
+from dask_services.replicated._autoscale import AutoscalePolicy, AutoscalingConfig, Decision
 from dask_services.replicated._gang import rank_id
 from dask_services.replicated._lifecycle import ReplicaState
 from dask_services.replicated._options import config_seconds
@@ -55,6 +56,9 @@ class Deployment:
     resources: Mapping[str, float] | None
     cls: str = ""  # the service class's name, for the status table
     procs_per_replica: int = 1  # ranks of each replica, each on a worker of its own
+    autoscaling: AutoscalePolicy | None = None
+    floor: int = 0  # the last svc.scale(n): autoscaling never goes below it
+    last_decision: str = ""  # the last autoscaling decision, with its reason
     slots: dict[int, lc.ReplicaMachine] = field(default_factory=dict)
     errors: dict[int, bytes] = field(default_factory=dict)  # slot -> last setup exception
     next_slot: int = 0
@@ -66,6 +70,10 @@ class Deployment:
         """Wake whoever waits for a change of state."""
         self.changed.set()
         self.changed = asyncio.Event()
+
+    def active(self) -> dict[int, lc.ReplicaMachine]:
+        """The replica slots that are not stopped."""
+        return {s: m for s, m in self.slots.items() if m.state is not ReplicaState.STOPPED}
 
 
 class Deployments(SchedulerPlugin):
@@ -81,6 +89,7 @@ class Deployments(SchedulerPlugin):
         self._prefix = uuid.uuid4().hex[:6] + "-"
         self._probing: set[str] = set()
         self._probe: PeriodicCallback | None = None
+        self._autoscaler: PeriodicCallback | None = None
         self.reports = ReplicaReports()  # figures of each replica, from worker heartbeats
 
     async def start(self, scheduler: Scheduler) -> None:
@@ -94,6 +103,9 @@ class Deployments(SchedulerPlugin):
         if period > 0:
             self._probe = PeriodicCallback(self._probe_all, period * 1000)
             self._probe.start()
+        self._autoscaler = PeriodicCallback(
+            self._autoscale_all, config_seconds("autoscaling-interval") * 1000)
+        self._autoscaler.start()
         await scheduler.register_worker_plugin(
             # pickled, so that every worker gets its own object (inproc comms would hand
             # in-process workers one and the same)
@@ -105,6 +117,8 @@ class Deployments(SchedulerPlugin):
         closing)."""
         if self._probe is not None:
             self._probe.stop()
+        if self._autoscaler is not None:
+            self._autoscaler.stop()
         tasks = [task for dep in self.deployments.values() for task in dep.tasks]
         for task in tasks:
             task.cancel()
@@ -142,16 +156,21 @@ class Deployments(SchedulerPlugin):
 
     async def deploy(self, comm: Any, name: str, blob: bytes, replicas: int,
                      max_concurrency: int, max_queued: int, workers: list[str] | None,
-                     resources: dict | None, cls: str = "", procs_per_replica: int = 1) -> dict:
+                     resources: dict | None, cls: str = "", procs_per_replica: int = 1,
+                     autoscaling: dict | None = None) -> dict:
         """Create a deployment of ``replicas`` replicas of ``procs_per_replica`` ranks and
-        launch them (does not wait)."""
+        launch them (does not wait); ``autoscaling``: see ``_autoscale.py``."""
         if name in self.deployments:
             return {"status": "error", "error": f"a service named {name!r} is already "
                                                 "deployed; pick another options(name=...)"}
+        policy = None
+        if autoscaling is not None:
+            policy = AutoscalePolicy(AutoscalingConfig(**autoscaling))
+            replicas = policy.config.initial(replicas)
         dep = Deployment(name=name, blob=blob, max_concurrency=max_concurrency,
                          max_queued=max_queued, workers=tuple(workers) if workers else None,
                          resources=resources or None, cls=cls,
-                         procs_per_replica=procs_per_replica)
+                         procs_per_replica=procs_per_replica, autoscaling=policy)
         self.deployments[name] = dep
         for _ in range(replicas):
             self._add_slot(dep)
@@ -242,13 +261,23 @@ class Deployments(SchedulerPlugin):
         dep = self.deployments.get(name)
         if dep is None or dep.stopping:
             return None  # type: ignore[return-value]
-        active = {s: m for s, m in dep.slots.items() if m.state is not ReplicaState.STOPPED}
+        active = dep.active()
+        if dep.autoscaling is not None:
+            dep.floor = n  # a manual floor: autoscaling adds above it, never goes below
+            self._log_decision(dep, Decision(len(active), n, f"svc.scale({n}) sets the floor"))
         if n > len(active):
             new = [self._add_slot(dep) for _ in range(n - len(active))]
             result = await self.wait(comm, name, timeout, slots=new)
             if result["status"] != "ok":
                 return result
             return {"status": "ok"}
+        await self._scale_down(dep, n)
+        return {"status": "ok"}
+
+    async def _scale_down(self, dep: Deployment, n: int) -> None:
+        """Stop the surplus over ``n`` replicas, least useful first, draining their calls
+        (queued calls go back to their callers and are re-sent)."""
+        active = dep.active()
         order = {ReplicaState.UNHEALTHY: 0, ReplicaState.UNINITIALIZED: 1,
                  ReplicaState.RECOVERING: 2, ReplicaState.HEALTHY: 3}
         victims = sorted(active, key=lambda s: (order[active[s].state], -s))[:len(active) - n]
@@ -262,7 +291,47 @@ class Deployments(SchedulerPlugin):
             dep.errors.pop(s, None)
         self.reports.prune(self.placed())
         dep.notify()
-        return {"status": "ok"}
+
+    # ------------------------------------------------------------ autoscaling
+
+    def ongoing(self, dep: Deployment) -> int:
+        """Calls running or queued on the deployment's healthy replicas, as of their
+        workers' last heartbeats."""
+        total = 0
+        for m in dep.slots.values():
+            if m.state is ReplicaState.HEALTHY:
+                figures = self.reports.get(str(m.id))
+                total += int(figures["in_flight"]) + int(figures["queued"])
+        return total
+
+    def _autoscale_all(self) -> None:
+        now = asyncio.get_running_loop().time()
+        for dep in list(self.deployments.values()):
+            if dep.autoscaling is None or dep.stopping:
+                continue
+            active = dep.active()
+            if any(m.state is ReplicaState.UNHEALTHY for m in active.values()):
+                continue  # setup fails: more replicas would not help
+            decision = dep.autoscaling.observe(now, len(active), self.ongoing(dep),
+                                               dep.floor)
+            if decision is not None:
+                self.autoscale(dep, decision)
+
+    def autoscale(self, dep: Deployment, decision: Decision) -> None:
+        """Carry out an autoscaling decision (logged with its reason)."""
+        self._log_decision(dep, decision)
+        if decision.target > decision.current:
+            for _ in range(decision.target - decision.current):
+                self._add_slot(dep)
+        else:
+            self._spawn(dep, self._scale_down(dep, decision.target))
+
+    def _log_decision(self, dep: Deployment, decision: Decision) -> None:
+        dep.last_decision = str(decision)
+        self.scheduler.log_event(EVENT_TOPIC, {
+            "action": "replicas-autoscaled", "service": dep.name, "from": decision.current,
+            "to": decision.target, "reason": decision.reason})
+        logger.info("replicated service %s: scaling %s", dep.name, decision)
 
     async def shutdown(self, comm: Any, name: str, timeout: float) -> dict:
         """Stop every replica (draining calls in flight for ``timeout`` s) and forget the

@@ -101,6 +101,8 @@ def rows(deployments: Deployments) -> list[dict[str, Any]]:
                 "incarnation": m.incarnation,
                 **deployments.reports.get(rid),
                 "last_error": m.last_error or "",
+                # the service's replicas aimed at, and its last autoscaling decision
+                "target": len(dep.active()), "decision": dep.last_decision,
             })
     return out
 
@@ -147,7 +149,7 @@ async def refresh(plugin: ServiceDiagnostics, max_age: float = FRESH_S) -> None:
 
 
 COLUMNS = ("service", "class", "slot", "replica", "worker", "state", "healthy",
-           "incarnation", *FIGURES, "last_error")
+           "incarnation", *FIGURES, "last_error", "target", "decision")
 
 TABLE = register_table(StatusTable(
     name="replicas",

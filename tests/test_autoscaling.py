@@ -1,0 +1,180 @@
+"""Autoscaling of replicated services: the pure policy, then on clusters."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from distributed.utils_test import async_poll_for
+from gang_services import Sleeper
+from test_replicated import assert_nothing_left, cluster
+
+from dask_services.replicated import ReplicaOptions
+from dask_services.replicated._autoscale import AutoscalePolicy, AutoscalingConfig, Decision
+
+pytestmark = pytest.mark.timeout(60)
+EXT = "dask_services_replicated"
+
+
+def policy(**kwargs) -> AutoscalePolicy:
+    values = {"min_replicas": 1, "max_replicas": 8, "target_ongoing_requests": 2,
+              "upscale_delay": "2s", "downscale_delay": "30s", **kwargs}
+    return AutoscalePolicy(AutoscalingConfig.from_options(values))
+
+
+def test_config_validation():
+    config = AutoscalingConfig.from_options({"max_replicas": 4, "upscale_delay": "500ms"})
+    assert config.upscale_delay == 0.5 and config.downscale_delay == 600
+    assert config.initial(10) == 4 and config.initial(0) == 1
+    for bad, match in [({"max_replicas": 0}, "max_replicas"),
+                       ({"min_replicas": 3, "max_replicas": 2}, "below"),
+                       ({"target_ongoing_requests": 0}, "target_ongoing_requests"),
+                       ({"max_replicas": 2, "initial_replicas": 5}, "initial_replicas"),
+                       ({"upscale_delay": -1}, "upscale_delay"),
+                       ({"downscale_delay": "soon"}, "downscale_delay")]:
+        with pytest.raises(ValueError, match=match):
+            AutoscalingConfig.from_options(bad)
+    with pytest.raises(TypeError, match="unknown autoscaling option"):
+        AutoscalingConfig.from_options({"max_replica": 3})
+    options = ReplicaOptions.merged({"autoscaling": {"max_replicas": 3}})
+    assert options.autoscaling["max_replicas"] == 3
+
+
+def test_scales_up_only_after_the_upscale_delay():
+    p = policy()
+    assert p.observe(0.0, 1, 10) is None  # above the target: the delay starts
+    assert p.observe(1.9, 1, 10) is None
+    decision = p.observe(2.0, 1, 10)
+    assert decision == Decision(1, 5, decision.reason) and decision.direction == "up"
+    assert "10.00 ongoing calls per replica (target 2) for 2 s" in decision.reason
+    assert p.observe(2.1, 5, 10) is None  # at the target now
+
+
+def test_load_dipping_restarts_the_delay():
+    p = policy()
+    assert p.observe(0.0, 1, 10) is None
+    assert p.observe(1.0, 1, 2) is None  # back at the target: the delay starts over
+    assert p.observe(2.5, 1, 10) is None
+    assert p.observe(4.5, 1, 10).target == 5
+
+
+def test_scales_down_after_the_downscale_delay_within_bounds():
+    p = policy(min_replicas=2)
+    assert p.observe(0, 6, 0) is None
+    assert p.observe(29, 6, 0) is None
+    decision = p.observe(30, 6, 0)
+    assert decision.target == 2 and decision.direction == "down"  # never below min
+
+
+def test_max_replicas_and_floor():
+    p = policy(max_replicas=3, upscale_delay=0)
+    assert p.observe(0, 1, 100).target == 3
+    p = policy(downscale_delay=0)
+    assert p.observe(0, 5, 0, floor=4).target == 4  # scale(4) is a floor
+    assert p.observe(1, 4, 0, floor=4) is None
+    assert p.observe(2, 2, 0, floor=4) == Decision(2, 4, "2 replicas outside the bounds "
+                                                         "[4, 8]")
+    assert policy(max_replicas=2).observe(0, 1, 0, floor=5).target == 5  # floor wins
+
+
+FAST = {"dask_services.replicated.autoscaling-interval": "50ms"}
+
+
+async def _load(svc, callers: int, stop: asyncio.Event) -> list[tuple[int, int]]:
+    """``callers`` concurrent loops of calls until ``stop``; (argument, result) pairs."""
+    done: list[tuple[int, int]] = []
+
+    async def loop(k: int) -> None:
+        i = 0
+        while not stop.is_set():
+            x = k * 10_000 + i
+            done.append((x, await svc.work.route(x)))
+            i += 1
+
+    await asyncio.gather(*(loop(k) for k in range(callers)))
+    return done
+
+
+@cluster(nthreads=[("127.0.0.1", 1)] * 3, config=FAST)
+async def test_autoscales_up_and_down_under_load_without_losing_a_call(c, s, *workers):
+    if True:
+        svc = await Sleeper.options(max_concurrency=1, autoscaling={
+            "min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 1,
+            "upscale_delay": "200ms", "downscale_delay": "500ms"}).as_service(0.05, client=c)
+        dep = s.extensions[EXT].deployments[svc.name]
+        assert len(dep.active()) == 1
+        stop = asyncio.Event()
+        load = asyncio.ensure_future(_load(svc, 6, stop))
+        await async_poll_for(lambda: len(dep.active()) == 4, timeout=20)
+        await async_poll_for(lambda: all(m.state.value == "healthy"
+                                         for m in dep.active().values()), timeout=20)
+        stop.set()
+        done = await load
+        assert done and all(r == x + 1 for x, r in done)  # every call answered, rightly
+        await async_poll_for(lambda: len(dep.active()) == 1, timeout=20)
+        events = [e for _, e in await c.get_events("dask_services")
+                  if e["action"] == "replicas-autoscaled"]
+        assert events[0]["from"] < events[0]["to"] and "ongoing calls per replica" in \
+            events[0]["reason"]
+        assert events[-1]["to"] == 1 and events[-1]["from"] > 1
+        assert "->" in dep.last_decision
+        # scale(n) is a floor
+        await svc.scale(2)
+        assert len(dep.active()) == 2 and dep.floor == 2
+        assert dep.last_decision.endswith("sets the floor")
+        s.extensions[EXT]._autoscale_all()  # no load: the floor holds
+        assert len(dep.active()) == 2
+        rows = await c.run_on_scheduler(_rows)
+        assert {r["target"] for r in rows if r["service"] == svc.name} == {2}
+        assert all(r["decision"].endswith("sets the floor") for r in rows)
+        await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
+def _rows(dask_scheduler) -> list[dict]:
+    from dask_services.replicated._table import rows
+
+    return rows(dask_scheduler.extensions[EXT])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_autoscaling_on_worker_processes_under_a_load_step():
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import dask
+    from distributed import Client, LocalCluster
+    from distributed.utils_test import poll_for
+
+    config = {**FAST, "distributed.scheduler.validate": True}
+    with dask.config.set(config), LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+    ) as lc_, Client(lc_) as client:
+        svc = Sleeper.options(max_concurrency=1, autoscaling={
+            "min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 1,
+            "upscale_delay": "300ms", "downscale_delay": "1s"}).as_service(0.02,
+                                                                          client=client)
+        stop = threading.Event()
+
+        def caller(k: int) -> tuple[int, int]:
+            calls = wrong = 0
+            while not stop.is_set():
+                x = k * 100_000 + calls
+                wrong += svc.work.route(x).result(timeout=30) != x + 1  # raises if lost
+                calls += 1
+            return calls, wrong
+
+        with ThreadPoolExecutor(6) as pool:
+            running = [pool.submit(caller, k) for k in range(6)]
+            poll_for(lambda: [r["state"] for r in svc.replicas()] == ["healthy"] * 4,
+                     timeout=40)
+            stop.set()
+            outcomes = [f.result(timeout=60) for f in running]
+        assert sum(c for c, _ in outcomes) > 0 and sum(w for _, w in outcomes) == 0
+        poll_for(lambda: len(svc.replicas()) == 1, timeout=30)
+        events = [e for _, e in client.get_events("dask_services")
+                  if e["action"] == "replicas-autoscaled"]
+        assert any(e["to"] > e["from"] for e in events)
+        assert events[-1]["to"] == 1
+        svc.shutdown()
