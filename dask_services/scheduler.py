@@ -399,10 +399,12 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
 
     def _near_inputs(self, service_key: Key, participants: list[str]) -> dict[Key, str]:
         """Output -> the worker holding the input it needs most, where that input is in
-        memory already; no worker gets more than its share of the outputs (rounded up)."""
+        memory already; no worker gets more than its share of the outputs (rounded up),
+        plus one: a service task of a few outputs, one of many small ones, then keeps each
+        next to its input, as their inputs are spread already."""
         affinity = self.definitions[service_key].affinity or {}
         tasks = self.scheduler.tasks
-        share = -(-len(affinity) // len(participants))
+        share = -(-len(affinity) // len(participants)) + 1
         load = dict.fromkeys(participants, 0)
         placement = {}
         for out, key in affinity.items():

@@ -286,17 +286,22 @@ async def test_outputs_are_placed_near_their_inputs_and_hand_offs_run_in_order(c
 
     nearest = most_needed_inputs(x.chunks, y.chunks)
     placed = {j: worker_of((y.name, *j)) for j in nearest}
-    # every output chunk lands on the worker holding the input it needs most, as far as
-    # that keeps the two workers' shares even
+    # every output chunk lands on the worker holding the input it needs most; every
+    # independent region (300 rows, two outputs) is a service task of its own, within
+    # which no worker gets more than its share plus one, and the inputs are spread
     near = sum(placed[j] == worker_of((x.name, *i)) for j, i in nearest.items())
     counts = [list(placed.values()).count(w.address) for w in (a, b)]
-    assert max(counts) <= -(-len(placed) // 2), counts
+    assert max(counts) <= 0.7 * len(placed), counts
     assert near >= 0.8 * len(placed), (near, len(placed))
-    # the hand-offs' priorities follow the order of the inputs
+    # the hand-offs of a region (3 inputs) run one after the other, in input order
     handoffs = sorted((ts.priority, k[1]) for k, ts in s.tasks.items()
                       if isinstance(k, tuple) and str(k[0]).startswith("rechunk-handoff"))
     assert len(handoffs) == 60
-    assert [i for _, i in handoffs] == list(range(60))
+    ordered = [i for _, i in handoffs]
+    assert sorted(ordered) == list(range(60))
+    for start in range(0, 60, 3):
+        assert ordered[start:start + 3] == list(range(ordered[start], ordered[start] + 3))
+        assert ordered[start] % 3 == 0
     np.testing.assert_array_equal(await c.compute(y), arr)
     del x, y
     await assert_nothing_left(s, [a, b])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import itertools
 from typing import Any
 
 import dask
@@ -20,7 +21,6 @@ import numpy as np
 from dask.array.core import Array, normalize_chunks
 from dask.array.utils import validate_axis
 from dask.base import tokenize
-from dask.core import flatten
 from dask.highlevelgraph import HighLevelGraph
 
 from dask_services.graph import ServiceDefinition, build_service_graph
@@ -54,31 +54,86 @@ def service_rechunk(x: Array, chunks: Any = "auto", block_size_limit: Any = None
     if x.size == 0:
         # no element to move: new empty chunks, without the inputs (as ``tasks`` does)
         return da.empty(x.shape, chunks=chunks, dtype=x.dtype)
-    from dask_services.array._service import ArrayRechunk, merge_plan, most_needed_inputs
+    from dask_services.array._service import merge_plan
 
     token = tokenize(x, chunks, METHOD)
     name = f"rechunk-service-{token}"
     plan = merge_plan(x.chunks, chunks)
     if plan is not None:
         return _merge_rechunk(x, chunks, name, plan)
-    input_keys = list(flatten(x.__dask_keys__()))
-    shape = [len(c) for c in chunks]
-    nearest = most_needed_inputs(x.chunks, chunks)
-    definition = ServiceDefinition(
-        service_class=ArrayRechunk,
-        params={"old_chunks": x.chunks, "new_chunks": chunks, "dtype": x.dtype},
-        input_keys=tuple(input_keys),
-        handoff_keys=tuple((f"rechunk-handoff-{token}", *k[1:]) for k in input_keys),
-        output_keys=tuple((name, *i) for i in np.ndindex(*shape)),
-        name="rechunk",
-        # an output next to the input it takes most of: less data between workers
-        affinity=None if nearest is None else {
-            (name, *j): (x.name, *i) for j, i in nearest.items()
-        },
-    )
-    layer = build_service_graph(definition, f"rechunk-service-task-{token}", input_keys)
+    layer = _region_graph(x, chunks, name, token)
     graph = HighLevelGraph.from_collections(name, layer, dependencies=[x])
     return Array(graph, name, chunks, meta=x._meta)
+
+
+def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> dict:
+    """The tasks of a rechunk, one independent region (or box of regions) at a time.
+
+    Regions (``region_boxes``) share no input: a region with one output chunk is one task
+    that copies the pieces of its inputs into it; every other one is a service task of its
+    own.  Several service tasks instead of one keep the scheduler's ordering cheap (it
+    walks every pair of an input and an output that the service task connects) and let
+    dask order each region's consumers right after it, as for any other task.
+    """
+    from dask._task_spec import Task, TaskRef
+
+    from dask_services.array._service import (
+        ArrayRechunk,
+        axis_overlaps,
+        copy_pieces,
+        most_needed_inputs,
+        region_boxes,
+    )
+
+    max_pairs = int(dask.config.get("dask_services.rechunk.pairs-per-task", 0) or 0)
+    overlaps = [axis_overlaps(o, n) for o, n in zip(x.chunks, chunks, strict=True)]
+    layer: dict = {}
+    for b, (old_box, new_box) in enumerate(region_boxes(x.chunks, chunks, max_pairs)):
+        outputs = list(itertools.product(*new_box))
+        inputs = list(itertools.product(*old_box))
+        if len(outputs) == 1:
+            (j,) = outputs
+            pieces = []
+            for i in inputs:
+                per_axis = [[p for p in overlaps[d][i[d]] if p[0] == j[d]]
+                            for d in range(len(i))]
+                if all(per_axis):
+                    pieces.append((i, tuple(p[0][1] for p in per_axis),
+                                   tuple(p[0][2] for p in per_axis)))
+            shape = tuple(chunks[d][jd] for d, jd in enumerate(j))
+            layer[(name, *j)] = Task(
+                (name, *j), copy_pieces, shape, x.dtype,
+                [(sl, off) for _, sl, off in pieces],
+                *(TaskRef((x.name, *i)) for i, _, _ in pieces),
+            )
+            continue
+        old_offset = tuple(r.start for r in old_box)
+        new_offset = tuple(r.start for r in new_box)
+        sub_old = tuple(tuple(x.chunks[d][k] for k in r) for d, r in enumerate(old_box))
+        sub_new = tuple(tuple(chunks[d][k] for k in r) for d, r in enumerate(new_box))
+        input_keys = [(x.name, *i) for i in inputs]
+        nearest = most_needed_inputs(sub_old, sub_new)
+        definition = ServiceDefinition(
+            service_class=ArrayRechunk,
+            params={"old_chunks": sub_old, "new_chunks": sub_new, "dtype": x.dtype,
+                    "old_offset": old_offset, "new_offset": new_offset},
+            input_keys=tuple(input_keys),
+            handoff_keys=tuple((f"rechunk-handoff-{token}", *i) for i in inputs),
+            output_keys=tuple((name, *j) for j in outputs),
+            name="rechunk",
+            # an output next to the input it takes most of: less data between workers
+            affinity=None if nearest is None else {
+                (name, *_shift(j, new_offset)): (x.name, *_shift(i, old_offset))
+                for j, i in nearest.items()
+            },
+        )
+        layer.update(build_service_graph(
+            definition, f"rechunk-service-task-{token}-{b}", input_keys))
+    return layer
+
+
+def _shift(index: tuple, offset: tuple) -> tuple:
+    return tuple(a + o for a, o in zip(index, offset, strict=True))
 
 
 def _merge_rechunk(x: Array, chunks: tuple, name: str, plan: dict) -> Array:

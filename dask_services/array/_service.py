@@ -13,6 +13,7 @@ the last inputs are handed off.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import math
 import mmap
@@ -54,6 +55,78 @@ def axis_overlaps(old: Sequence[float], new: Sequence[float]
                 out[i].append((k, slice(lo - a0, hi - a0), lo - new_bounds[k]))
             k += 1
     return out
+
+
+def axis_regions(old: Sequence[float], new: Sequence[float]) -> list[tuple[range, range]]:
+    """Along one axis, the independent regions of a rechunk: ``[(old chunks, new chunks),
+    ...]`` as index ranges, such that every new chunk of a region needs only old chunks of
+    the same region.  A region ends wherever an old and a new chunk boundary coincide
+    (100-row chunks to 150-row chunks: every 300 rows).  Zero-length chunks on such a
+    boundary go to the region that starts there (the last one at the end of the axis).
+    Axes of unknown size are unchanged: every chunk is a region of its own."""
+    if any(math.isnan(c) for c in old):
+        return [(range(i, i + 1), range(i, i + 1)) for i in range(len(old))]
+    old_bounds = np.cumsum((0, *old)).astype(int).tolist()
+    new_bounds = np.cumsum((0, *new)).astype(int).tolist()
+    cuts = sorted(set(old_bounds) & set(new_bounds))
+    if len(cuts) < 2:  # an axis of length zero
+        return [(range(len(old)), range(len(new)))]
+    last = len(cuts) - 2
+
+    def region_of(bounds: list[int]) -> list[int]:
+        return [min(bisect.bisect_right(cuts, start) - 1, last) for start in bounds[:-1]]
+
+    old_region, new_region = region_of(old_bounds), region_of(new_bounds)
+    regions = []
+    for r in range(last + 1):
+        o = [i for i, x in enumerate(old_region) if x == r]
+        n = [j for j, x in enumerate(new_region) if x == r]
+        regions.append((range(o[0], o[-1] + 1) if o else range(0),
+                        range(n[0], n[-1] + 1) if n else range(0)))
+    return regions
+
+
+def region_boxes(old: Chunks, new: Chunks, max_pairs: int
+                 ) -> list[tuple[tuple[range, ...], tuple[range, ...]]]:
+    """The rechunk cut into boxes of independent regions: ``[(old chunk ranges per axis,
+    new chunk ranges per axis), ...]``; no output of a box needs an input of another box.
+
+    Consecutive regions along each axis are grouped (the last axis first) as long as a box
+    keeps at most ``max_pairs`` (inputs x outputs): what ordering a service task's graph
+    costs grows with that product, every input reaching every output through the service
+    task; ``max_pairs=0`` gives one region per box.
+    """
+    per_axis = [axis_regions(o, n) for o, n in zip(old, new, strict=True)]
+    group = [1] * len(per_axis)
+
+    def pairs(g: list[int]) -> float:
+        out = 1.0
+        for d, regions in enumerate(per_axis):
+            nr = len(regions)
+            out *= (g[d] * len(old[d]) / nr) * (g[d] * len(new[d]) / nr)
+        return out
+
+    for d in reversed(range(len(per_axis))):
+        while group[d] < len(per_axis[d]):
+            bigger = [*group]
+            bigger[d] = min(2 * group[d], len(per_axis[d]))
+            if pairs(bigger) > max_pairs:
+                break
+            group = bigger
+    grouped = []
+    for d, regions in enumerate(per_axis):
+        axis = []
+        for start in range(0, len(regions), group[d]):
+            part = regions[start:start + group[d]]
+            old_r = [r for r, _ in part if len(r)]
+            new_r = [r for _, r in part if len(r)]
+            axis.append((
+                range(old_r[0].start, old_r[-1].stop) if old_r else range(0),
+                range(new_r[0].start, new_r[-1].stop) if new_r else range(0),
+            ))
+        grouped.append(axis)
+    return [(tuple(o for o, _ in combo), tuple(n for _, n in combo))
+            for combo in itertools.product(*grouped)]
 
 
 AFFINITY_MAX_INPUTS = 4  # outputs needing more inputs than this are placed round-robin
@@ -131,6 +204,18 @@ def merge_blocks(shape: tuple[float, ...], dtype: np.dtype, offsets: list[tuple[
                                                                           strict=True)])
 
 
+def copy_pieces(shape: tuple[float, ...], dtype: np.dtype,
+                layout: list[tuple[tuple[slice, ...], tuple[int, ...]]],
+                *blocks: np.ndarray) -> np.ndarray:
+    """One output chunk of a region with no other output: from every input chunk, the
+    slice it needs (``layout``: slices and offset in the output, per input), in one new
+    (C-ordered, writeable) array."""
+    return write_pieces(shape, dtype, [
+        (offset, np.asarray(block)[slices])
+        for (slices, offset), block in zip(layout, blocks, strict=True)
+    ])
+
+
 def slice_block(block: np.ndarray, index: Index,
                 overlaps: list[list[list[tuple[int, slice, int]]]]) -> list[Piece]:
     """The pieces of the input chunk at ``index``: one per output chunk it overlaps."""
@@ -189,15 +274,25 @@ class ArrayRechunk(PeerExchange):
 
     async def start(self, id, key, peers, input_keys, output_keys, concierge, leader, *,
                     old_chunks: Chunks, new_chunks: Chunks, dtype: np.dtype,
+                    old_offset: Index | None = None, new_offset: Index | None = None,
                     **kwargs: Any) -> None:
+        # the chunks of this service task's region of the array, whose first input and
+        # output chunks have the indices ``old_offset`` and ``new_offset``
         self.new_chunks = new_chunks
         self.dtype = dtype
         self.overlaps = [axis_overlaps(o, n) for o, n in zip(old_chunks, new_chunks,
                                                              strict=True)]
         counts = pieces_per_output(self.overlaps, new_chunks)
-        self.index_of = {k: tuple(k[1:]) for k in input_keys}
-        self.key_of = {tuple(k[1:]): k for k in output_keys}
-        self.owner = {tuple(k[1:]): concierge.owner(k) for k in concierge.wanted_outputs}
+        zero = (0,) * len(new_chunks)
+        old_offset, new_offset = old_offset or zero, new_offset or zero
+
+        def local(key: Any, offset: Index) -> Index:
+            return tuple(a - o for a, o in zip(key[1:], offset, strict=True))
+
+        self.index_of = {k: local(k, old_offset) for k in input_keys}
+        self.key_of = {local(k, new_offset): k for k in output_keys}
+        self.owner = {local(k, new_offset): concierge.owner(k)
+                      for k in concierge.wanted_outputs}
         self.expected = {j: math.prod(counts[d][jd] for d, jd in enumerate(j))
                          for j, sid in self.owner.items() if sid == id}
         self.received: dict[Index, int] = dict.fromkeys(self.expected, 0)
