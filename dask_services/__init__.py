@@ -18,6 +18,7 @@ from dask_services._spill import OutOfDiskError
 from dask_services._status import status
 from dask_services.client import install, install_async, service_task, story, submit
 from dask_services.replicated import (
+    BatchResultError,
     DeploymentError,
     EndpointRefused,
     ReplicatedService,
@@ -45,6 +46,7 @@ from dask_services.service import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchResultError",
     "Concierge",
     "DeploymentError",
     "EndpointRefused",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dask_services.replicated import _table  # noqa: F401  (registers the "replicas" table)
 from dask_services.replicated._errors import (
+    BatchResultError,
     DeploymentError,
     EndpointRefused,
     ServiceOverloaded,
@@ -34,8 +35,10 @@ from dask_services.replicated._routing import (
     Router,
     SessionAffinity,
 )
+from dask_services.replicated._streaming import Stream
 
 __all__ = [
+    "BatchResultError",
     "Call",
     "DeploymentError",
     "Endpoint",
@@ -53,6 +56,7 @@ __all__ = [
     "ServiceUnavailable",
     "Session",
     "SessionAffinity",
+    "Stream",
     "endpoint",
     "is_endpoint",
 ]

@@ -27,3 +27,8 @@ class DeploymentError(ServiceError):
 
 class ReplicaGone(ServiceError):
     """The addressed replica does not exist (any more) on that worker; internal, retried."""
+
+
+class BatchResultError(ServiceError, ValueError):
+    """A batched endpoint returned something other than one result per request (raised
+    at every caller of that batch)."""

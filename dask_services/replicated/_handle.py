@@ -32,8 +32,14 @@ from dask_services.replicated._errors import (
     ServiceShutdown,
     ServiceUnavailable,
 )
-from dask_services.replicated._options import config_seconds, endpoints, is_endpoint
+from dask_services.replicated._options import (
+    config_seconds,
+    endpoint_spec,
+    endpoints,
+    is_endpoint,
+)
 from dask_services.replicated._routing import LeastLoaded, ReplicaView, make_router
+from dask_services.replicated._streaming import Stream
 from dask_services.service import ServiceId
 
 _session: contextvars.ContextVar[Session | None] = contextvars.ContextVar(
@@ -171,8 +177,18 @@ class Endpoint:
         self._handle = handle
         self.name = name
 
+    def _check_call(self, args: tuple, kwargs: dict) -> None:
+        spec = endpoint_spec(self._handle.service_class, self.name)
+        if spec.stream:
+            raise TypeError(f"{self.name!r} is a streaming endpoint (a generator): iterate "
+                            f"over svc.{self.name}.stream(...) instead")
+        if spec.batched and (len(args) != 1 or kwargs):
+            raise TypeError(f"{self.name!r} is a batched endpoint: each call passes exactly "
+                            f"one request, svc.{self.name}.route(request)")
+
     def route(self, *args: Any, **kwargs: Any) -> Call:
         """Send one call to one healthy replica, chosen by the router (or the session)."""
+        self._check_call(args, kwargs)
         h = self._handle
         session = _session.get()
         if session is not None and session.handle is not h:
@@ -180,8 +196,22 @@ class Endpoint:
         return Call(h._transport, h._call(self.name, args, kwargs, session=session),
                     f"{h.name}.{self.name}")
 
+    def stream(self, *args: Any, **kwargs: Any) -> Stream:
+        """Iterate over what a generator endpoint yields on one replica (routed like
+        ``route``): ``async for x in svc.gen.stream(...)`` in async code, ``for x in ...``
+        otherwise.  Stopping early (break, ``close()``, cancelling) stops the generator."""
+        if not endpoint_spec(self._handle.service_class, self.name).stream:
+            raise TypeError(f"{self.name!r} is not a streaming endpoint (a generator): call "
+                            f"it with svc.{self.name}.route(...)")
+        h = self._handle
+        session = _session.get()
+        if session is not None and session.handle is not h:
+            session = None
+        return Stream(h, self.name, args, kwargs, session)
+
     def fanout(self, *args: Any, **kwargs: Any) -> Call:
         """Call every healthy replica; the result is the list of their results."""
+        self._check_call(args, kwargs)
         h = self._handle
         return Call(h._transport, h._fanout(self.name, args, kwargs),
                     f"{h.name}.{self.name} (fan-out)")
@@ -191,6 +221,7 @@ class Endpoint:
         first; the result can be an argument of other submits and calls)."""
         from distributed import get_client
 
+        self._check_call(args, kwargs)
         h = self._handle
         if client is None:
             transport = h._transport

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -20,18 +20,46 @@ def config_seconds(name: str) -> float:
 T = TypeVar("T")
 _ENDPOINT_MARK = "__dask_services_endpoint__"
 _BASE = "__dask_services_options_base__"
+_SPEC = "__dask_services_endpoint_spec__"
 
 
 _RANKS_MARK = "__dask_services_endpoint_ranks__"
 RANKS = ("all", "first")
 
 
-def endpoint(method: Callable[..., T] | None = None, *, ranks: str = "all") -> Any:
+@dataclasses.dataclass(frozen=True)
+class EndpointSpec:
+    """How an endpoint is called: plain, batched (``batch_size``) or streaming."""
+
+    batch_size: int | None = None  # None: not batched
+    batch_wait: float = 0.0  # seconds a batch waits for more calls after its first one
+    stream: bool = False  # a (sync or async) generator: called with .stream()
+
+    @property
+    def batched(self) -> bool:
+        """Whether single calls are gathered into lists for the method."""
+        return self.batch_size is not None
+
+
+_PLAIN = EndpointSpec()
+
+
+def endpoint(method: Callable[..., T] | None = None, *, batch_size: int | None = None,
+             batch_wait: str | float = 0, ranks: str = "all") -> Any:
     """Mark a method of a :class:`~dask_services.Service` as callable on a deployed service.
 
     ``svc.method.route(...)``, ``.fanout(...)`` and ``.submit(...)`` reach only marked
     methods.  ``async def`` endpoints run on the worker's event loop; plain ``def`` ones in
-    a thread of the replica (so they may block).
+    a thread of the replica (so they may block).  A generator (``def`` with ``yield``, or
+    ``async def`` with ``yield``) streams: ``svc.method.stream(...)``.
+
+    ``@endpoint(batch_size=32, batch_wait="5ms")`` batches: each call still passes one
+    request (``svc.method.route(request)``), and the replica gathers the calls waiting for
+    it into a list of at most ``batch_size`` requests, waiting at most ``batch_wait`` after
+    the first one; the method takes that list and returns a list of as many results, in
+    the same order.  An exception *instance* in a result's slot is raised at that caller
+    only; an exception raised by the method, or a list of the wrong length, fails every
+    call of the batch.
 
     ``ranks`` matters for replicas of several ranks (``options(procs_per_replica=n)``):
     ``"all"`` (the default) runs a call on every rank of the replica at once and returns
@@ -40,17 +68,46 @@ def endpoint(method: Callable[..., T] | None = None, *, ranks: str = "all") -> A
     if ranks not in RANKS:
         raise ValueError(f"endpoint(ranks=...) must be one of {RANKS}, got {ranks!r}")
     if method is None:
-        return functools.partial(endpoint, ranks=ranks)
+        if batch_size is not None and (isinstance(batch_size, bool)
+                                       or not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"endpoint(batch_size=...) must be an integer >= 1, got "
+                             f"{batch_size!r}")
+        wait = float(parse_timedelta(batch_wait, default="seconds"))
+        if wait < 0:
+            raise ValueError(f"endpoint(batch_wait=...) must be >= 0, got {batch_wait!r}")
+        if batch_size is None and batch_wait:
+            raise ValueError("endpoint(batch_wait=...) needs batch_size=...")
+
+        def mark(fn: Callable[..., T]) -> Callable[..., T]:
+            marked = _mark(fn, batch_size, wait)
+            setattr(marked, _RANKS_MARK, ranks)
+            return marked
+
+        return mark
+    return _mark(method, None, 0.0)
+
+
+def _mark(method: Callable[..., T], batch_size: int | None, wait: float) -> Callable[..., T]:
     if not callable(method):
         raise TypeError(f"@endpoint decorates methods, got {method!r}")
+    stream = inspect.isgeneratorfunction(method) or inspect.isasyncgenfunction(method)
+    if stream and batch_size is not None:
+        raise TypeError(f"endpoint {getattr(method, '__name__', method)!r}: a generator "
+                        "endpoint streams and cannot also be batched")
     setattr(method, _ENDPOINT_MARK, True)
-    setattr(method, _RANKS_MARK, ranks)
+    setattr(method, _SPEC, EndpointSpec(batch_size, wait, stream))
     return method
 
 
 def endpoint_ranks(cls: type, name: str) -> str:
     """``"all"`` or ``"first"``: which ranks of a replica run endpoint ``name``."""
     return getattr(getattr(cls, name, None), _RANKS_MARK, "all")
+
+
+def endpoint_spec(cls: type, name: str) -> EndpointSpec:
+    """How endpoint ``name`` of ``cls`` is called (plain for an unknown name)."""
+    spec = getattr(getattr(cls, name, None), _SPEC, _PLAIN)
+    return spec if isinstance(spec, EndpointSpec) else _PLAIN
 
 
 def is_endpoint(cls: type, name: str) -> bool:
@@ -79,6 +136,7 @@ class ReplicaOptions:
     name: str | None = None
     procs_per_replica: int = 1
     autoscaling: Mapping[str, Any] | None = None
+    max_replicas_per_worker: int | None = None
 
     def __post_init__(self) -> None:
         for field, low in (("replicas", 0), ("max_concurrency", 1), ("max_queued", 0),
@@ -107,6 +165,11 @@ class ReplicaOptions:
                                 f"amounts, e.g. {{'GPU': 1}}; got {self.resources!r}")
             object.__setattr__(self, "resources", dict(self.resources))
         check_router(self.router)
+        limit = self.max_replicas_per_worker
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
+                                  or limit < 1):
+            raise ValueError("options(max_replicas_per_worker=...) must be an integer >= 1 "
+                             f"or None, got {limit!r}")
         if self.autoscaling is not None:
             from dask_services.replicated._autoscale import AutoscalingConfig
 

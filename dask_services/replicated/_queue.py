@@ -2,6 +2,8 @@
 
 Waiting callers each hold a future that the releasing call completes (first come, first
 served); nobody polls.  Beyond the queue a call fails at once with ``ServiceOverloaded``.
+Calls waiting to join a batch (``_batching.py``) are *held*: they count as queued, and
+the batch they join takes one slot (``acquire(internal=True)``, which is not a queued call).
 """
 
 from __future__ import annotations
@@ -21,31 +23,53 @@ class CallGate:
         self.name = name
         self.in_flight = 0
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._internal: set[asyncio.Future] = set()  # waiters that are batches, not calls
+        self.held = 0  # calls waiting to join a batch (counted as queued)
         self._closed: BaseException | None = None
         self._idle = asyncio.Event()
         self._idle.set()
 
     @property
     def queued(self) -> int:
-        """Calls waiting for a slot."""
-        return len(self._waiters)
+        """Calls waiting for a slot or to join a batch."""
+        return len(self._waiters) - len(self._internal) + self.held
 
-    async def acquire(self) -> None:
-        """Wait for a slot; ``ServiceOverloaded`` at once when the queue is full."""
+    def _check_room(self) -> None:
+        if self._closed is not None:
+            raise self._closed
+        if self.queued >= self.max_queued:
+            raise ServiceOverloaded(
+                f"{self.name} is overloaded: {self.in_flight} calls running "
+                f"(max_concurrency={self.max_concurrency}) and {self.queued} queued "
+                f"(max_queued={self.max_queued}); retry later, add replicas with "
+                "svc.scale(n), or raise max_queued in options()"
+            )
+
+    def hold(self) -> None:
+        """Count one more call waiting to join a batch; ``ServiceOverloaded`` (or the
+        closing error) at once when the queue is full."""
+        self._check_room()
+        self.held += 1
+
+    def unhold(self, n: int = 1) -> None:
+        """``n`` held calls joined a running batch or left."""
+        self.held -= n
+
+    async def acquire(self, internal: bool = False) -> None:
+        """Wait for a slot; ``ServiceOverloaded`` at once when the queue is full.
+
+        ``internal``: a batch of held calls asks, never refused for a full queue."""
         if self._closed is not None:
             raise self._closed
         if self.in_flight < self.max_concurrency and not self._waiters:
             self._take()
             return
-        if len(self._waiters) >= self.max_queued:
-            raise ServiceOverloaded(
-                f"{self.name} is overloaded: {self.in_flight} calls running "
-                f"(max_concurrency={self.max_concurrency}) and {len(self._waiters)} queued "
-                f"(max_queued={self.max_queued}); retry later, add replicas with "
-                "svc.scale(n), or raise max_queued in options()"
-            )
+        if not internal:
+            self._check_room()
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
+        if internal:
+            self._internal.add(fut)
         try:
             await fut
         except asyncio.CancelledError:
@@ -60,6 +84,7 @@ class CallGate:
         self.in_flight -= 1
         while self._waiters:
             fut = self._waiters.popleft()
+            self._internal.discard(fut)
             if not fut.done():
                 self._take()
                 fut.set_result(None)
@@ -72,6 +97,7 @@ class CallGate:
         self._closed = exc or ServiceShutdown(f"{self.name} is shutting down")
         while self._waiters:
             fut = self._waiters.popleft()
+            self._internal.discard(fut)
             if not fut.done():
                 fut.set_exception(self._closed)
 
@@ -84,6 +110,7 @@ class CallGate:
         self._idle.clear()
 
     def _discard(self, fut: asyncio.Future) -> None:
+        self._internal.discard(fut)
         try:
             self._waiters.remove(fut)
         except ValueError:

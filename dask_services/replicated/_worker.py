@@ -25,9 +25,10 @@ from distributed.protocol.serialize import to_serialize
 
 from dask_services._messages import dumps_exception, unwrap
 from dask_services._worker_context import in_current_context, worker_handler
+from dask_services.replicated._batching import Batcher
 from dask_services.replicated._errors import ReplicaGone, ServiceOverloaded, ServiceShutdown
 from dask_services.replicated._metrics import ReplicaMetrics
-from dask_services.replicated._options import is_endpoint
+from dask_services.replicated._options import endpoint_spec, is_endpoint
 from dask_services.replicated._queue import CallGate
 from dask_services.service import Service, ServiceId
 
@@ -40,7 +41,8 @@ logger = logging.getLogger("dask_services")
 
 EXTENSION = "dask_services_replicated"  # the worker and the scheduler extension's name
 HANDLERS = ("replicated_start", "replicated_stop", "replicated_call", "replicated_health",
-            "replicated_stats", "replicated_rank_call", "replicated_rank_rpc")
+            "replicated_stats", "replicated_rank_call", "replicated_rank_rpc",
+            "replicated_stream")
 
 
 @dataclass(eq=False)
@@ -61,6 +63,7 @@ class HostedReplica:
     setup_task: asyncio.Task | None = None
     running: set[asyncio.Task] = field(default_factory=set)
     gang: GangMember | None = None  # its rank and the other ranks (``_gang.py``)
+    batchers: dict[str, Batcher] = field(default_factory=dict)  # by batched endpoint
 
 
 class ReplicaWorker(WorkerPlugin):
@@ -201,6 +204,8 @@ class ReplicaWorker(WorkerPlugin):
             if rep.setup_task is not None and not rep.setup_task.done():
                 rep.setup_task.cancel()
             rep.gate.close(exc)
+            for batcher in rep.batchers.values():
+                batcher.close(exc)
             if rep.gate.in_flight:
                 try:
                     if timeout <= 0:
@@ -301,6 +306,13 @@ class ReplicaWorker(WorkerPlugin):
                 f"{method!r} is not an endpoint of {type(rep.service).__name__}"))}
         args, kwargs = unwrap(payload)
         arrived = time.perf_counter()
+        spec = endpoint_spec(type(rep.service), method)
+        if spec.stream:
+            return {"status": "error", "exception": dumps_exception(TypeError(
+                f"{method!r} is a streaming endpoint (a generator): call it with "
+                f"svc.{method}.stream(...)"))}
+        if spec.batched:
+            return await self._call_batched(rep, method, args, kwargs, arrived)
         try:
             await rep.gate.acquire()
         except ServiceOverloaded as e:
@@ -346,3 +358,101 @@ class ReplicaWorker(WorkerPlugin):
         return {"status": "ok", "result": to_serialize(result),
                 "load": rep.gate.in_flight + rep.gate.queued}
 
+
+    @worker_handler
+    async def stream(self, comm: Any, id: str, method: str, payload: Any,
+                     window: int) -> Any:
+        """Run generator endpoint ``method`` of replica ``id``, sending its items over
+        ``comm`` as the caller takes them (``_streaming.py``)."""
+        from distributed.core import Status
+
+        from dask_services.replicated import _streaming
+
+        rep = self.replicas.get(ServiceId(id))
+        if rep is None or not rep.ready or rep.closing:
+            await comm.write({"status": "gone", "message": f"replica {id} is not running "
+                                                           f"on {self.worker.address}"})
+            return Status.dont_reply
+        if not is_endpoint(type(rep.service), method) or not endpoint_spec(
+                type(rep.service), method).stream:
+            from dask_services.replicated._errors import EndpointRefused
+
+            exc: Exception = (TypeError(f"{method!r} is not a streaming endpoint (a "
+                                        f"generator): call it with svc.{method}.route(...)")
+                              if is_endpoint(type(rep.service), method) else
+                              EndpointRefused(f"{method!r} is not an endpoint of "
+                                              f"{type(rep.service).__name__}"))
+            await comm.write({"status": "error", "exception": dumps_exception(exc)})
+            return Status.dont_reply
+        args, kwargs = unwrap(payload)
+        return await _streaming.serve(rep, comm, method, args, kwargs, int(window))
+
+    def _batcher(self, rep: HostedReplica, method: str) -> Batcher:
+        batcher = rep.batchers.get(method)
+        if batcher is None:
+            spec = endpoint_spec(type(rep.service), method)
+            fn = getattr(rep.service, method)
+
+            async def run(requests: list[Any]) -> Any:
+                if rep.gang is not None and rep.gang.fans_out(type(rep.service), method):
+                    from dask_services.replicated._gang import gang_call
+
+                    return await gang_call(self, rep, method, (requests,), {})
+                if inspect.iscoroutinefunction(fn):
+                    return await fn(requests)
+                return await asyncio.get_running_loop().run_in_executor(
+                    rep.executor, in_current_context(functools.partial(fn, requests)))
+
+            def track(task: asyncio.Task) -> None:
+                rep.running.add(task)
+                task.add_done_callback(rep.running.discard)
+
+            assert spec.batch_size is not None
+            batcher = rep.batchers[method] = Batcher(
+                rep.gate, f"{rep.name}.{method}", spec.batch_size, spec.batch_wait, run, track)
+        return batcher
+
+    async def _call_batched(self, rep: HostedReplica, method: str, args: tuple,
+                            kwargs: dict, arrived: float) -> dict:
+        """One call of a batched endpoint: held until its batch runs, then its own slot
+        of the batch's results."""
+        if len(args) != 1 or kwargs:
+            return {"status": "error", "exception": dumps_exception(TypeError(
+                f"{method!r} is a batched endpoint: each call passes exactly one request, "
+                f"svc.{method}.route(request) (got {len(args)} positional and "
+                f"{len(kwargs)} keyword arguments)"))}
+        try:
+            fut = self._batcher(rep, method).enqueue(args[0])
+        except ServiceOverloaded as e:
+            rep.metrics.overloaded += 1
+            return {"status": "overloaded", "message": str(e)}
+        except ReplicaGone as e:
+            return {"status": "gone", "message": str(e)}
+        except ServiceShutdown as e:
+            return {"status": "shutdown", "message": str(e)}
+        task = asyncio.current_task()
+        if task is not None:
+            rep.running.add(task)
+        error = True
+        try:
+            result = await fut
+            error = False
+        except asyncio.CancelledError:
+            if not rep.cancelled:
+                raise
+            if isinstance(rep.closed_with, ReplicaGone):
+                return {"status": "gone", "message": str(rep.closed_with)}
+            return {"status": "shutdown", "message": (
+                f"the call was cancelled: replica {rep.id} of {rep.name} stopped before it "
+                "finished (svc.shutdown timeout)")}
+        except Exception as e:
+            if e is rep.closed_with:  # held for a batch when the replica stopped
+                status = "gone" if isinstance(e, ReplicaGone) else "shutdown"
+                return {"status": status, "message": str(e)}
+            return {"status": "error", "exception": dumps_exception(e)}
+        finally:
+            rep.metrics.record(time.perf_counter() - arrived, error)
+            if task is not None:
+                rep.running.discard(task)
+        return {"status": "ok", "result": to_serialize(result),
+                "load": rep.gate.in_flight + rep.gate.queued}

@@ -1,0 +1,170 @@
+"""Streaming endpoints: generators on the replica, ``svc.gen.stream(...)`` at the caller."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import dask
+import pytest
+from distributed import Client, LocalCluster
+from distributed.utils_test import async_poll_for
+from replicated_batch_stream_services import (
+    RECORD,
+    Streamer,
+    stream_from_async_task,
+    stream_from_task,
+)
+from test_replicated import assert_nothing_left, cluster
+
+import dask_services
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def hosted_replica(workers, svc):
+    (rep,) = [r for w in workers
+              for r in w.extensions["dask_services_replicated"].replicas.values()
+              if r.name == svc.name]
+    return rep
+
+
+def idle(rep) -> bool:
+    """Nothing of a stream left on the replica: no task, no slot, nothing queued."""
+    return not rep.running and rep.gate.in_flight == 0 and rep.gate.queued == 0
+
+
+@cluster(nthreads=[("127.0.0.1", 1)])
+async def test_stream_consumed_fully_async_and_sync_generators(c, s, *workers):
+    RECORD.clear()
+    svc = await Streamer.options(replicas=1).as_service(client=c)
+    assert [x async for x in svc.count.stream(5)] == [0, 1, 2, 3, 4]
+    assert [x async for x in svc.count_sync.stream(3)] == [0, 1, 2]
+    assert [x async for x in svc.count.stream(0)] == []
+    assert RECORD["count"][-1] == "finally" and RECORD["count_sync"][-1] == "finally"
+    with pytest.raises(TypeError, match="streaming endpoint"):
+        svc.count.route(3)
+    with pytest.raises(TypeError, match="not a streaming endpoint"):
+        svc.add.stream(3)
+    assert await svc.add.route(1) == 2  # the pooled connection is clean after streams
+    rep = hosted_replica(workers, svc)
+    assert idle(rep)
+    (m,) = await svc.metrics()
+    assert m["calls"] == 4 and m["errors"] == 0
+    await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
+@cluster(nthreads=[("127.0.0.1", 1)])
+async def test_backpressure_holds_the_generator(c, s, *workers):
+    RECORD.clear()
+    with dask.config.set({"dask_services.replicated.stream-window": 3}):
+        svc = await Streamer.options(replicas=1).as_service(client=c)
+        for name in ("forever", "forever_sync"):
+            stream = svc.__getattr__(name).stream(name)
+            assert await stream.__anext__() == 0  # the caller has taken one item
+            # the replica runs ahead by the window only, then waits for the caller
+            await async_poll_for(lambda n=name: len(RECORD[n]) >= 4, 10)
+            rep = hosted_replica(workers, svc)
+            for _ in range(5):  # round trips through the replica's loop: time to run on
+                await svc.add.route(0)
+            assert RECORD[name] == [0, 1, 2, 3], RECORD[name]
+            assert [await stream.__anext__() for _ in range(5)] == [1, 2, 3, 4, 5]
+            await async_poll_for(lambda n=name: len(RECORD[n]) >= 9, 10)
+            assert RECORD[name] == list(range(9))
+            await stream.aclose()
+            assert RECORD[name][-1] == "finally"
+            assert idle(rep)
+        await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
+@cluster(nthreads=[("127.0.0.1", 1)])
+async def test_cancelled_streams_leave_nothing_on_the_replica(c, s, *workers):
+    RECORD.clear()
+    svc = await Streamer.options(replicas=1).as_service(client=c)
+    rep = hosted_replica(workers, svc)
+    # break out of the loop: the iterator is dropped, the connection broken
+    async for x in svc.forever.stream("break"):
+        if x == 2:
+            break
+    gc.collect()
+    await async_poll_for(lambda: RECORD["break"][-1:] == ["finally"] and idle(rep), 10)
+    # async with: closed on leaving the block (waits for the replica's answer)
+    async with svc.forever_sync.stream("with") as stream:
+        async for x in stream:
+            if x == 3:
+                break
+    assert RECORD["with"][-1] == "finally" and idle(rep)
+
+    # the caller's task is cancelled while it waits for an item
+    async def consume(tag: str) -> None:
+        async for _ in svc.tokens.stream("a b c d e f", delay=5):
+            pass
+
+    task = asyncio.ensure_future(consume("cancelled"))
+    await async_poll_for(lambda: rep.gate.in_flight == 1, 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await async_poll_for(lambda: idle(rep), 10)
+    assert await svc.add.route(1) == 2
+    await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
+@cluster(nthreads=[("127.0.0.1", 1)])
+async def test_error_mid_stream_raises_after_the_items_before_it(c, s, *workers):
+    svc = await Streamer.options(replicas=1).as_service(client=c)
+    for name in ("fail_after", "fail_after_sync"):
+        got = []
+        with pytest.raises(ValueError, match="failed after 3 items"):
+            async for x in svc.__getattr__(name).stream(3):
+                got.append(x)
+        assert got == [0, 1, 2]
+    (row,) = await svc.replicas()
+    assert row["state"] == "healthy"
+    (m,) = await svc.metrics()
+    assert m["errors"] == 2
+    assert idle(hosted_replica(workers, svc))
+    await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
+@cluster(nthreads=[("127.0.0.1", 1)])
+async def test_a_stream_is_one_running_call(c, s, *workers):
+    svc = await Streamer.options(replicas=1, max_concurrency=1, max_queued=0).as_service(
+        client=c)
+    stream = svc.forever.stream("slot")
+    assert await stream.__anext__() == 0
+    with pytest.raises(dask_services.ServiceOverloaded):
+        await svc.add.route(1)
+    await stream.aclose()
+    assert await svc.add.route(1) == 2
+    await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
+@pytest.mark.slow
+def test_streams_on_worker_processes_from_sync_code_and_tasks(tmp_path):
+    with LocalCluster(n_workers=2, threads_per_worker=2, processes=True,
+                      dashboard_address=":0", local_directory=str(tmp_path)) as lc, \
+            Client(lc) as client:
+        dask_services.install(client)
+        svc = Streamer.options(replicas=2).as_service(client=client)
+        prompt = "the quick brown fox jumps over the lazy dog"
+        assert list(svc.tokens.stream(prompt)) == prompt.split()
+        assert list(svc.slow_tokens.stream(prompt, 0.001)) == prompt.split()
+        with pytest.raises(ValueError, match="failed after 2 items"):
+            list(svc.fail_after_sync.stream(2))
+        for x in svc.forever.stream("sync-break"):  # dropped at the break: cancelled
+            if x == 5:
+                break
+        with svc.forever_sync.stream("sync-with") as stream:
+            assert next(stream) == 0
+        assert client.submit(stream_from_task, svc, prompt).result() == prompt.split()
+        assert client.submit(stream_from_async_task, svc, prompt).result() == prompt.split()
+        rows = svc.replicas()
+        assert all(r["in_flight"] == 0 and r["queued"] == 0 for r in rows)
+        assert [svc.add.route(i).result() for i in range(4)] == [1, 2, 3, 4]
+        svc.shutdown()
