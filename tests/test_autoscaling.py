@@ -178,3 +178,97 @@ def test_autoscaling_on_worker_processes_under_a_load_step():
         assert any(e["to"] > e["from"] for e in events)
         assert events[-1]["to"] == 1
         svc.shutdown()
+
+
+# ------------------------------------------------------------------ adaptive clusters
+
+
+@cluster(nthreads=[("127.0.0.1", 1)] * 2)
+async def test_replicas_count_in_the_adaptive_target(c, s, a, b):
+    from distributed import Worker
+
+    assert s.adaptive_target() == 0 and sorted(s.workers_to_close()) == sorted(s.workers)
+    svc = await Sleeper.options(replicas=2, max_replicas_per_worker=1).as_service(
+        client=c)
+    # both workers hold a replica: the target keeps them, none is to close
+    assert s.adaptive_target() == 2 and s.workers_to_close() == []
+    assert s.handlers["adaptive_target"]() == 2  # what Adaptive calls, over RPC
+    assert s.handlers["workers_to_close"](attribute="name") == []
+    dep = s.extensions[EXT].deployments[svc.name]
+    scaling = asyncio.ensure_future(svc.scale(3))
+    await async_poll_for(lambda: any(m.waiting_for_worker for m in dep.slots.values()),
+                         timeout=10)
+    assert s.adaptive_target() == 3  # the waiting replica asks for a worker
+    (waiting,) = [m for m in dep.slots.values() if m.waiting_for_worker]
+    assert "max_replicas_per_worker" in waiting.last_error
+    async with Worker(s.address, nthreads=1) as extra:
+        await scaling
+        assert extra.address in waiting.workers
+        await svc.scale(1)
+        (kept,) = [m.worker for m in dep.active().values()]
+        assert s.adaptive_target() == 1
+        assert sorted(s.workers_to_close()) == sorted(set(s.workers) - {kept})
+        await svc.shutdown()
+        await assert_nothing_left(s, [a, b, extra])
+    assert s.adaptive_target() == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_adaptive_cluster_grows_for_replicas_and_shrinks_back():
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import dask
+    from distributed import Client, LocalCluster
+    from distributed.utils_test import poll_for
+
+    config = {**FAST, "distributed.scheduler.validate": True}
+    with dask.config.set(config), LocalCluster(
+            n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0",
+    ) as lc_, Client(lc_) as client:
+        lc_.adapt(minimum=1, maximum=3, interval="200ms", wait_count=2)
+        svc = Sleeper.options(max_concurrency=1, max_replicas_per_worker=1, autoscaling={
+            "min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 1,
+            "upscale_delay": "200ms", "downscale_delay": "1s"}).as_service(0.02,
+                                                                          client=client)
+        first = svc.replicas()[0]["worker"]
+        stop = threading.Event()
+
+        def caller(k: int) -> int:
+            calls = 0
+            while not stop.is_set():
+                x = k * 100_000 + calls
+                assert svc.work.route(x).result(timeout=60) == x + 1
+                calls += 1
+            return calls
+
+        with ThreadPoolExecutor(6) as pool:
+            running = [pool.submit(caller, k) for k in range(6)]
+            poll_for(lambda: [r["state"] for r in svc.replicas()] == ["healthy"] * 3,
+                     timeout=60)
+            assert len(client.scheduler_info(n_workers=-1)["workers"]) == 3  # it grew
+            assert len({r["worker"] for r in svc.replicas()}) == 3
+            stop.set()
+            assert sum(f.result(timeout=60) for f in running) > 0
+        poll_for(lambda: len(svc.replicas()) == 1, timeout=30)
+        poll_for(lambda: len(client.scheduler_info(n_workers=-1)["workers"]) == 1,
+                 timeout=40, fail_func=lambda: print(client.run_on_scheduler(_adaptive_state),
+                                                     list(lc_._adaptive.log)[-3:]))
+        (row,) = svc.replicas()
+        assert row["state"] == "healthy" and row["worker"] in client.scheduler_info(
+            n_workers=-1)["workers"]
+        assert svc.work.route(1).result(timeout=30) == 2
+        print("first worker", first, "kept", row["worker"])
+        svc.shutdown()
+
+
+def _adaptive_state(dask_scheduler) -> dict:
+    ext = dask_scheduler.extensions[EXT]
+    return {"target": dask_scheduler.adaptive_target(),
+            "to_close": dask_scheduler.workers_to_close(),
+            "demand": ext.demand(), "workers": {a: ws.status.name for a, ws in
+                                                dask_scheduler.workers.items()},
+            "slots": [(str(m.id), m.state.value, m.workers, m.waiting_for_worker,
+                       m.launching, m.starting)
+                      for d in ext.deployments.values() for m in d.slots.values()]}

@@ -60,6 +60,26 @@ def test_scheduler_internals_we_use():
         assert edge in table, edge
 
 
+def test_adaptive_internals_replicas_rely_on():
+    """Replicas count in an adaptive cluster (``replicated/_adaptive.py``): Adaptive asks
+    the scheduler's ``adaptive_target`` handler, which has no plugin hook (so it is
+    wrapped), and ``workers_to_close`` filters candidates through every plugin's
+    ``valid_workers_downscaling`` (so replica workers are never retired)."""
+    from distributed.deploy.adaptive import Adaptive
+    from distributed.diagnostics.plugin import SchedulerPlugin
+    from distributed.scheduler import Scheduler
+
+    assert "self.scheduler.adaptive_target(" in inspect.getsource(Adaptive.target)
+    assert "self.scheduler.workers_to_close(" in inspect.getsource(Adaptive.workers_to_close)
+    assert '"adaptive_target": self.adaptive_target' in inspect.getsource(Scheduler.__init__)
+    assert "self.workers_to_close()" in inspect.getsource(Scheduler.adaptive_target)
+    assert "plugin.valid_workers_downscaling(self, valid_workers)" in inspect.getsource(
+        Scheduler.workers_to_close)
+    assert callable(SchedulerPlugin.valid_workers_downscaling)
+    assert list(inspect.signature(Scheduler.adaptive_target).parameters) == [
+        "self", "target_duration"]
+
+
 def test_worker_internals_we_use():
     from distributed.worker import Worker, get_worker, secede, thread_state
 

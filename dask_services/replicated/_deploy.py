@@ -63,6 +63,8 @@ async def _deploy(client: Any, handle: ReplicatedService, blob: bytes,
         **({"procs_per_replica": options.procs_per_replica}
            if options.procs_per_replica != 1 else {}),
         **({"autoscaling": dict(options.autoscaling)} if options.autoscaling else {}),
+        **({"max_replicas_per_worker": options.max_replicas_per_worker}
+           if options.max_replicas_per_worker is not None else {}),
     )
     if resp["status"] != "ok":
         raise DeploymentError(resp["error"])

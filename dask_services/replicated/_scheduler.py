@@ -27,6 +27,7 @@ from distributed.protocol.pickle import dumps
 from tornado.ioloop import PeriodicCallback
 
 from dask_services._run_state import new_stimulus_id
+from dask_services.replicated import _adaptive
 from dask_services.replicated import _lifecycle as lc
 from dask_services.replicated._autoscale import AutoscalePolicy, AutoscalingConfig, Decision
 from dask_services.replicated._gang import rank_id
@@ -56,6 +57,7 @@ class Deployment:
     resources: Mapping[str, float] | None
     cls: str = ""  # the service class's name, for the status table
     procs_per_replica: int = 1  # ranks of each replica, each on a worker of its own
+    max_replicas_per_worker: int | None = None  # ranks of this service a worker may hold
     autoscaling: AutoscalePolicy | None = None
     floor: int = 0  # the last svc.scale(n): autoscaling never goes below it
     last_decision: str = ""  # the last autoscaling decision, with its reason
@@ -97,6 +99,7 @@ class Deployments(SchedulerPlugin):
         worker plugin."""
         self.scheduler = scheduler
         scheduler.extensions[EXTENSION] = self
+        _adaptive.install(self)  # replicas count in an adaptive cluster's target
         for name in HANDLERS:
             scheduler.handlers[name] = getattr(self, name[len("replicated_"):])
         period = config_seconds("health-check-period")
@@ -128,6 +131,7 @@ class Deployments(SchedulerPlugin):
                 del self.scheduler.handlers[name]
         if self.scheduler.extensions.get(EXTENSION) is self:
             del self.scheduler.extensions[EXTENSION]
+        _adaptive.uninstall(self)
 
     # ------------------------------------------------------------ distributed's hooks
 
@@ -145,6 +149,12 @@ class Deployments(SchedulerPlugin):
         self._broadcast(lc.WorkerLost(
             worker, stimulus_id=stimulus_id or new_stimulus_id(f"remove-worker-{worker}")))
 
+    def valid_workers_downscaling(self, scheduler: Scheduler,
+                                  workers: list[WorkerState]) -> list[WorkerState]:
+        """Workers holding a rank of a replica are not to be retired by an adaptive
+        cluster (``Scheduler.workers_to_close``): see ``_adaptive.py``."""
+        return _adaptive.closable(self, workers)
+
     def log_event(self, topic: Any, msg: Any) -> None:
         """Worker status changes reach plugins only through the event log; retiring a
         worker (``closing_gracefully``) moves its replicas."""
@@ -157,7 +167,8 @@ class Deployments(SchedulerPlugin):
     async def deploy(self, comm: Any, name: str, blob: bytes, replicas: int,
                      max_concurrency: int, max_queued: int, workers: list[str] | None,
                      resources: dict | None, cls: str = "", procs_per_replica: int = 1,
-                     autoscaling: dict | None = None) -> dict:
+                     autoscaling: dict | None = None,
+                     max_replicas_per_worker: int | None = None) -> dict:
         """Create a deployment of ``replicas`` replicas of ``procs_per_replica`` ranks and
         launch them (does not wait); ``autoscaling``: see ``_autoscale.py``."""
         if name in self.deployments:
@@ -170,7 +181,8 @@ class Deployments(SchedulerPlugin):
         dep = Deployment(name=name, blob=blob, max_concurrency=max_concurrency,
                          max_queued=max_queued, workers=tuple(workers) if workers else None,
                          resources=resources or None, cls=cls,
-                         procs_per_replica=procs_per_replica, autoscaling=policy)
+                         procs_per_replica=procs_per_replica, autoscaling=policy,
+                         max_replicas_per_worker=max_replicas_per_worker)
         self.deployments[name] = dep
         for _ in range(replicas):
             self._add_slot(dep)
@@ -333,6 +345,20 @@ class Deployments(SchedulerPlugin):
             "to": decision.target, "reason": decision.reason})
         logger.info("replicated service %s: scaling %s", dep.name, decision)
 
+    def demand(self) -> tuple[set[str], int]:
+        """The workers that replicas (every rank) occupy, and how many more ranks wait
+        for a worker: what the replicas ask of an adaptive cluster (``_adaptive.py``)."""
+        hosts: set[str] = set()
+        waiting = 0
+        for dep in self.deployments.values():
+            for m in dep.slots.values():
+                if m.state is ReplicaState.STOPPED:
+                    continue
+                hosts.update(m.workers)
+                if m.waiting_for_worker:
+                    waiting += m.size
+        return hosts, waiting
+
     async def shutdown(self, comm: Any, name: str, timeout: float) -> dict:
         """Stop every replica (draining calls in flight for ``timeout`` s) and forget the
         deployment."""
@@ -480,8 +506,16 @@ class Deployments(SchedulerPlugin):
     def _eligible(self, dep: Deployment) -> list[WorkerState]:
         out = []
         used = self._used() if dep.resources else {}
+        limit = dep.max_replicas_per_worker
+        mine: dict[str, int] = {}
+        if limit is not None:
+            for m in dep.slots.values():
+                for w in m.workers:
+                    mine[w] = mine.get(w, 0) + 1
         for ws in self.scheduler.workers.values():
             if ws.status != Status.running:
+                continue
+            if limit is not None and mine.get(ws.address, 0) >= limit:
                 continue
             if dep.workers is not None and ws.address not in dep.workers \
                     and str(ws.name) not in dep.workers:
@@ -507,6 +541,9 @@ class Deployments(SchedulerPlugin):
             needs = [f"workers={list(dep.workers)}"] if dep.workers else []
             if dep.resources:
                 needs.append(f"resources={dep.resources} free")
+            if dep.max_replicas_per_worker is not None:
+                needs.append(f"fewer than {dep.max_replicas_per_worker} replicas of "
+                             f"{dep.name} (max_replicas_per_worker)")
             running = sum(ws.status == Status.running for ws in self.scheduler.workers.values())
             what = f"{size} workers at once" if size > 1 else "a worker"
             return None, (f"waiting for {what}{' with ' + ', '.join(needs) if needs else ''}"
@@ -527,14 +564,25 @@ class Deployments(SchedulerPlugin):
     async def _start_rank(self, dep: Deployment, sid: Any, rank: int,
                           ranks: list[tuple[str, str]]) -> dict:
         gang = {"rank": rank, "ranks": ranks} if len(ranks) > 1 else {}
-        try:
-            return await self.scheduler.rpc(ranks[rank][1]).replicated_start(
-                id=ranks[rank][0], name=dep.name, blob=dep.blob,
-                max_concurrency=dep.max_concurrency, max_queued=dep.max_queued,
-                setup_timeout=config_seconds("setup-timeout"), peers_of=dep.name, **gang,
-            )
-        except Exception as e:  # lost connection, worker closing, no handler
-            return {"status": "lost", "error": f"{type(e).__name__}: {e}"}
+        worker = ranks[rank][1]
+        for attempt in range(50):
+            try:
+                resp = await self.scheduler.rpc(worker).replicated_start(
+                    id=ranks[rank][0], name=dep.name, blob=dep.blob,
+                    max_concurrency=dep.max_concurrency, max_queued=dep.max_queued,
+                    setup_timeout=config_seconds("setup-timeout"), peers_of=dep.name, **gang,
+                )
+            except Exception as e:  # lost connection, worker closing
+                return {"status": "lost", "error": f"{type(e).__name__}: {e}"}
+            if isinstance(resp, dict):
+                return resp
+            # No answer: the worker has no such handler yet.  A joining worker is announced
+            # (add_worker) before it has set up the worker plugins the scheduler sent it.
+            if worker not in self.scheduler.workers:
+                break
+            await asyncio.sleep(0.05 * min(attempt + 1, 4))
+        return {"status": "lost", "error": f"{worker} has no replicated_start handler "
+                                          "(is the dask_services_replicated plugin there?)"}
 
     async def _start_gang(self, dep: Deployment, sid: Any,
                           workers: tuple[str, ...]) -> dict:
