@@ -137,7 +137,6 @@ class ReplicaOptions:
     procs_per_replica: int = 1
     autoscaling: Mapping[str, Any] | None = None
     max_replicas_per_worker: int | None = None
-    max_replicas_per_worker: int | None = None
 
     def __post_init__(self) -> None:
         for field, low in (("replicas", 0), ("max_concurrency", 1), ("max_queued", 0),
@@ -166,11 +165,6 @@ class ReplicaOptions:
                                 f"amounts, e.g. {{'GPU': 1}}; got {self.resources!r}")
             object.__setattr__(self, "resources", dict(self.resources))
         check_router(self.router)
-        limit = self.max_replicas_per_worker
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
-                                  or limit < 1):
-            raise ValueError("options(max_replicas_per_worker=...) must be an integer >= 1 "
-                             f"or None, got {limit!r}")
         limit = self.max_replicas_per_worker
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
                                   or limit < 1):
