@@ -1,24 +1,38 @@
 """Array rechunk: the "service" method against dask.distributed's "p2p" and "tasks".
 
-    dask-services bench rechunk [--sizes 0.5GB,2GB] [--local-size 0.5GB] [--repeat 3]
+    dask-services bench rechunk [--sizes 0.5GB,2GB] [--local-size 0.5GB] [--chunks 40000]
+                                [--consumer none,sum] [--repeat 3] [--reuse-workers]
+                                [--memory-limit 0.5GB]
 
-Cases, float64, every method on the same LocalCluster and the same persisted input:
+Cases, every method on the same LocalCluster and the same persisted input, methods
+alternating:
 
-* all-to-all: a square array, row chunks to column chunks (every output needs a piece of
-  every input);
-* local: chunks of 100 rows to chunks of 150 rows (each output needs one or two inputs; the
-  work falls apart into independent regions, where streaming matters).
+* all-to-all: a square float64 array, row chunks to column chunks (every output needs a
+  piece of every input);
+* local: float64 chunks of 100 rows to chunks of 150 rows (each output needs one or two
+  inputs; the work falls apart into independent regions, where streaming matters);
+* many chunks (``--chunks N``): a square float32 array in N chunks of 100 x 100, to 125 x 80
+  chunks (each output needs at most 4 inputs) and to 2,000 x 5 chunks (each output needs 20
+  inputs, each input feeds 20 outputs).
 
-Every measured run starts on restarted workers holding only the input (``fresh_input``).
+Every case runs with each consumer of ``--consumer``: ``none`` persists the rechunked
+array, ``sum`` computes ``rechunked.sum()`` (a pipeline: the consumer of each output runs
+while the rechunk goes on).  By default every measured run starts on restarted workers
+holding only the input (``fresh_input``); ``--reuse-workers`` keeps them, as users run.
+
 Reported: median wall time, ratio to ``p2p``, peak worker memory (summed process memory,
-including the persisted input), time until the first output chunk is in memory, and the
-number of tasks the rechunk adds to the graph.
+including the persisted input), time until the first output (``none``) is in memory, the
+tasks the rechunk adds to the graph, the scheduler's share (``update-graph`` duration,
+of which ordering; ``first_task_s``: until the first task of the run starts) and the cost
+per input chunk of each kind of task (``per_chunk``: summed task durations by kind over the
+number of input chunks, from the task stream).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import defaultdict
 from typing import Any
 
 from benchmarks.common import (
@@ -35,6 +49,7 @@ from benchmarks.common import (
 
 CHUNKS_PER_SIDE = 64  # all-to-all: row chunks (and column chunks) per array
 LOCAL_COLUMNS = 1000
+MANY_CHUNK = 100  # many chunks: input chunks of 100 x 100
 
 
 def all_to_all(nbytes: int) -> tuple[tuple[int, int], tuple, tuple]:
@@ -48,52 +63,116 @@ def local(nbytes: int) -> tuple[tuple[int, int], tuple, tuple]:
     return (rows, LOCAL_COLUMNS), (100, LOCAL_COLUMNS), (150, LOCAL_COLUMNS)
 
 
+def many(chunks: int) -> list[tuple[str, tuple[int, int], tuple, tuple]]:
+    """The two many-chunk cases: ``(label, shape, old chunks, new chunks)``."""
+    per_side = max(20, round(math.sqrt(chunks)))
+    n = per_side * MANY_CHUNK
+    old = (MANY_CHUNK, MANY_CHUNK)
+    return [
+        (f"{per_side ** 2} chunks 100x100->125x80", (n, n), old, (125, 80)),
+        (f"{per_side ** 2} chunks 100x100->2000x5", (n, n), old, (20 * MANY_CHUNK, 5)),
+    ]
+
+
 def graph_size(array: Any) -> int:
     """Tasks in the materialized graph."""
     return len(dict(array.__dask_graph__()))
 
 
+def _update_graph_metrics(dask_scheduler: Any, since: float) -> dict[str, float]:
+    """Durations of the scheduler's last ``update-graph`` that started after ``since``."""
+    found: dict[str, float] = {}
+    for stamp, msg in dask_scheduler.get_events("scheduler"):
+        if (stamp >= since and isinstance(msg, dict)
+                and msg.get("action") == "update-graph" and "metrics" in msg):
+            m = msg["metrics"]
+            found = {
+                "update_graph_s": float(m.get("duration_seconds", 0.0)),
+                # distributed 2026.8.0 logs it with the sign reversed
+                "order_s": abs(float(m.get("ordering_duration_seconds", 0.0))),
+            }
+    return found
+
+
+def _kind(key: Any) -> str:
+    from dask.utils import key_split
+
+    return key_split(key)
+
+
+def _task_costs(stream: list[dict], start: float, chunks: int) -> dict[str, float]:
+    """First task start after ``start``, and summed compute seconds per input chunk of
+    each kind of task."""
+    per_kind: dict[str, float] = defaultdict(float)
+    first = math.inf
+    for record in stream:
+        for part in record.get("startstops", ()):
+            if part.get("action") == "compute":
+                per_kind[_kind(record["key"])] += part["stop"] - part["start"]
+                first = min(first, part["start"])
+    out = {"first_task_s": first - start if first < math.inf else math.nan}
+    for kind, seconds in per_kind.items():
+        out[f"per_chunk_ms:{kind}"] = 1e3 * seconds / chunks
+    return out
+
+
 def run_case(client: Any, label: str, shape: tuple, old: tuple, new: tuple,
-             methods: list[str], repeat: int, show_progress: bool, fresh: bool = True
+             methods: list[str], repeat: int, show_progress: bool, fresh: bool = True,
+             consumers: tuple[str, ...] = ("none",), dtype: str = "float64",
              ) -> list[Measurement]:
     import dask.array as da
-    from distributed import as_completed, wait
+    from distributed import as_completed, get_task_stream, wait
 
     base = held(client)
 
     def make() -> Any:
-        return da.random.random(shape, chunks=old)
+        return da.random.default_rng(0).random(shape, chunks=old, dtype=dtype)
 
     x, keep = persist_input(client, make)
-    results = {m: Measurement(label, m, nbytes=x.nbytes) for m in methods}
-    total, done = repeat * len(methods), 0
+    chunks = math.prod(x.numblocks)
+    results = {(c, m): Measurement(label if c == "none" else f"{label} +{c}", m,
+                                   nbytes=x.nbytes)
+               for c in consumers for m in methods}
+    total, done = repeat * len(methods) * len(consumers), 0
     for r in range(repeat):
-        for method in rotated(methods, r):  # interleaved, so drift hits every method alike
-            if fresh:
-                x, keep = fresh_input(client, make, previous=x)
-            y = x.rechunk(new, method=method)
-            first: list[float] = []
-
-            with peak_memory(client) as peak:
-                start = time.perf_counter()
-                persisted = client.persist(y)
-                futures = client.futures_of(persisted)
-                completed = as_completed(futures)
-                next(completed)
-                first.append(time.perf_counter() - start)
-                wait(futures)
-                seconds = time.perf_counter() - start
-                completed.clear()  # it holds the futures, and so their results, otherwise
-                del persisted, futures, completed
-            settle(client, keep=keep)
-            m = results[method]
-            m.seconds.append(seconds)
-            m.peak_memory.extend(peak)
-            m.extra.setdefault("first_output_s", []).extend(first)
-            m.extra.setdefault("tasks", []).append(graph_size(y) - graph_size(x))
-            del y  # its graph holds x's futures, which new_workers must not see
-            done += 1
-            progress(done, total, f"rechunk {label}", show_progress)
+        for consumer in consumers:
+            for method in rotated(methods, r):  # interleaved: drift hits every method alike
+                if fresh:
+                    x, keep = fresh_input(client, make, previous=x)
+                y = x.rechunk(new, method=method)
+                tasks = graph_size(y) - graph_size(x)
+                z = y.sum() if consumer == "sum" else y
+                first: list[float] = []
+                with peak_memory(client, interval=0.05) as peak, \
+                        get_task_stream(client) as stream:
+                    wall = time.time()
+                    start = time.perf_counter()
+                    if consumer == "none":
+                        persisted = client.persist(z)
+                        futures = client.futures_of(persisted)
+                        completed = as_completed(futures)
+                        next(completed)
+                        first.append(time.perf_counter() - start)
+                        wait(futures)
+                        completed.clear()  # it holds the futures (and results) otherwise
+                        del persisted, futures, completed
+                    else:
+                        client.compute(z).result()
+                    seconds = time.perf_counter() - start
+                settle(client, keep=keep)
+                m = results[consumer, method]
+                m.seconds.append(seconds)
+                m.peak_memory.extend(peak)
+                if first:
+                    m.extra.setdefault("first_output_s", []).extend(first)
+                m.extra.setdefault("tasks", []).append(tasks)
+                sched = client.run_on_scheduler(_update_graph_metrics, since=wall)
+                costs = _task_costs(stream.data, wall, chunks)
+                for name, value in (*sched.items(), *costs.items()):
+                    m.extra.setdefault(name, []).append(value)
+                del y, z  # its graph holds x's futures, which new_workers must not see
+                done += 1
+                progress(done, total, f"rechunk {label}", show_progress)
     del x
     settle(client, keep=base)
     return list(results.values())
@@ -101,17 +180,29 @@ def run_case(client: Any, label: str, shape: tuple, old: tuple, new: tuple,
 
 def run(client: Any, sizes: list[str], local_size: str | None, repeat: int,
         methods: tuple[str, ...] = ("service", "p2p", "tasks"),
-        show_progress: bool = True, fresh: bool = True) -> list[Measurement]:
+        show_progress: bool = True, fresh: bool = True, chunks: int = 0,
+        consumers: tuple[str, ...] = ("none", "sum")) -> list[Measurement]:
     import dask_services
 
     dask_services.install(client)
     out: list[Measurement] = []
+    common = {"show_progress": show_progress, "fresh": fresh, "consumers": consumers}
     for size in sizes:
         shape, old, new = all_to_all(parse_size(size))
         out += run_case(client, f"all-to-all {size}", shape, old, new, list(methods), repeat,
-                        show_progress, fresh)
+                        **common)
     if local_size:
         shape, old, new = local(parse_size(local_size))
         out += run_case(client, f"local 100->150 rows {local_size}", shape, old, new,
-                        list(methods), repeat, show_progress, fresh)
+                        list(methods), repeat, **common)
+    if chunks:
+        for label, shape, old, new in many(chunks):
+            out += run_case(client, label, shape, old, new, list(methods), repeat,
+                            dtype="float32", **common)
     return out
+
+
+def per_chunk_columns(results: list[Measurement]) -> tuple[str, ...]:
+    """The ``per_chunk_ms:<kind>`` columns that any result has, in a stable order."""
+    names = {n for r in results for n in r.extra if n.startswith("per_chunk_ms:")}
+    return tuple(sorted(names))

@@ -12,12 +12,12 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 
-def _local_cluster(workers: int, threads: int, processes: bool) -> Any:
+def _local_cluster(workers: int, threads: int, processes: bool, **kwargs: Any) -> Any:
     from distributed import LocalCluster
 
     return LocalCluster(
         n_workers=workers, threads_per_worker=threads, processes=processes,
-        dashboard_address=":0",
+        dashboard_address=":0", **kwargs,
     )
 
 
@@ -33,7 +33,9 @@ def _bench_client(args: argparse.Namespace) -> Iterator[Any]:
     """
     from distributed import Client
 
-    cluster = _local_cluster(args.workers, args.threads, True)
+    limit = getattr(args, "memory_limit", None)
+    cluster = _local_cluster(args.workers, args.threads, True,
+                             **({"memory_limit": limit} if limit else {}))
     try:
         with Client(cluster) as client:
             yield client
@@ -319,9 +321,12 @@ def bench_rechunk(args: argparse.Namespace) -> int:
     with _bench_client(args) as client:
         results = rechunk.run(client, sizes, args.local_size or None, args.repeat,
                               methods=tuple(args.methods.split(",")),
-                              show_progress=show_progress(args), fresh=not args.reuse_workers)
-        print(report(results, "p2p", args.json, extra_columns=("first_output_s", "tasks")),
-              flush=True)
+                              show_progress=show_progress(args), fresh=not args.reuse_workers,
+                              chunks=args.chunks,
+                              consumers=tuple(c for c in args.consumer.split(",") if c))
+        columns = ("first_output_s", "tasks", "update_graph_s", "order_s", "first_task_s",
+                   *rechunk.per_chunk_columns(results))
+        print(report(results, "p2p", args.json, extra_columns=columns), flush=True)
     return 0
 
 
@@ -357,6 +362,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_bench.add_argument("--local-size", default="0.5GB",
                          help="rechunk: size of the local (100 -> 150 rows) case; '' to skip")
     p_bench.add_argument("--partitions", type=int, default=128)
+    p_bench.add_argument("--chunks", type=int, default=0,
+                         help="rechunk: also the many-chunk cases, a float32 array in about "
+                              "this many 100 x 100 chunks to 125 x 80 and to 2000 x 5 chunks "
+                              "(e.g. 40000; default 0: skipped)")
+    p_bench.add_argument("--consumer", default="none,sum",
+                         help="rechunk: what follows each rechunk, comma-separated: 'none' "
+                              "(outputs persisted), 'sum' (rechunked.sum() computed)")
+    p_bench.add_argument("--memory-limit", default=None,
+                         help="memory limit of every worker (e.g. 0.5GB; default: the "
+                              "LocalCluster's share of the machine)")
     p_bench.add_argument("--methods", default="service,p2p,tasks")
     p_bench.add_argument("--repeat", type=int, default=3)
     p_bench.add_argument("--calls", type=int, default=1000,
