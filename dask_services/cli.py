@@ -334,11 +334,21 @@ def bench_replicated(args: argparse.Namespace) -> int:
     from distributed import Client
 
     _benchmarks()
-    from benchmarks import replicated
+    from benchmarks import replicated, replicated_scaling
 
+    cases = set(args.cases.split(","))
+    reports = []
     with _local_cluster(args.workers, args.threads, True) as cluster, Client(cluster) as client:
-        result = replicated.run(client, calls=args.calls, show_progress=not args.json)
-    print(json.dumps(result, indent=2) if args.json else replicated.report(result))
+        result: dict[str, Any] = {}
+        if "calls" in cases:
+            result = replicated.run(client, calls=args.calls, show_progress=not args.json)
+            reports.append(replicated.report(result))
+        if "scaling" in cases:  # replicas of 2 ranks, and autoscaling under a load step
+            scaling = replicated_scaling.run(client, calls=args.calls,
+                                             show_progress=not args.json)
+            reports.append(replicated_scaling.report(scaling))
+            result["scaling"] = scaling
+    print(json.dumps(result, indent=2) if args.json else "\n\n".join(reports))
     return 0
 
 
@@ -376,6 +386,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_bench.add_argument("--repeat", type=int, default=3)
     p_bench.add_argument("--calls", type=int, default=1000,
                          help="replicated: calls per latency measurement")
+    p_bench.add_argument("--cases", default="calls,scaling",
+                         help="replicated: 'calls' (latency, throughput, ...), 'scaling' "
+                              "(2-rank replicas, autoscaling under a load step); "
+                              "comma-separated")
     p_bench.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p_bench.add_argument("--quiet", action="store_true",
                          help="no progress bar (there is none either when stderr is not a "
