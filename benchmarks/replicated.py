@@ -15,14 +15,18 @@ warm-up.  Throughput: calls per second with 1, 2 and 4 replicas of an endpoint t
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import time
 from typing import Any
+
+import numpy as np
 
 import dask_services
 from benchmarks.common import progress
 
 SERVICE_TIME = 0.005
+BATCH_TIME = 0.002  # a vectorized model call: this long whatever the batch's size
 
 
 class Echo(dask_services.Service):
@@ -40,6 +44,28 @@ class Echo(dask_services.Service):
     async def work(self, x: Any) -> Any:
         await asyncio.sleep(SERVICE_TIME)
         return x
+
+
+def _vectorized(xs: list[float]) -> list[float]:
+    """numpy over the whole batch, then the rest of a fixed ``BATCH_TIME``."""
+    start = time.perf_counter()
+    out = np.sqrt(np.asarray(xs, dtype=float)).tolist()
+    left = BATCH_TIME - (time.perf_counter() - start)
+    if left > 0:
+        time.sleep(left)
+    return out
+
+
+class Model(dask_services.Service):
+    """A vectorized endpoint, batched and not."""
+
+    @dask_services.endpoint(batch_size=64, batch_wait="2ms")
+    def predict_batched(self, xs: list[float]) -> list[float]:
+        return _vectorized(xs)
+
+    @dask_services.endpoint
+    def predict(self, x: float) -> float:
+        return _vectorized([x])[0]
 
 
 class EchoActor:
@@ -117,12 +143,50 @@ def throughput(client: Any, replicas: int, calls: int, window: int = 64) -> dict
 
     try:
         client.sync(run, min(200, calls))  # warm-up
+        workers_cpu = client.run(time.process_time)
+        cpu = time.process_time()
         seconds = client.sync(run, calls)
+        cpu = time.process_time() - cpu
+        workers_cpu = sum(t - workers_cpu[w] for w, t in client.run(time.process_time).items())
     finally:
         svc.shutdown()
+    # CPU per call does not depend on how busy the machine is, unlike calls per second
     return {"replicas": replicas, "calls": calls, "seconds": seconds,
             "calls_per_s": calls / seconds,
-            "ideal_calls_per_s": replicas / SERVICE_TIME}
+            "ideal_calls_per_s": replicas / SERVICE_TIME,
+            "client_cpu_ms_per_call": cpu / calls * 1e3,
+            "workers_cpu_ms_per_call": workers_cpu / calls * 1e3}
+
+
+def batching(client: Any, calls: int, callers: int = 64) -> dict[str, Any]:
+    """Calls per second of a vectorized endpoint (``BATCH_TIME`` per call, whatever the
+    batch's size) on one replica, from ``callers`` concurrent callers, with and without
+    batching."""
+    svc = Model.options(replicas=1, max_concurrency=1, max_queued=10_000).as_service(
+        client=client)
+
+    async def run(method: str, n: int) -> float:
+        counter = iter(range(n))
+
+        async def caller() -> None:
+            for i in counter:
+                assert await svc._call(method, (float(i),), {}) >= 0
+
+        start = time.perf_counter()
+        await asyncio.gather(*(caller() for _ in range(callers)))
+        return time.perf_counter() - start
+
+    result: dict[str, Any] = {"callers": callers, "batch_ms": BATCH_TIME * 1e3}
+    try:
+        for method, label in (("predict", "unbatched"), ("predict_batched", "batched")):
+            client.sync(run, method, min(calls, 200))  # warm-up
+            n = calls if label == "batched" else max(callers * 2, calls // 10)
+            result[label] = {"calls": n, "calls_per_s": n / client.sync(run, method, n)}
+    finally:
+        svc.shutdown()
+    result["speedup"] = (result["batched"]["calls_per_s"]
+                         / result["unbatched"]["calls_per_s"])
+    return result
 
 
 def run(client: Any, calls: int = 1000, replicas: tuple[int, ...] = (1, 2, 4),
@@ -136,6 +200,8 @@ def run(client: Any, calls: int = 1000, replicas: tuple[int, ...] = (1, 2, 4),
     for i, n in enumerate(replicas, 1):
         result["throughput"].append(throughput(client, n, max(calls, 400)))
         progress(i, len(replicas), "throughput", show_progress)
+    result["batching"] = batching(client, max(calls, 2000))
+    result["load_average"] = os.getloadavg()
     return result
 
 
@@ -153,8 +219,18 @@ def report(result: dict[str, Any]) -> str:
         lines.append(f"{label} | {q['p50_ms']:.3f} | {q['p99_ms']:.3f} | "
                      f"{q['p50_ms'] / actor:.2f}")
     lines += ["", f"replicas | calls/s (endpoint takes {SERVICE_TIME * 1e3:.0f} ms, "
-                  "max_concurrency=1) | ideal calls/s", "--- | --- | ---"]
+                  "max_concurrency=1) | ideal calls/s | client CPU ms/call | "
+                  "workers' CPU ms/call", "--- | --- | --- | --- | ---"]
     for row in result["throughput"]:
         lines.append(f"{row['replicas']} | {row['calls_per_s']:.0f} | "
-                     f"{row['ideal_calls_per_s']:.0f}")
+                     f"{row['ideal_calls_per_s']:.0f} | {row['client_cpu_ms_per_call']:.3f} | "
+                     f"{row['workers_cpu_ms_per_call']:.3f}")
+    b = result["batching"]
+    lines += ["", f"vectorized endpoint ({b['batch_ms']:.0f} ms a call or a batch), 1 replica, "
+                  f"{b['callers']} callers | calls/s", "--- | ---",
+              f"without batching | {b['unbatched']['calls_per_s']:.0f}",
+              f"@endpoint(batch_size=64, batch_wait='2ms') | {b['batched']['calls_per_s']:.0f}",
+              f"speedup | {b['speedup']:.1f}x", "",
+              "load average (1, 5, 15 min): " + ", ".join(
+                  f"{x:.1f}" for x in result["load_average"])]
     return "\n".join(lines)

@@ -149,3 +149,32 @@ def test_batching_on_worker_processes(tmp_path):
             calls[1].result(timeout=30)
         assert [calls[i].result(timeout=30) for i in (0, 2, 3)] == [5, 6, 7]
         svc.shutdown()
+
+
+@cluster(nthreads=[("127.0.0.1", 1)])
+async def test_calls_in_one_turn_share_a_message(c, s, *workers):
+    """Calls to one replica made in the same turn of the loop travel as one
+    ``replicated_calls`` message; each still gets its own result or error."""
+    from replicated_services import Adder
+
+    (w,) = workers
+    svc = await Adder.options(replicas=1, max_concurrency=2).as_service(10, client=c)
+    groups: list[int] = []
+    handler = w.handlers["replicated_calls"]
+
+    async def spy(comm, calls):
+        groups.append(len(calls))
+        return await handler(comm, calls)
+
+    w.handlers["replicated_calls"] = spy
+    calls = [svc.add.route(i) for i in range(20)] + [svc.fail.route("third wheel")]
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    assert results[:20] == [i + 10 for i in range(20)]
+    assert isinstance(results[20], ValueError) and "third wheel" in str(results[20])
+    assert groups == [21]
+    assert await svc.add.route(1) == 11  # a lone call goes on its own
+    assert groups == [21]
+    (m,) = await svc.metrics()
+    assert (m["calls"], m["errors"]) == (22, 1)
+    await svc.shutdown()
+    await assert_nothing_left(s, workers)

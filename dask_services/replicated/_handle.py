@@ -23,9 +23,8 @@ from typing import Any
 
 import dask.config
 from distributed.core import send_recv
-from distributed.protocol.serialize import to_serialize
 
-from dask_services._messages import loads_exception, unwrap
+from dask_services._messages import loads_exception
 from dask_services.replicated._errors import (
     EndpointRefused,
     ServiceOverloaded,
@@ -40,6 +39,7 @@ from dask_services.replicated._options import (
 )
 from dask_services.replicated._routing import LeastLoaded, ReplicaView, make_router
 from dask_services.replicated._streaming import Stream
+from dask_services.replicated._wire import pack, unpack
 from dask_services.service import ServiceId
 
 _session: contextvars.ContextVar[Session | None] = contextvars.ContextVar(
@@ -359,12 +359,15 @@ class ReplicatedService:
         self._own_session: Session | None = None
         self._table: list[_Replica] = []
         self._table_time = -1.0
+        self._stale_at = 0.0  # monotonic time after which the table is refreshed
         self._refreshing: asyncio.Future | None = None
         self._outstanding: collections.Counter = collections.Counter()
         # calls running or queued on each replica (from every caller), as its last answer
         # to this handle said
         self._reported: dict[ServiceId, int] = {}
         self._session_counts: collections.Counter = collections.Counter()
+        # calls to one replica made in the same turn of the event loop, sent as one message
+        self._outbox: dict[ServiceId, list[tuple[dict, asyncio.Future]]] = {}
 
     # -------------------------------------------------------- plumbing
 
@@ -414,11 +417,13 @@ class ReplicatedService:
             raise ServiceShutdown(f"service {self.name} was shut down (or never deployed)")
         self._table = [_Replica(ServiceId(r["id"]), r["worker"], r["state"])
                        for r in info["replicas"]]
+        # when to refresh next (read here, not on every call: parsing it costs)
+        self._stale_at = time.monotonic() + config_seconds("refresh-interval")
         self._table_time = time.monotonic()
 
     def _maybe_refresh(self) -> None:
         """Refresh the table in the background once it is older than refresh-interval."""
-        stale = time.monotonic() - self._table_time > config_seconds("refresh-interval")
+        stale = time.monotonic() > self._stale_at
         if stale and (self._refreshing is None or self._refreshing.done()):
             try:
                 asyncio.get_running_loop()
@@ -460,15 +465,12 @@ class ReplicatedService:
 
     async def _call(self, method: str, args: tuple, kwargs: dict,
                     session: Session | None = None, pin: ServiceId | None = None) -> Any:
-        retries = int(dask.config.get("dask_services.replicated.call-retries"))
-        delay = config_seconds("retry-backoff")
-        max_delay = config_seconds("retry-backoff-max")
-        connect_timeout = config_seconds("connect-timeout")
         if self._table_time < 0:
             await self._refresh()
         else:
             self._maybe_refresh()
         failures: list[str] = []
+        delay = -1.0  # the retry settings are read at the first failure (not per call)
         while True:
             if pin is not None:
                 target = next((r for r in self._table if r.id == pin), None)
@@ -482,17 +484,15 @@ class ReplicatedService:
             if target is not None:
                 self._outstanding[target.id] += 1
                 try:
-                    comm = await self._connect(target, connect_timeout)
-                    resp = await self._transport.request(
-                        comm, target.worker, "replicated_call", id=str(target.id),
-                        method=method, payload=to_serialize((args, kwargs)))
+                    resp = await self._send(target, {"id": str(target.id), "method": method,
+                                                     **pack((args, kwargs), "payload")})
                 except OSError as e:
                     failure = f"{target.id} on {target.worker}: {type(e).__name__}: {e}"
                 else:
                     status = resp.get("status") if isinstance(resp, dict) else None
                     if status == "ok":
                         self._reported[target.id] = int(resp.get("load", 0))
-                        return unwrap(resp["result"])
+                        return unpack(resp, "result")
                     if status == "error":
                         raise loads_exception(resp["exception"])
                     if status == "overloaded":
@@ -512,6 +512,10 @@ class ReplicatedService:
             else:
                 failure = "no healthy replica"
             failures.append(failure)
+            if delay < 0:
+                retries = int(dask.config.get("dask_services.replicated.call-retries"))
+                delay = config_seconds("retry-backoff")
+                max_delay = config_seconds("retry-backoff-max")
             if len(failures) > retries:
                 states = collections.Counter(r.state for r in self._table)
                 raise ServiceUnavailable(
@@ -524,7 +528,62 @@ class ReplicatedService:
                 delay = min(delay * 2, max_delay)
             await self._refresh()
 
-    async def _connect(self, target: _Replica, timeout: float) -> Any:
+    async def _send(self, target: _Replica, msg: dict) -> Any:
+        """Send one call's message to ``target`` and return its answer.
+
+        Calls to the same replica made in the same turn of the event loop (many callers,
+        or one caller with many calls in flight) travel together: one
+        ``replicated_calls`` message with the list, one answer with the list of answers,
+        instead of a round trip each (what a call costs is mostly the messages).  A lone
+        call is sent as ``replicated_call``."""
+        loop = asyncio.get_running_loop()
+        box = self._outbox.get(target.id)
+        if box is None:
+            box = self._outbox[target.id] = []
+            loop.call_soon(self._flush, target, box)
+        fut = loop.create_future()
+        box.append((msg, fut))
+        return await fut
+
+    def _flush(self, target: _Replica, box: list[tuple[dict, asyncio.Future]]) -> None:
+        if self._outbox.get(target.id) is box:
+            del self._outbox[target.id]
+        task = asyncio.ensure_future(self._deliver(target, box))
+        task.add_done_callback(_consume)
+
+    async def _deliver(self, target: _Replica, box: list[tuple[dict, asyncio.Future]]) -> None:
+        """Send the calls of ``box``; each answer goes to its caller as it arrives (the
+        worker writes one message per call, in the order they finish)."""
+        comm = None
+        try:
+            comm = await self._connect(target)
+            if len(box) == 1:
+                answer = await send_recv(comm=comm, op="replicated_call", **box[0][0])
+                if not box[0][1].done():
+                    box[0][1].set_result(answer)
+            else:
+                await comm.write({"op": "replicated_calls", "calls": [m for m, _ in box]})
+                left = len(box)
+                while left:
+                    for answer in await comm.read():  # the answers ready together
+                        left -= 1
+                        fut = box[int(answer.pop("i"))][1]
+                        if not fut.done():
+                            fut.set_result(answer)
+        except BaseException as e:
+            if comm is not None and not comm.closed():
+                comm.abort()  # part of the answers may still be on their way
+            for _, fut in box:
+                if not fut.done():
+                    fut.set_exception(e if isinstance(e, OSError) else OSError(
+                        f"{type(e).__name__}: {e}"))
+            if not isinstance(e, Exception):
+                raise
+        finally:
+            if comm is not None:
+                self._transport.pool.reuse(target.worker, comm)
+
+    async def _connect(self, target: _Replica, timeout: float | None = None) -> Any:
         """A pooled connection to ``target``'s worker.
 
         distributed retries a refused connection until its timeout, which is what a dead
@@ -533,7 +592,9 @@ class ReplicatedService:
         """
         pool = self._transport.pool
         if any(not comm.closed() for comm in pool.available.get(target.worker, ())):
-            return await pool.connect(target.worker, timeout=timeout)  # no I/O: reuse one
+            return await pool.connect(target.worker)  # no I/O: reuse one
+        if timeout is None:
+            timeout = config_seconds("connect-timeout")
         connect = asyncio.ensure_future(pool.connect(target.worker, timeout=timeout))
         try:
             done, _ = await asyncio.wait({connect}, timeout=0.1)

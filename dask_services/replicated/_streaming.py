@@ -33,9 +33,8 @@ from typing import TYPE_CHECKING, Any
 import dask.config
 from distributed.comm.core import CommClosedError
 from distributed.core import Status
-from distributed.protocol.serialize import to_serialize
 
-from dask_services._messages import dumps_exception, loads_exception, unwrap
+from dask_services._messages import dumps_exception, loads_exception
 from dask_services._worker_context import in_current_context
 from dask_services.replicated._errors import (
     ReplicaGone,
@@ -44,6 +43,7 @@ from dask_services.replicated._errors import (
     ServiceUnavailable,
 )
 from dask_services.replicated._options import config_seconds
+from dask_services.replicated._wire import pack, unpack
 
 if TYPE_CHECKING:
     from dask_services.replicated._handle import ReplicatedService, Session, _Replica
@@ -142,7 +142,7 @@ async def serve(rep: HostedReplica, comm: Any, method: str, args: tuple, kwargs:
                 error = False
                 break
             credit[0] -= 1
-            await comm.write({"status": "item", "item": to_serialize(item)})
+            await comm.write({"status": "item", **pack(item, "item")})
         outcome = await reader
         if outcome == "cancel":
             error = False
@@ -330,7 +330,7 @@ class Stream:
             status = msg.get("status") if isinstance(msg, dict) else None
             if status == "item":
                 await comm.write({"op": "credit", "n": 1})
-                return unwrap(msg["item"])
+                return unpack(msg, "item")
             # the last message: tell the replica we are done, give the comm back
             self._finished = True
             await comm.write({"op": "end"})
@@ -367,7 +367,7 @@ class Stream:
                     await comm.write({
                         "op": "replicated_stream", "id": str(target.id),
                         "method": self._method, "window": stream_window(),
-                        "payload": to_serialize((self._args, self._kwargs))})
+                        **pack((self._args, self._kwargs), "payload")})
                     msg = await comm.read()
                 except (CommClosedError, OSError) as e:
                     failure = f"{target.id} on {target.worker}: {type(e).__name__}: {e}"

@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import pickle
-from distributed.protocol.serialize import to_serialize
 
-from dask_services._messages import dumps_exception, unwrap
+from dask_services._messages import dumps_exception
 from dask_services._worker_context import in_current_context, worker_handler
 from dask_services.replicated._batching import Batcher
 from dask_services.replicated._errors import ReplicaGone, ServiceOverloaded, ServiceShutdown
 from dask_services.replicated._metrics import ReplicaMetrics
 from dask_services.replicated._options import endpoint_spec, is_endpoint
 from dask_services.replicated._queue import CallGate
+from dask_services.replicated._wire import pack, unpack
 from dask_services.service import Service, ServiceId
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ logger = logging.getLogger("dask_services")
 EXTENSION = "dask_services_replicated"  # the worker and the scheduler extension's name
 HANDLERS = ("replicated_start", "replicated_stop", "replicated_call", "replicated_health",
             "replicated_stats", "replicated_rank_call", "replicated_rank_rpc",
-            "replicated_stream")
+            "replicated_stream", "replicated_calls")
 
 
 @dataclass(eq=False)
@@ -293,7 +293,8 @@ class ReplicaWorker(WorkerPlugin):
     # ------------------------------------------------------------ caller -> worker
 
     @worker_handler
-    async def call(self, comm: Any, id: str, method: str, payload: Any) -> dict:
+    async def call(self, comm: Any, id: str, method: str, payload: Any = None,
+                   pickled: bytes | None = None) -> dict:
         """Run endpoint ``method`` on replica ``id`` within its concurrency limits."""
         rep = self.replicas.get(ServiceId(id))
         if rep is None or not rep.ready or rep.closing:
@@ -304,7 +305,8 @@ class ReplicaWorker(WorkerPlugin):
 
             return {"status": "error", "exception": dumps_exception(EndpointRefused(
                 f"{method!r} is not an endpoint of {type(rep.service).__name__}"))}
-        args, kwargs = unwrap(payload)
+        args, kwargs = unpack({"payload": payload, "pickled": pickled}
+                              if pickled is not None else {"payload": payload}, "payload")
         arrived = time.perf_counter()
         spec = endpoint_spec(type(rep.service), method)
         if spec.stream:
@@ -355,13 +357,42 @@ class ReplicaWorker(WorkerPlugin):
             if task is not None:
                 rep.running.discard(task)
             rep.gate.release()
-        return {"status": "ok", "result": to_serialize(result),
+        return {"status": "ok", **pack(result, "result"),
                 "load": rep.gate.in_flight + rep.gate.queued}
 
 
+    async def calls(self, comm: Any, calls: list[dict]) -> Any:
+        """Several calls in one message (``ReplicatedService._send``): each runs as if it
+        came alone (its own admission, batch, result or error) and its answer, tagged with
+        its index ``i``, is written as soon as it is ready: the answers ready in the same
+        turn of the event loop (a batch's, say) as one message, a list."""
+        from distributed.core import Status
+
+        loop = asyncio.get_running_loop()
+        ready: list[dict] = []
+        writes: list[asyncio.Future] = []
+
+        def flush() -> None:
+            if ready:
+                answers = ready[:]
+                ready.clear()
+                writes.append(asyncio.ensure_future(comm.write(answers)))
+
+        async def one(i: int, call: dict) -> None:
+            answer = await self.call(comm, **call)
+            answer["i"] = i
+            ready.append(answer)
+            if len(ready) == 1:
+                loop.call_soon(flush)
+
+        await asyncio.gather(*(one(i, c) for i, c in enumerate(calls)))
+        flush()  # the last answers now (their scheduled flush finds nothing left)
+        await asyncio.gather(*writes)
+        return Status.dont_reply
+
     @worker_handler
-    async def stream(self, comm: Any, id: str, method: str, payload: Any,
-                     window: int) -> Any:
+    async def stream(self, comm: Any, id: str, method: str, window: int,
+                     payload: Any = None, pickled: bytes | None = None) -> Any:
         """Run generator endpoint ``method`` of replica ``id``, sending its items over
         ``comm`` as the caller takes them (``_streaming.py``)."""
         from distributed.core import Status
@@ -384,7 +415,8 @@ class ReplicaWorker(WorkerPlugin):
                                               f"{type(rep.service).__name__}"))
             await comm.write({"status": "error", "exception": dumps_exception(exc)})
             return Status.dont_reply
-        args, kwargs = unwrap(payload)
+        args, kwargs = unpack({"payload": payload, "pickled": pickled}
+                              if pickled is not None else {"payload": payload}, "payload")
         return await _streaming.serve(rep, comm, method, args, kwargs, int(window))
 
     def _batcher(self, rep: HostedReplica, method: str) -> Batcher:
@@ -454,5 +486,5 @@ class ReplicaWorker(WorkerPlugin):
             rep.metrics.record(time.perf_counter() - arrived, error)
             if task is not None:
                 rep.running.discard(task)
-        return {"status": "ok", "result": to_serialize(result),
+        return {"status": "ok", **pack(result, "result"),
                 "load": rep.gate.in_flight + rep.gate.queued}
