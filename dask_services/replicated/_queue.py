@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from typing import Any
 
-from dask_services.replicated._errors import ServiceOverloaded, ServiceShutdown
+from dask_services.replicated._errors import ReplicaGone, ServiceOverloaded, ServiceShutdown
 
 
 class CallGate:
@@ -115,3 +116,15 @@ class CallGate:
             self._waiters.remove(fut)
         except ValueError:
             pass
+
+
+def not_admitted(metrics: Any, exc: BaseException) -> dict:
+    """The answer to a call that a replica's gate (or batcher) did not take in, as the
+    caller reads it: ``overloaded`` (fail at once; counted in ``metrics``), ``gone`` (send
+    it elsewhere) or ``shutdown`` (stop)."""
+    if isinstance(exc, ServiceOverloaded):
+        metrics.overloaded += 1
+        return {"status": "overloaded", "message": str(exc)}
+    if isinstance(exc, ReplicaGone):
+        return {"status": "gone", "message": str(exc)}
+    return {"status": "shutdown", "message": str(exc)}

@@ -43,6 +43,7 @@ from dask_services.replicated._errors import (
     ServiceUnavailable,
 )
 from dask_services.replicated._options import config_seconds
+from dask_services.replicated._queue import not_admitted
 from dask_services.replicated._wire import pack, unpack
 
 if TYPE_CHECKING:
@@ -90,15 +91,8 @@ async def serve(rep: HostedReplica, comm: Any, method: str, args: tuple, kwargs:
     arrived = time.perf_counter()
     try:
         await rep.gate.acquire()
-    except ServiceOverloaded as e:
-        rep.metrics.overloaded += 1
-        await comm.write({"status": "overloaded", "message": str(e)})
-        return Status.dont_reply
-    except ReplicaGone as e:
-        await comm.write({"status": "gone", "message": str(e)})
-        return Status.dont_reply
-    except ServiceShutdown as e:
-        await comm.write({"status": "shutdown", "message": str(e)})
+    except (ServiceOverloaded, ReplicaGone, ServiceShutdown) as e:
+        await comm.write(not_admitted(rep.metrics, e))
         return Status.dont_reply
     task = asyncio.current_task()
     if task is not None:

@@ -28,7 +28,7 @@ from dask_services.replicated._batching import Batcher
 from dask_services.replicated._errors import ReplicaGone, ServiceOverloaded, ServiceShutdown
 from dask_services.replicated._metrics import ReplicaMetrics
 from dask_services.replicated._options import endpoint_spec, is_endpoint
-from dask_services.replicated._queue import CallGate
+from dask_services.replicated._queue import CallGate, not_admitted
 from dask_services.replicated._wire import pack, unpack
 from dask_services.service import Service, ServiceId
 
@@ -317,13 +317,8 @@ class ReplicaWorker(WorkerPlugin):
             return await self._call_batched(rep, method, args, kwargs, arrived)
         try:
             await rep.gate.acquire()
-        except ServiceOverloaded as e:
-            rep.metrics.overloaded += 1
-            return {"status": "overloaded", "message": str(e)}
-        except ReplicaGone as e:
-            return {"status": "gone", "message": str(e)}
-        except ServiceShutdown as e:
-            return {"status": "shutdown", "message": str(e)}
+        except (ServiceOverloaded, ReplicaGone, ServiceShutdown) as e:
+            return not_admitted(rep.metrics, e)
         task = asyncio.current_task()
         if task is not None:
             rep.running.add(task)
@@ -455,13 +450,8 @@ class ReplicaWorker(WorkerPlugin):
                 f"{len(kwargs)} keyword arguments)"))}
         try:
             fut = self._batcher(rep, method).enqueue(args[0])
-        except ServiceOverloaded as e:
-            rep.metrics.overloaded += 1
-            return {"status": "overloaded", "message": str(e)}
-        except ReplicaGone as e:
-            return {"status": "gone", "message": str(e)}
-        except ServiceShutdown as e:
-            return {"status": "shutdown", "message": str(e)}
+        except (ServiceOverloaded, ReplicaGone, ServiceShutdown) as e:
+            return not_admitted(rep.metrics, e)
         task = asyncio.current_task()
         if task is not None:
             rep.running.add(task)
@@ -488,3 +478,4 @@ class ReplicaWorker(WorkerPlugin):
                 rep.running.discard(task)
         return {"status": "ok", **pack(result, "result"),
                 "load": rep.gate.in_flight + rep.gate.queued}
+
