@@ -305,15 +305,10 @@ def bench_shuffle(args: argparse.Namespace) -> int:
 
     sizes = [s for s in args.sizes.split(",") if s]
     with _bench_client(args) as client:
-        many = tuple(int(n) for n in str(args.partitions).split(",") if n)
-        consumers = tuple(c for c in args.consumer.split(",") if c)
-        results = shuffle.run(client, sizes, args.repeat,
-                              npartitions=args.input_partitions,
+        results = shuffle.run(client, sizes, args.repeat, npartitions=args.partitions,
                               methods=tuple(args.methods.split(",")),
-                              show_progress=show_progress(args), fresh=not args.reuse_workers,
-                              many=many, consumers=consumers, tiny=not args.no_tiny)
-        print(report(results, "p2p", args.json, extra_columns=shuffle.columns(results)),
-              flush=True)
+                              show_progress=show_progress(args), fresh=not args.reuse_workers)
+        print(report(results, "p2p", args.json), flush=True)
     return 0
 
 
@@ -376,23 +371,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="frame (shuffle) or all-to-all array (rechunk) sizes")
     p_bench.add_argument("--local-size", default="0.5GB",
                          help="rechunk: size of the local (100 -> 150 rows) case; '' to skip")
-    p_bench.add_argument("--partitions", default="",
-                         help="shuffle: the many-partition cases, comma-separated partition "
-                              "counts of 200-row partitions (e.g. 100,1000,10000; default: "
-                              "none)")
-    p_bench.add_argument("--input-partitions", type=int, default=128,
-                         help="shuffle: partitions of the sized frames (--sizes)")
-    p_bench.add_argument("--no-tiny", action="store_true",
-                         help="shuffle: skip the tiny case")
+    p_bench.add_argument("--partitions", type=int, default=128)
     p_bench.add_argument("--chunks", type=int, default=0,
                          help="rechunk: also the many-chunk cases, a float32 array in about "
                               "this many 100 x 100 chunks to 125 x 80 and to 2000 x 5 chunks "
                               "(e.g. 40000; default 0: skipped)")
     p_bench.add_argument("--consumer", default="none,sum",
                          help="rechunk: what follows each rechunk, comma-separated: 'none' "
-                              "(outputs persisted), 'sum' (rechunked.sum() computed); "
-                              "shuffle: 'none', 'len' (len of every partition), 'groupby' "
-                              "(a groupby-sum per partition); 'sum' is taken as 'len'")
+                              "(outputs persisted), 'sum' (rechunked.sum() computed)")
     p_bench.add_argument("--memory-limit", default=None,
                          help="memory limit of every worker (e.g. 0.5GB; default: the "
                               "LocalCluster's share of the machine)")
