@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from dask.sizeof import sizeof
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from utils import suspended_in, until
 
@@ -133,8 +133,7 @@ def test_split_puts_every_row_in_its_partition_in_order(rows, groups, seed, min_
     df = pd.DataFrame({"x": rng.integers(0, 1000, rows), "_p": rng.integers(0, 12, rows)})
     owner = {p: ServiceId("a" if p % 3 else "b") for p in range(10)}  # 10, 11 unwanted
     destination = group_partitions(owner, groups)
-    with mock.patch.object(_service, "MIN_GROUP_BYTES", min_group_bytes), \
-            mock.patch.object(_service, "EXACT_SIZE_ROWS", 0):  # sizes measured, not estimated
+    with mock.patch.object(_service, "MIN_GROUP_BYTES", min_group_bytes):
         out = split_by_destination(df.drop(columns="_p"), df["_p"].to_numpy(), destination,
                                    nbytes=rows * 16)
     seen = {}
@@ -177,65 +176,3 @@ def test_assemble_many_assembles_each_output_in_input_partition_order():
     out = _service.assemble_many(pieces, frames[0].iloc[:0], ignore_index=False)
     for got, f in zip(out, frames, strict=True):
         pd.testing.assert_frame_equal(got, f)
-
-
-@given(inputs=st.integers(1, 6), rows=st.integers(0, 40), nparts=st.integers(1, 9),
-       seed=st.integers(0, 2**16), small=st.booleans(), ignore_index=st.booleans())
-@settings(deadline=None)
-def test_assemble_group_gives_each_partition_its_rows_in_input_order(
-        inputs, rows, nparts, seed, small, ignore_index):
-    """Both ways of assembling (one concatenation per output, or one concatenation and sort
-    for the window) give what a concatenation of each partition's pieces gives."""
-    rng = np.random.default_rng(seed)
-    frames = [pd.DataFrame({"x": rng.integers(0, 100, rows), "s": pd.array(
-        rng.integers(0, 9, rows).astype(str), dtype="str"), "_p": rng.integers(0, nparts, rows)},
-        index=rng.integers(0, 1000, rows)) for _ in range(inputs)]
-    owner = {p: ServiceId("a") for p in range(nparts)}
-    destination = group_partitions(owner, 1)
-    received = []
-    for i in rng.permutation(inputs).tolist():  # arrival order is not input order
-        df = frames[i]
-        for _, batch in split_by_destination(df.drop(columns="_p"), df["_p"].to_numpy(),
-                                             destination, nbytes=rows * 16).items():
-            received += [(i, frame, parts, bounds) for frame, parts, bounds, _ in batch]
-    meta = frames[0].drop(columns="_p").iloc[:0]
-    window = list(range(nparts))
-    with mock.patch.object(_service, "SMALL_PIECE_ROWS", 10**9 if small else 0):
-        out = _service.assemble_group(received, window, meta, ignore_index)
-    for p, got in zip(window, out, strict=True):
-        pieces = [f[f._p == p].drop(columns="_p") for f in frames]
-        expected = pd.concat([f for f in pieces if len(f)]) if any(map(len, pieces)) else meta
-        if ignore_index:
-            expected = expected.reset_index(drop=True)
-        pd.testing.assert_frame_equal(got, expected)
-
-
-def test_service_graphs_are_ordered_without_a_walk_per_input_output_pair():
-    """The scheduler's ``dask.order.order`` orders a service task's graph as if its outputs
-    did not depend on it: every key still gets a priority, hand-offs before the service
-    task, and graphs without a service task are ordered as dask orders them."""
-    import dask.order
-
-    from dask_services import graph
-
-    graph.install_order()
-    assert dask.order.order is graph.order
-    outs = service_graph_for_order(200)
-    ordered = dask.order.order(outs)
-    assert set(ordered) == set(outs)
-    service = next(k for k, v in outs.items() if isinstance(v, graph.ServiceTaskSpec))
-    handoffs = [k for k, v in outs.items() if isinstance(v, graph.HandOffSpec)]
-    assert max(ordered[h] for h in handoffs) < ordered[service]
-    plain = {"a": 1, "b": (sum, ["a"])}
-    assert dask.order.order(plain) == graph.order.original(plain)
-
-
-def service_graph_for_order(n: int) -> dict:
-    import dask
-
-    from dask_services.client import service_task
-    from dask_services.examples import AllReduce
-
-    xs = [dask.delayed(i, name=f"x-{i}") for i in range(n)]
-    outs = service_task(AllReduce, xs, outputs=n)
-    return dict(dask.base.collections_to_expr(outs).__dask_graph__())
