@@ -85,10 +85,15 @@ def test_cli_bench_json_on_restarted_workers(capsys, what, sizes):
 
     args = ["bench", what, "--sizes", sizes, "--repeat", "1", "--methods", "service,p2p",
             "--partitions", "8", "--local-size", "1MB", "--json"]
+    if what == "rechunk":
+        args += ["--consumer", "none,sum"]
     assert main(args) == 0
     rows = json.loads(capsys.readouterr().out)
     cases = {row["case"] for row in rows}
-    assert len(cases) == 2  # shuffle: tiny and 2MB; rechunk: all-to-all and local
+    if what == "shuffle":
+        assert len(cases) == 2  # tiny and 2MB
+    else:  # all-to-all and local, each with its outputs persisted and followed by .sum()
+        assert len(cases) == 4 and sum(case.endswith(" +sum") for case in cases) == 2
     for case in cases:
         by_method = {row["method"]: row for row in rows if row["case"] == case}
         assert set(by_method) == {"service", "p2p"}
