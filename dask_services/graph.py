@@ -223,3 +223,42 @@ def build_service_graph(
         dsk[out] = OutputClaimSpec(out, _claim_output, TaskRef(service_key), out)
     return dsk
 
+
+
+def _no_service(*args: Any) -> None:  # stands in for an output claim while ordering
+    return None
+
+
+def order(dsk: Any, dependencies: Any = None, **kwargs: Any) -> Any:
+    """``dask.order.order``, with every output claim of a service task in ``dsk`` ordered
+    as if it did not depend on its service task.
+
+    Through a service task every input reaches every output, and ``dask.order`` walks,
+    for each input it orders, every output that input reaches: work per (input, output)
+    pair, 39 s for 4,000 partitions and minutes for 10,000 before the first task runs.
+    Ordered without those edges, the inputs reach the service task only and each output
+    is a root of its own consumers (4,000 partitions: 1 s).  The edges are only hidden
+    from the ordering: the scheduler still sees them, and no output can run before its
+    service task has produced it, so what the hidden edges ordered (outputs after the
+    hand-offs) holds anyway.  Graphs without a service task are ordered unchanged.
+    """
+    original = getattr(order, "original", None)
+    assert original is not None, "install_order() first"
+    if dependencies is not None or not any(isinstance(v, ServiceTaskSpec)
+                                           for v in dsk.values()):
+        return original(dsk, dependencies, **kwargs)
+    hidden = {
+        k: (Task(k, _no_service, *v.args[1:]) if isinstance(v, OutputClaimSpec) else v)
+        for k, v in dsk.items()
+    }
+    return original(hidden, **kwargs)
+
+
+def install_order() -> None:
+    """Make ``dask.order.order`` (which the scheduler calls for every new graph) order
+    service tasks' graphs with :func:`order` (idempotent)."""
+    import dask.order
+
+    if dask.order.order is not order:
+        order.original = dask.order.order  # type: ignore[attr-defined]
+        dask.order.order = order

@@ -42,6 +42,7 @@ from dask_services.graph import (
     OutputClaimSpec,
     ServiceDefinition,
     ServiceTaskSpec,
+    install_order,
 )
 from dask_services.service import ServiceGraphError, ServiceId
 from dask_services.worker import EXTENSION, ServiceWorkerPlugin
@@ -114,6 +115,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         scheduler.extensions[EXTENSION] = self
+        install_order()  # service tasks' graphs are ordered without a walk per pair
         scheduler.stream_handlers.update({
             "service-started": self._guard(self._on_started),
             "service-handed-off": self._guard(self._on_handed_off),

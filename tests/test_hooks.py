@@ -107,6 +107,17 @@ def test_task_spec_fusion_hook():
     assert Task.__call__ is not GraphNode.__call__
 
 
+def test_scheduler_orders_graphs_through_dask_order_attribute():
+    # dask_services.graph.install_order replaces dask.order.order: the scheduler must look
+    # it up on the module for every new graph (not hold its own reference), and call it
+    # with the graph only, so that our order sees the output claims it hides
+    import dask.order
+    from distributed import scheduler
+
+    assert "offload(dask.order.order, dsk=dsk)" in inspect.getsource(scheduler)
+    assert "dependencies" in inspect.signature(dask.order.order).parameters
+
+
 def test_batched_send_internals_we_use():
     # dask_services._streams.flush sends a run's control messages without waiting out the
     # stream's interval
