@@ -86,6 +86,26 @@ def test_same_partitions_as_tasks_method():
     assert_same_partitions(ddf, ["k", "Int64"])
 
 
+@pytest.mark.parametrize("groups", [1, 2, 32])
+def test_large_and_small_pieces_of_one_group_are_assembled_together(groups):
+    """Some inputs send a partition many rows (large pieces, buffered per partition), others
+    few (small frames, buffered per group); every output still holds ``tasks``' rows."""
+    rng = np.random.default_rng(5)
+
+    def part(i):
+        n = 3_000
+        key = rng.integers(0, 500, n)
+        if i < 2:  # these inputs put most of their rows in one partition
+            key[: n * 3 // 4] = 7
+        return pd.DataFrame({"key": key, "x": np.arange(n) + i * n,
+                             "s": pd.array([f"v{k}" for k in key], dtype="str")})
+
+    ddf = dd.from_pandas(pd.concat([part(i) for i in range(4)], ignore_index=True),
+                         npartitions=4)
+    with dask.config.set({"dask_services.shuffle.groups": groups}):
+        assert_same_partitions(ddf, "key", npartitions=12)
+
+
 def test_unknown_and_known_categories():
     pdf = pd.DataFrame({"k": list(range(20)), "c": pd.Categorical(list("abcd") * 5)})
     ddf = dd.from_pandas(pdf, npartitions=4)

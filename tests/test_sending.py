@@ -9,11 +9,11 @@ import numpy as np
 import pandas as pd
 import pytest
 from dask.sizeof import sizeof
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from utils import suspended_in, until
 
-from dask_services._sending import SendWindow
+from dask_services._sending import PeerStream, SendWindow
 from dask_services.dataframe import _service
 from dask_services.dataframe._service import group_partitions, split_by_destination
 from dask_services.service import ServiceId
@@ -112,6 +112,118 @@ def test_window_cancel_stops_sends():
     asyncio.run(main())
 
 
+class GatedPeer:
+    """A peer handle whose ``take`` calls each wait for their own gate."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: list[list] = []
+        self.gates: list[asyncio.Event] = []
+        self.fail = fail
+
+    async def take(self, items: list) -> None:
+        gate = asyncio.Event()
+        self.gates.append(gate)
+        self.calls.append(list(items))
+        if self.fail and len(self.calls) > 1:  # gone by now
+            raise ConnectionError("peer gone")
+        await gate.wait()
+        if self.fail:
+            raise ConnectionError("peer gone")
+
+    async def done_sending(self, sender) -> None:
+        pass
+
+    def open_all(self) -> None:
+        for gate in self.gates:
+            gate.set()
+
+
+class TwoInstances:
+    def __init__(self, fail: bool = False) -> None:
+        self.id = ServiceId("me")
+        self.peer = GatedPeer(fail)
+        self.peers = {self.id: None, ServiceId("other"): self.peer}
+
+
+def batched_stream(fail: bool = False, coalesce_bytes: int = 2**20):
+    service = TwoInstances(fail)
+    stream = PeerStream(service, limit=10**9, trim=False, coalesce_bytes=coalesce_bytes)
+    stream.sender_done(ServiceId("other"))  # the other side has nothing for us
+    return stream, service.peer
+
+
+def test_batched_sends_go_at_once_and_wait_only_while_one_is_in_flight():
+    async def main():
+        stream, peer = batched_stream()
+        other = ServiceId("other")
+        await stream.send_batched(other, 10, "take", "a")
+        await until(lambda: len(peer.calls) == 1)
+        assert peer.calls == [["a"]]  # nothing in flight: it went alone, at once
+        for item in "bcd":
+            await stream.send_batched(other, 10, "take", item)
+        assert peer.calls == [["a"]] and stream.in_flight == 40  # waiting ones count
+        peer.gates[0].set()  # "a" delivered: what waited goes as one call
+        await until(lambda: len(peer.calls) == 2)
+        assert peer.calls[1] == ["b", "c", "d"]
+        await stream.send_batched(other, 10, "take", "e")
+        finishing = asyncio.create_task(stream.finish())
+        await until(lambda: len(peer.gates) == 2)
+        peer.open_all()
+        await until(lambda: len(peer.calls) == 3)
+        peer.open_all()
+        await finishing  # delivers what waited, then the barrier
+        assert [x for call in peer.calls for x in call] == list("abcde")
+        assert stream.in_flight == 0
+
+    asyncio.run(main())
+
+
+def test_batched_sends_go_once_they_add_up_to_the_coalescing_size():
+    async def main():
+        stream, peer = batched_stream(coalesce_bytes=25)
+        other = ServiceId("other")
+        await stream.send_batched(other, 10, "take", "a")
+        await until(lambda: len(peer.calls) == 1)
+        await stream.send_batched(other, 10, "take", "b")
+        assert len(peer.calls) == 1  # "b" waits for "a"
+        await stream.send_batched(other, 20, "take", "c")  # 30 bytes waiting: go
+        await until(lambda: len(peer.calls) == 2)
+        assert peer.calls[1] == ["b", "c"]
+        peer.open_all()
+        await stream.finish()
+
+    asyncio.run(main())
+
+
+def test_a_failed_batched_send_is_raised_from_finish():
+    async def main():
+        stream, peer = batched_stream(fail=True)
+        other = ServiceId("other")
+        await stream.send_batched(other, 10, "take", "a")
+        await stream.send_batched(other, 10, "take", "b")
+        await until(lambda: len(peer.calls) == 1)
+        peer.open_all()  # "a" fails
+        with pytest.raises(ConnectionError, match="peer gone"):
+            await stream.finish()
+
+    asyncio.run(main())
+
+
+def test_cancel_drops_waiting_batched_sends():
+    async def main():
+        stream, peer = batched_stream()
+        other = ServiceId("other")
+        await stream.send_batched(other, 10, "take", "a")
+        await stream.send_batched(other, 10, "take", "b")
+        stream.cancel()
+        peer.open_all()
+        with pytest.raises(asyncio.CancelledError):
+            await stream.finish()
+        assert ["b"] not in peer.calls and stream.in_flight == 0
+
+    asyncio.run(main())
+
+
 @given(
     owner=st.dictionaries(st.integers(0, 200), st.sampled_from(["a", "b", "c"]), max_size=60),
     groups=st.integers(1, 10),
@@ -133,7 +245,8 @@ def test_split_puts_every_row_in_its_partition_in_order(rows, groups, seed, min_
     df = pd.DataFrame({"x": rng.integers(0, 1000, rows), "_p": rng.integers(0, 12, rows)})
     owner = {p: ServiceId("a" if p % 3 else "b") for p in range(10)}  # 10, 11 unwanted
     destination = group_partitions(owner, groups)
-    with mock.patch.object(_service, "MIN_GROUP_BYTES", min_group_bytes):
+    with mock.patch.object(_service, "MIN_GROUP_BYTES", min_group_bytes), \
+            mock.patch.object(_service, "EXACT_SIZE_ROWS", 0):  # sizes measured, not estimated
         out = split_by_destination(df.drop(columns="_p"), df["_p"].to_numpy(), destination,
                                    nbytes=rows * 16)
     seen = {}
@@ -176,3 +289,65 @@ def test_assemble_many_assembles_each_output_in_input_partition_order():
     out = _service.assemble_many(pieces, frames[0].iloc[:0], ignore_index=False)
     for got, f in zip(out, frames, strict=True):
         pd.testing.assert_frame_equal(got, f)
+
+
+@given(inputs=st.integers(1, 6), rows=st.integers(0, 40), nparts=st.integers(1, 9),
+       seed=st.integers(0, 2**16), small=st.booleans(), ignore_index=st.booleans())
+@settings(deadline=None)
+def test_assemble_group_gives_each_partition_its_rows_in_input_order(
+        inputs, rows, nparts, seed, small, ignore_index):
+    """Both ways of assembling (one concatenation per output, or one concatenation and sort
+    for the window) give what a concatenation of each partition's pieces gives."""
+    rng = np.random.default_rng(seed)
+    frames = [pd.DataFrame({"x": rng.integers(0, 100, rows), "s": pd.array(
+        rng.integers(0, 9, rows).astype(str), dtype="str"), "_p": rng.integers(0, nparts, rows)},
+        index=rng.integers(0, 1000, rows)) for _ in range(inputs)]
+    owner = {p: ServiceId("a") for p in range(nparts)}
+    destination = group_partitions(owner, 1)
+    received = []
+    for i in rng.permutation(inputs).tolist():  # arrival order is not input order
+        df = frames[i]
+        for _, batch in split_by_destination(df.drop(columns="_p"), df["_p"].to_numpy(),
+                                             destination, nbytes=rows * 16).items():
+            received += [(i, frame, parts, bounds) for frame, parts, bounds, _ in batch]
+    meta = frames[0].drop(columns="_p").iloc[:0]
+    window = list(range(nparts))
+    with mock.patch.object(_service, "SMALL_PIECE_ROWS", 10**9 if small else 0):
+        out = _service.assemble_group(received, window, meta, ignore_index)
+    for p, got in zip(window, out, strict=True):
+        pieces = [f[f._p == p].drop(columns="_p") for f in frames]
+        expected = pd.concat([f for f in pieces if len(f)]) if any(map(len, pieces)) else meta
+        if ignore_index:
+            expected = expected.reset_index(drop=True)
+        pd.testing.assert_frame_equal(got, expected)
+
+
+def test_service_graphs_are_ordered_without_a_walk_per_input_output_pair():
+    """The scheduler's ``dask.order.order`` orders a service task's graph as if its outputs
+    did not depend on it: every key still gets a priority, hand-offs before the service
+    task, and graphs without a service task are ordered as dask orders them."""
+    import dask.order
+
+    from dask_services import graph
+
+    graph.install_order()
+    assert dask.order.order is graph.order
+    outs = service_graph_for_order(200)
+    ordered = dask.order.order(outs)
+    assert set(ordered) == set(outs)
+    service = next(k for k, v in outs.items() if isinstance(v, graph.ServiceTaskSpec))
+    handoffs = [k for k, v in outs.items() if isinstance(v, graph.HandOffSpec)]
+    assert max(ordered[h] for h in handoffs) < ordered[service]
+    plain = {"a": 1, "b": (sum, ["a"])}
+    assert dask.order.order(plain) == graph.order.original(plain)
+
+
+def service_graph_for_order(n: int) -> dict:
+    import dask
+
+    from dask_services.client import service_task
+    from dask_services.examples import AllReduce
+
+    xs = [dask.delayed(i, name=f"x-{i}") for i in range(n)]
+    outs = service_task(AllReduce, xs, outputs=n)
+    return dict(dask.base.collections_to_expr(outs).__dask_graph__())

@@ -2,15 +2,17 @@
 
 Every instance splits the partitions handed to it by each row's output partition (computed
 as dask's ``tasks`` method computes it, ``_partitioning.py``, so rows land in the same output
-partitions) and sends one message per destination instance per input partition, holding
-the rows of that instance's partitions in a few groups (``shuffle.groups``).  Sends run in
-the background within ``shuffle.bytes-in-flight``, so a hand-off returns as soon as its
-data is on its way.  Receivers buffer what arrives (spilling to disk past their budget).
-Once all inputs are handed off, every instance delivers what it still has in flight and
-tells each peer so; when it has heard that from every peer it assembles each output
-partition it owns, in a worker thread and in partition order (so received groups are freed
-one after the other): pieces in input-partition order, so rows keep their relative order.
-"""
+partitions) into one frame per destination instance and group of that instance's
+partitions (``shuffle.groups``; small groups travel in one frame).  Messages to a peer
+that is still receiving an earlier one wait and go together (``PeerStream.send_batched``).
+Sends run in the background within
+``shuffle.bytes-in-flight``, so a hand-off returns as soon as its data is on its way.
+Receivers buffer each frame under its group, cut at group boundaries where it holds
+several (spilling to disk past their budget).  Once all inputs are handed off, every
+instance delivers what it still has in flight and tells each peer so; when it has heard
+that from every peer it assembles its outputs group by group, in a worker thread (so a
+group's received frames are freed before the next group is read): rows in input-partition
+order, as ``tasks`` gives them."""
 
 from __future__ import annotations
 
@@ -32,77 +34,113 @@ Key = Hashable
 
 Batch = list[tuple[pd.DataFrame, list[int], list[int], int]]
 MIN_GROUP_BYTES = 2**19  # smaller groups of one input partition are sent together
-ASSEMBLY_BATCH_BYTES = 4 * 2**20  # small outputs are assembled several per worker-thread call
+
+
+ASSEMBLY_BATCH_BYTES = 4 * 2**20  # large outputs are assembled a few at a time
+EXACT_SIZE_ROWS = 10_000  # groups of more rows are measured with sizeof; smaller ones estimated
+
+
+class Routing:
+    """Where each output partition goes, as arrays: ``codes[p]`` numbers the
+    ``(instance, group)`` of partition ``p`` (``-1``: not wanted), in the order of
+    ``targets``, which lists each instance's groups consecutively and in group order."""
+
+    def __init__(self, destination: dict[int, tuple[ServiceId, int]]) -> None:
+        self.targets = sorted(set(destination.values()), key=lambda t: (str(t[0]), t[1]))
+        number = {t: i for i, t in enumerate(self.targets)}
+        self.codes = np.full(max(destination, default=-1) + 1, -1, dtype=np.int64)
+        for p, t in destination.items():
+            self.codes[p] = number[t]
 
 
 def split_by_destination(
     data: pd.DataFrame, parts: np.ndarray, destination: dict[int, tuple[ServiceId, int]],
-    nbytes: int,
+    nbytes: int, routing: Routing | None = None,
 ) -> dict[ServiceId, Batch]:
     """Rows of ``data`` grouped per destination instance, then per group of partitions.
 
     ``parts`` holds every row's output partition; ``destination`` maps a wanted output
-    partition to ``(instance, group)``.  Returns
-    ``{sid: [(frame, partitions, bounds, frame_bytes), ...]}``, one entry per group: ``frame``
-    holds that group's rows sorted by target partition (stable, so rows keep their order
-    within a partition); partition ``partitions[j]`` is
-    ``frame.iloc[bounds[j]:bounds[j + 1]]``; ``frame_bytes`` is the size of ``frame``
-    (``sizeof``: a taken frame's index takes memory that a ``RangeIndex`` did not, so
-    ``data``'s size in proportion to the rows, which ``nbytes`` gives, would be low).
+    partition to ``(instance, group)`` (``routing``, the same as arrays, saves building
+    them per call).  Returns ``{sid: [(frame, partitions, bounds, frame_bytes), ...]}``,
+    one entry per group: ``frame`` holds that group's rows sorted by target partition
+    (stable, so rows keep their order within a partition); partition ``partitions[j]`` is
+    ``frame.iloc[bounds[j]:bounds[j + 1]]``; ``frame_bytes`` is the size of ``frame``: its
+    ``sizeof`` for large groups, else ``data``'s size in proportion to the rows plus the
+    index a taken frame materializes where ``data`` had a ``RangeIndex`` (without it the
+    estimate was 28% low on the benchmark frame, and buffers held more than their budget).
     Every group is its own copy, so that the receiver frees a group's memory once it has
     assembled that group's partitions; consecutive groups smaller than ``MIN_GROUP_BYTES``
     (as estimated from ``nbytes``) are merged.  Rows for unwanted partitions are dropped.
+
+    The work per input is a few numpy calls and one ``take`` per group sent, whatever the
+    number of output partitions its rows go to.
     """
     if not len(data):
         return {}
-    order = np.argsort(parts, kind="stable")
-    sorted_parts = parts[order]
-    uniq, starts = np.unique(sorted_parts, return_index=True)
-    ends = np.append(starts[1:], len(sorted_parts))
-    by_group: dict[tuple[ServiceId, int], list[tuple[int, int, int]]] = {}
-    for p, a, b in zip(uniq.tolist(), starts.tolist(), ends.tolist(), strict=True):
-        target = destination.get(p)
-        if target is not None:
-            by_group.setdefault(target, []).append((p, a, b))
-    bytes_per_row = nbytes / len(data)
+    if routing is None:
+        routing = Routing(destination)
+    codes, targets = routing.codes, routing.targets
+    parts = np.asarray(parts, dtype=np.int64)
+    width = len(codes)  # more than any wanted partition
+    row_codes = np.full(len(parts), -1, dtype=np.int64)
+    known = parts < width
+    row_codes[known] = codes[parts[known]]
+    wanted = np.flatnonzero(row_codes >= 0)
+    if not len(wanted):
+        return {}
+    key = row_codes[wanted] * width + parts[wanted]
+    by_key = np.argsort(key, kind="stable")
+    order, key = wanted[by_key], key[by_key]
+    starts = np.concatenate(([0], np.flatnonzero(key[1:] != key[:-1]) + 1))
+    part_ids = (key[starts] % width).tolist()
+    part_codes = key[starts] // width
+    code_starts = np.concatenate(([0], np.flatnonzero(part_codes[1:] != part_codes[:-1]) + 1,
+                                  [len(starts)])).tolist()
+    row_starts = starts.tolist() + [len(key)]
+    per_row = nbytes / len(data) + (8 if isinstance(data.index, pd.RangeIndex) else 0)
     out: dict[ServiceId, Batch] = {}
-    pending: dict[ServiceId, list[tuple[int, int, int]]] = {}
-    for (sid, _), ranges in sorted(by_group.items(), key=lambda item: item[0][1]):
+    pending: tuple[ServiceId, int] | None = None  # (sid, first partition slot) not sent yet
+
+    def take(i0: int, i1: int) -> tuple[pd.DataFrame, list[int], list[int], int]:
+        a, b = row_starts[i0], row_starts[i1]
+        frame = data.take(order[a:b])
+        bounds = [r - a for r in row_starts[i0:i1 + 1]]
+        size = sizeof(frame) if b - a > EXACT_SIZE_ROWS else int((b - a) * per_row)
+        return frame, part_ids[i0:i1], bounds, size
+
+    for c in range(len(code_starts) - 1):
+        i0, i1 = code_starts[c], code_starts[c + 1]
+        sid = targets[int(part_codes[i0])][0]
+        if pending is not None and pending[0] != sid:
+            out.setdefault(pending[0], []).append(take(pending[1], i0))
+            pending = None
+        start = pending[1] if pending is not None else i0
         # small groups travel together: a group is only worth its own copy (so that its
         # memory can be freed on its own) when it is large
-        ranges = pending.pop(sid, []) + ranges
-        if sum(b - a for _, a, b in ranges) * bytes_per_row < MIN_GROUP_BYTES:
-            pending[sid] = ranges
+        if (row_starts[i1] - row_starts[start]) * per_row < MIN_GROUP_BYTES:
+            pending = (sid, start)
             continue
-        out.setdefault(sid, []).append(_take(data, order, ranges))
-    for sid, ranges in pending.items():
-        out.setdefault(sid, []).append(_take(data, order, ranges))
+        out.setdefault(sid, []).append(take(start, i1))
+        pending = None
+    if pending is not None:
+        out.setdefault(pending[0], []).append(take(pending[1], len(starts)))
     return out
 
 
 def split_input(
     df: pd.DataFrame | pd.Series, assign: Assign | None, column: Any,
     destination: dict[int, tuple[ServiceId, int]], nbytes: int,
+    routing: Routing | None = None,
 ) -> dict[ServiceId, Batch]:
     """:func:`split_by_destination` of one input partition.  Its rows' output partitions
     are in ``column``, or, with ``assign`` (the shuffle took dask's partitioning step in),
     computed here as dask computes them, so rows go where ``tasks`` sends them."""
     if assign is None:
         return split_by_destination(df.drop(columns=[column]), df[column].to_numpy(),
-                                    destination, nbytes)
+                                    destination, nbytes, routing)
     parts = target_partitions(df, assign)
     return split_by_destination(df.to_frame() if df.ndim == 1 else df, parts, destination,
-                                nbytes)
-
-
-def _take(data: pd.DataFrame, order: np.ndarray, ranges: list[tuple[int, int, int]]
-          ) -> tuple[pd.DataFrame, list[int], list[int], int]:
-    rows = np.concatenate([order[a:b] for _, a, b in ranges])
-    bounds = [0]
-    for _, a, b in ranges:
-        bounds.append(bounds[-1] + b - a)
-    frame = data.take(rows)
-    return (frame, [p for p, _, _ in ranges], bounds, sizeof(frame))
+                                nbytes, routing)
 
 
 def size_batches(items: list[Any], size: Callable[[Any], int], limit: int) -> list[list[Any]]:
@@ -118,6 +156,71 @@ def size_batches(items: list[Any], size: Callable[[Any], int], limit: int) -> li
         batches[-1].append(item)
         total += n
     return batches
+
+
+# A received frame as buffered: (input index, frame, partitions, bounds); partition
+# ``partitions[j]`` is ``frame.iloc[bounds[j]:bounds[j + 1]]``
+Received = tuple[int, pd.DataFrame, list[int], list[int]]
+# below this many rows per (received frame, output partition) on average, one concatenation
+# and one sort for all the partitions assembled together beat one concatenation of pieces
+# per output partition
+SMALL_PIECE_ROWS = 256
+
+
+def assemble_group(received: list[Received], window: list[int], meta: pd.DataFrame,
+                   ignore_index: bool) -> list[pd.DataFrame]:
+    """The output partitions ``window`` (in order) from every frame received for them.
+
+    Rows keep the order ``tasks`` gives them: by input partition, then as they were in it.
+    Large pieces are concatenated per output partition (:func:`assemble`).  Small ones are
+    concatenated once for the whole window, sorted by (output partition, input partition)
+    and cut: a pandas call per piece (a slice, a frame in a concatenation) costs tens of
+    microseconds whatever its size, and with thousands of partitions of a few hundred rows
+    every output partition is made of hundreds of one-row pieces.  Frames whose dtypes
+    differ from the meta's, or with categoricals (a partition's categories are the union
+    over its own pieces), always take the first way.
+    """
+    if not received:
+        return [assemble([], meta, ignore_index) for _ in window]
+    pairs = sum(len(parts) for _, _, parts, _ in received)
+    rows = sum(len(frame) for _, frame, _, _ in received)
+    if rows >= SMALL_PIECE_ROWS * pairs or not _uniform(received, meta):
+        by_partition: dict[int, list[tuple[int, pd.DataFrame]]] = {p: [] for p in window}
+        for index, frame, parts, bounds in received:
+            for j, p in enumerate(parts):
+                by_partition[p].append((index, frame.iloc[bounds[j]:bounds[j + 1]]))
+        return [assemble(by_partition[p], meta, ignore_index) for p in window]
+    received = sorted(received, key=lambda item: item[0])
+    part = np.concatenate([
+        np.repeat(np.asarray(parts, dtype=np.int64), np.diff(bounds))
+        for _, _, parts, bounds in received
+    ])
+    order = np.argsort(part, kind="stable")  # frames are in input order: rows keep it
+    part = part[order]
+    frame = pd.concat([f for _, f, _, _ in received]).take(order)
+    cuts = np.searchsorted(part, np.asarray(window, dtype=np.int64), side="left").tolist()
+    cuts.append(len(part))
+    out = []
+    for j in range(len(window)):
+        a, b = cuts[j], cuts[j + 1]
+        if b == a:
+            out.append(assemble([], meta, ignore_index))
+        else:
+            out.append(frame.iloc[a:b].reset_index(drop=True) if ignore_index
+                       else frame.iloc[a:b])
+    return out
+
+
+def _uniform(received: list[Received], meta: pd.DataFrame) -> bool:
+    """Whether every received frame has the meta's dtypes and nothing is categorical."""
+    if meta.ndim != 2 or isinstance(meta.index.dtype, pd.CategoricalDtype):
+        return False
+    expected = meta.dtypes.tolist()
+    if any(isinstance(d, pd.CategoricalDtype) for d in expected):
+        return False
+    index_dtype = meta.index.dtype
+    return all(frame.dtypes.tolist() == expected and frame.index.dtype == index_dtype
+               for _, frame, _, _ in received)
 
 
 def assemble_many(pieces: list[list[tuple[int, pd.DataFrame]]], meta: pd.DataFrame,
@@ -160,13 +263,15 @@ class DataFrameShuffle(PeerExchange):
             {self.partition_of[k]: concierge.owner(k) for k in concierge.wanted_outputs},
             int(dask.config.get("dask_services.shuffle.groups")),
         )
+        self.routing = Routing(self.destination)
         self.open_exchange(concierge)
 
     async def add_key(self, key, data: pd.DataFrame) -> None:
         assert self.stream is not None
         index = self.input_index[key]
         batches = await self.concierge.run_in_executor(
-            split_input, data, self.assign, self.column, self.destination, sizeof(data)
+            split_input, data, self.assign, self.column, self.destination, sizeof(data),
+            self.routing,
         )
         del data
         for sid, batch in batches.items():
@@ -175,46 +280,103 @@ class DataFrameShuffle(PeerExchange):
                 continue
             nbytes = sum(group[3] for group in batch)
             self.sent_bytes += nbytes
-            await self.stream.send(sid, nbytes, "receive", index, batch)
+            await self.stream.send_batched(sid, nbytes, "receive_many", (index, batch))
+
+    @rpc
+    async def receive_many(self, items: list[tuple[int, Batch]]) -> None:
+        """Peer RPC: :meth:`receive` for the batches of several input partitions."""
+        for index, batch in items:
+            await self.receive(index, batch)
 
     @rpc
     async def receive(self, index: int, batch: Batch) -> None:
-        """Peer RPC: keep the pieces of input ``index`` that belong to this instance."""
+        """Peer RPC: keep the rows of input ``index`` that belong to this instance.
+
+        A frame of large pieces (``SMALL_PIECE_ROWS`` rows or more per partition on
+        average) is cut into one piece per partition, buffered under its partition, so that
+        outputs are read back and assembled a few at a time.  A frame of small pieces is
+        kept whole under its group (cut at group boundaries when small groups travelled
+        together): cutting it per partition cost a pandas call per piece, thousands per
+        input when partitions are many and small; a group's small frames are assembled by
+        :func:`assemble_group`.
+        """
         assert self.buffer is not None
-        pieces = []
+        items: list[tuple[Any, Any, int]] = []
+        group_of = self.destination
         for frame, partitions, bounds, nbytes in batch:
             self.received_bytes += nbytes
-            n = max(len(frame), 1)
-            pieces += [
-                (p, (index, frame.iloc[bounds[j]:bounds[j + 1]]),
-                 nbytes * (bounds[j + 1] - bounds[j]) // n)
-                for j, p in enumerate(partitions)
-            ]
-        await self.buffer.add_batch(pieces)
+            rows = max(len(frame), 1)
+            if len(frame) >= SMALL_PIECE_ROWS * len(partitions):
+                items += [(p, (index, frame.iloc[bounds[j]:bounds[j + 1]]),
+                           nbytes * (bounds[j + 1] - bounds[j]) // rows)
+                          for j, p in enumerate(partitions)]
+                continue
+            first = 0
+            for j in range(1, len(partitions) + 1):
+                group = group_of[partitions[first]][1]
+                if j < len(partitions) and group_of[partitions[j]][1] == group:
+                    continue
+                a, b = bounds[first], bounds[j]
+                piece = frame if (a, b) == (0, len(frame)) else frame.iloc[a:b]
+                items.append((("group", group), (index, piece, partitions[first:j],
+                                                 [x - a for x in bounds[first:j + 1]]),
+                              nbytes * (b - a) // rows))
+                first = j
+        await self.buffer.add_batch(items)
 
     async def all_inputs_done(self) -> None:
         assert self.buffer is not None and self.stream is not None
         await self.stream.finish()
-        owned = [out for out in self.concierge.wanted_outputs
-                 if self.concierge.owner(out) == self.id]
-        # in partition order, so that received groups are freed one after the other; small
-        # outputs several per worker-thread call (a call costs more than assembling them)
-        owned.sort(key=self.partition_of.__getitem__)
-        buffered = self.buffer.nbytes
+        # the owned partitions of each group, in partition order; groups one after the
+        # other, so that what was received for a group is freed before the next is read
+        groups: dict[int, list[int]] = {}
+        for p, (sid, g) in sorted(self.destination.items()):
+            if sid == self.id:
+                groups.setdefault(g, []).append(p)
+        key_of = {self.partition_of[k]: k for k in self.concierge.wanted_outputs}
         trim = TrimAfter()
-        for batch in size_batches(owned, lambda out: buffered(self.partition_of[out]),
-                                  ASSEMBLY_BATCH_BYTES):
+        for group, partitions in sorted(groups.items()):
             held = self.buffer.memory_bytes
-            pieces = [await self.buffer.take(self.partition_of[out]) for out in batch]
-            frames = await self.concierge.run_in_executor(
-                assemble_many, pieces, self.meta, self.ignore_index
-            )
-            del pieces
-            if trim.freed_bytes(held - self.buffer.memory_bytes):
-                await self.concierge.run_in_executor(release_freed_memory)
-            for out, frame in zip(batch, frames, strict=True):
-                await self.concierge.produce_key(out, frame)
-            del frames
+            small = await self.buffer.take(("group", group))
+            large = {p: self.buffer.nbytes(p) for p in partitions}
+            if not any(large.values()):
+                frames = await self.concierge.run_in_executor(
+                    assemble_group, small, partitions, self.meta, self.ignore_index)
+                del small
+                await self._trim(trim, held)
+                for p, frame in zip(partitions, frames, strict=True):
+                    await self.concierge.produce_key(key_of[p], frame)
+                del frames
+                continue
+            # large pieces: a few outputs at a time, each from its own pieces (and the
+            # group's small frames' rows for it, if any)
+            rest = pieces_by_partition(small)
+            del small
+            for batch in size_batches(partitions, large.__getitem__, ASSEMBLY_BATCH_BYTES):
+                held = self.buffer.memory_bytes
+                pieces = [await self.buffer.take(p) + rest.pop(p, []) for p in batch]
+                frames = await self.concierge.run_in_executor(
+                    assemble_many, pieces, self.meta, self.ignore_index)
+                del pieces
+                await self._trim(trim, held)
+                for p, frame in zip(batch, frames, strict=True):
+                    await self.concierge.produce_key(key_of[p], frame)
+                del frames
+
+    async def _trim(self, trim: TrimAfter, held: int) -> None:
+        """Give memory back to the OS once enough was freed since ``held`` was read."""
+        assert self.buffer is not None
+        if trim.freed_bytes(held - self.buffer.memory_bytes):
+            await self.concierge.run_in_executor(release_freed_memory)
+
+
+def pieces_by_partition(received: list[Received]) -> dict[int, list[tuple[int, pd.DataFrame]]]:
+    """``(input index, rows)`` pieces of each partition of received frames."""
+    out: dict[int, list[tuple[int, pd.DataFrame]]] = {}
+    for index, frame, parts, bounds in received:
+        for j, p in enumerate(parts):
+            out.setdefault(p, []).append((index, frame.iloc[bounds[j]:bounds[j + 1]]))
+    return out
 
 
 def group_partitions(owner: dict[int, ServiceId], groups: int
