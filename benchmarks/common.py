@@ -208,3 +208,40 @@ def _cell(value: float | None) -> str:
         return "-"
     return f"{int(value)}" if float(value).is_integer() else f"{value:.3f}"
 
+
+
+def _cpu_seconds() -> float:
+    import psutil
+
+    times = psutil.Process().cpu_times()
+    return times.user + times.system
+
+
+def cpu_seconds(client: Any) -> dict[str, float]:
+    """CPU seconds used so far by the scheduler's process and by every worker process.
+
+    On a loaded machine wall time says little; the CPU a run takes, summed over the
+    processes, is what it costs whatever else runs."""
+    out = {"scheduler": client.run_on_scheduler(_cpu_seconds)}
+    out.update(client.run(_cpu_seconds))
+    return out
+
+
+def _graph_durations(dask_scheduler: Any, since: float) -> dict[str, float]:
+    found: dict[str, float] = {}
+    for stamp, msg in dask_scheduler.get_events("scheduler"):
+        if (stamp >= since and isinstance(msg, dict)
+                and msg.get("action") == "update-graph" and "metrics" in msg):
+            m = msg["metrics"]
+            found["update_graph_s"] = found.get("update_graph_s", 0.0) + float(
+                m.get("duration_seconds", 0.0))
+            # distributed 2026.8.0 logs it with the sign reversed
+            found["order_s"] = found.get("order_s", 0.0) + abs(float(
+                m.get("ordering_duration_seconds", 0.0)))
+    return found
+
+
+def update_graph_durations(client: Any, since: float) -> dict[str, float]:
+    """Summed ``update-graph`` and ordering seconds of the graphs the scheduler received
+    since ``since`` (its clock: ``time.time()``)."""
+    return client.run_on_scheduler(_graph_durations, since=since)

@@ -1,6 +1,14 @@
 """DataFrame shuffle: the "service" method against dask.distributed's "p2p" and "tasks".
 
     dask-services bench shuffle [--sizes 0.5GB,2GB] [--repeat 3] [--workers 2] [--json]
+                                [--partitions 100,1000,10000] [--consumer none,len]
+
+Many partitions (``--partitions``): N partitions of 200 rows shuffled into N, on warm
+workers, with the scheduler's share (``update-graph`` and ordering seconds), the CPU
+seconds of all processes together, and the task seconds per partition of each kind of
+task.  ``--consumer`` runs every case with what follows the shuffle: ``none`` (outputs
+persisted), ``len`` (``len`` of every partition, summed), ``groupby`` (a groupby-sum per
+partition).
 
 Every method runs on the same LocalCluster, on the same generated frame (int key, float and
 string columns, 128 partitions by default), persisted before the timings; each shuffle's
@@ -21,6 +29,7 @@ import pyarrow.compute as pc
 
 from benchmarks.common import (
     Measurement,
+    cpu_seconds,
     fresh_input,
     held,
     parse_size,
@@ -30,7 +39,10 @@ from benchmarks.common import (
     rotated,
     settle,
     timed,
+    update_graph_durations,
 )
+
+SMALL_ROWS = 200  # rows per partition of the many-partition cases
 
 BYTES_PER_ROW = 29  # int64 key, float64, a short arrow string: measured by memory_usage(deep=True)
 
@@ -56,8 +68,91 @@ def frame(nbytes: int, npartitions: int) -> Any:
                        meta=make_partition(0, 1).iloc[:0], enforce_metadata=False)
 
 
+def consumed(shuffled: Any, consumer: str) -> Any:
+    """``shuffled`` followed by ``consumer`` (see the module docstring), optimized as
+    ``persist()`` and ``compute()`` do (``client.persist`` does not fuse)."""
+    if consumer in ("len", "sum"):  # "sum": the rechunk's default consumer names
+        return shuffled.map_partitions(len).sum().optimize()
+    if consumer == "groupby":
+        sums = shuffled.map_partitions(lambda df: df.groupby("key")["value"].sum(),
+                                       meta=("value", "f8"))
+        return sums.map_partitions(len).sum().optimize()
+    return shuffled.optimize()
+
+
+def _kind(key: Any) -> str:
+    from dask.utils import key_split
+
+    return key_split(key)
+
+
+def task_seconds(stream: list[dict]) -> dict[str, float]:
+    """Summed compute seconds of each kind of task in a task stream."""
+    out: dict[str, float] = {}
+    for record in stream:
+        for part in record.get("startstops", ()):
+            if part.get("action") == "compute":
+                kind = _kind(record["key"])
+                out[kind] = out.get(kind, 0.0) + part["stop"] - part["start"]
+    return out
+
+
+def run_many(client: Any, npartitions: int, methods: list[str], repeat: int,
+             consumer: str, show_progress: bool) -> list[Measurement]:
+    """N partitions of ``SMALL_ROWS`` rows into N, on warm workers: the cost per partition."""
+    import time
+
+    from distributed import get_task_stream, wait
+
+    label = f"{npartitions:,} x {SMALL_ROWS} rows" + (f" + {consumer}" if consumer != "none"
+                                                      else "")
+    base = held(client)
+
+    def make() -> Any:
+        import dask.dataframe as dd
+
+        return dd.from_map(make_partition, range(npartitions), rows=SMALL_ROWS,
+                           meta=make_partition(0, 1).iloc[:0], enforce_metadata=False)
+
+    df, keep = persist_input(client, make)
+    results = {m: Measurement(label, m) for m in methods}
+    total, done = repeat * len(methods), 0
+    for r in range(repeat):
+        for method in rotated(methods, r):
+            shuffled = consumed(df.shuffle("key", shuffle_method=method), consumer)
+            before = cpu_seconds(client)
+            since = time.time()
+            with get_task_stream(client) as stream, peak_memory(client) as peak:
+                if consumer == "none":
+                    seconds = timed(lambda s=shuffled: wait(client.persist(s)))
+                else:
+                    seconds = timed(lambda s=shuffled: client.compute(s).result())
+            after = cpu_seconds(client)
+            del shuffled
+            settle(client, keep=keep)
+            m = results[method]
+            m.peak_memory += peak
+            m.seconds.append(seconds)
+            extra = {
+                "cpu_s": sum(after[k] - before.get(k, 0.0) for k in after),
+                "scheduler_cpu_s": after["scheduler"] - before["scheduler"],
+                **update_graph_durations(client, since),
+                "per_part_ms": seconds / npartitions * 1e3,
+            }
+            for kind, secs in task_seconds(stream.data).items():
+                extra[f"task_ms:{kind}"] = secs / npartitions * 1e3
+            for name, value in extra.items():
+                m.extra.setdefault(name, []).append(value)
+            done += 1
+            progress(done, total, f"shuffle {label}", show_progress)
+    del df
+    settle(client, keep=base)
+    return list(results.values())
+
+
 def run_case(client: Any, label: str, nbytes: int, npartitions: int, methods: list[str],
-             repeat: int, show_progress: bool, fresh: bool = True) -> list[Measurement]:
+             repeat: int, show_progress: bool, fresh: bool = True, consumer: str = "none",
+             ) -> list[Measurement]:
     from distributed import wait
 
     # The input is persisted first, so that the timings are of the shuffles alone (making
@@ -76,12 +171,15 @@ def run_case(client: Any, label: str, nbytes: int, npartitions: int, methods: li
             if fresh:
                 df, keep = fresh_input(client, make, previous=df)
             # optimized as df.persist() and df.compute() do (client.persist does not fuse)
-            shuffled = df.shuffle("key", shuffle_method=method).optimize()
+            shuffled = consumed(df.shuffle("key", shuffle_method=method), consumer)
 
             def once(shuffled: Any = shuffled) -> None:
-                persisted = client.persist(shuffled)
-                wait(persisted)
-                del persisted
+                if consumer == "none":
+                    persisted = client.persist(shuffled)
+                    wait(persisted)
+                    del persisted
+                else:
+                    client.compute(shuffled).result()
 
             with peak_memory(client) as peak:
                 seconds = timed(once)
@@ -98,7 +196,8 @@ def run_case(client: Any, label: str, nbytes: int, npartitions: int, methods: li
 
 def run(client: Any, sizes: list[str], repeat: int, npartitions: int = 128,
         methods: tuple[str, ...] = ("service", "p2p", "tasks"), tiny: bool = True,
-        show_progress: bool = True, fresh: bool = True) -> list[Measurement]:
+        show_progress: bool = True, fresh: bool = True, many: tuple[int, ...] = (),
+        consumers: tuple[str, ...] = ("none",)) -> list[Measurement]:
     import dask_services
 
     dask_services.install(client)
@@ -106,7 +205,20 @@ def run(client: Any, sizes: list[str], repeat: int, npartitions: int = 128,
     if tiny:
         out += run_case(client, "tiny (10 x 1,000 rows)", 10 * 1000 * BYTES_PER_ROW, 10,
                         list(methods), max(repeat, 5), show_progress, fresh=False)
+    for n in many:
+        for consumer in consumers:
+            out += run_many(client, n, list(methods), repeat, consumer, show_progress)
     for size in sizes:
-        out += run_case(client, size, parse_size(size), npartitions, list(methods), repeat,
-                        show_progress, fresh)
+        for consumer in consumers:
+            label = size + (f" + {consumer}" if consumer != "none" else "")
+            out += run_case(client, label, parse_size(size), npartitions, list(methods),
+                            repeat, show_progress, fresh, consumer)
     return out
+
+
+def columns(results: list[Measurement]) -> tuple[str, ...]:
+    """The extra columns any result has: the scheduler's share, then task ms per kind."""
+    names = {n for r in results for n in r.extra}
+    first = [n for n in ("per_part_ms", "cpu_s", "scheduler_cpu_s", "update_graph_s",
+                         "order_s") if n in names]
+    return (*first, *sorted(n for n in names if n.startswith("task_ms:")))

@@ -237,6 +237,8 @@ def bench(args: argparse.Namespace) -> int:
         return bench_rechunk(args)
     if args.what == "replicated":
         return bench_replicated(args)
+    if args.what == "queries":
+        return bench_queries(args)
     results: dict[str, Any] = {"benchmark": "overhead", "workers": args.workers,
                                "repeat": args.repeat}
     with _local_cluster(args.workers, 1, True) as cluster, Client(cluster) as client:
@@ -305,10 +307,15 @@ def bench_shuffle(args: argparse.Namespace) -> int:
 
     sizes = [s for s in args.sizes.split(",") if s]
     with _bench_client(args) as client:
-        results = shuffle.run(client, sizes, args.repeat, npartitions=args.partitions,
+        many = tuple(int(n) for n in str(args.partitions).split(",") if n)
+        consumers = tuple(c for c in args.consumer.split(",") if c)
+        results = shuffle.run(client, sizes, args.repeat,
+                              npartitions=args.input_partitions,
                               methods=tuple(args.methods.split(",")),
-                              show_progress=show_progress(args), fresh=not args.reuse_workers)
-        print(report(results, "p2p", args.json), flush=True)
+                              show_progress=show_progress(args), fresh=not args.reuse_workers,
+                              many=many, consumers=consumers, tiny=not args.no_tiny)
+        print(report(results, "p2p", args.json, extra_columns=shuffle.columns(results)),
+              flush=True)
     return 0
 
 
@@ -327,6 +334,18 @@ def bench_rechunk(args: argparse.Namespace) -> int:
         columns = ("first_output_s", "tasks", "update_graph_s", "order_s", "first_task_s",
                    *rechunk.per_chunk_columns(results))
         print(report(results, "p2p", args.json, extra_columns=columns), flush=True)
+    return 0
+
+
+def bench_queries(args: argparse.Namespace) -> int:
+    _benchmarks()
+    from benchmarks import queries
+
+    with _bench_client(args) as client:
+        results = queries.run(client, args.scale, args.repeat,
+                              methods=tuple(args.methods.split(",")),
+                              show_progress=show_progress(args))
+        print(queries.report(results, args.json), flush=True)
     return 0
 
 
@@ -363,25 +382,39 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="worker processes of the local cluster (default: 2)")
     p_demo.set_defaults(func=demo)
     p_bench = sub.add_parser("bench",
-                             help="benchmarks: overhead, shuffle, rechunk, replicated")
-    p_bench.add_argument("what", choices=["overhead", "shuffle", "rechunk", "replicated"])
+                             help="benchmarks: overhead, shuffle, rechunk, queries, "
+                                  "replicated")
+    p_bench.add_argument("what", choices=["overhead", "shuffle", "rechunk", "queries",
+                                          "replicated"])
     p_bench.add_argument("--workers", type=int, default=2)
     p_bench.add_argument("--threads", type=int, default=1, help="threads per worker")
     p_bench.add_argument("--sizes", default="0.5GB,2GB",
                          help="frame (shuffle) or all-to-all array (rechunk) sizes")
     p_bench.add_argument("--local-size", default="0.5GB",
                          help="rechunk: size of the local (100 -> 150 rows) case; '' to skip")
-    p_bench.add_argument("--partitions", type=int, default=128)
+    p_bench.add_argument("--partitions", default="",
+                         help="shuffle: the many-partition cases, comma-separated partition "
+                              "counts of 200-row partitions (e.g. 100,1000,10000; default: "
+                              "none)")
+    p_bench.add_argument("--input-partitions", type=int, default=128,
+                         help="shuffle: partitions of the sized frames (--sizes)")
+    p_bench.add_argument("--no-tiny", action="store_true",
+                         help="shuffle: skip the tiny case")
     p_bench.add_argument("--chunks", type=int, default=0,
                          help="rechunk: also the many-chunk cases, a float32 array in about "
                               "this many 100 x 100 chunks to 125 x 80 and to 2000 x 5 chunks "
                               "(e.g. 40000; default 0: skipped)")
     p_bench.add_argument("--consumer", default="none,sum",
                          help="rechunk: what follows each rechunk, comma-separated: 'none' "
-                              "(outputs persisted), 'sum' (rechunked.sum() computed)")
+                              "(outputs persisted), 'sum' (rechunked.sum() computed); "
+                              "shuffle: 'none', 'len' (len of every partition), 'groupby' "
+                              "(a groupby-sum per partition); 'sum' is taken as 'len'")
     p_bench.add_argument("--memory-limit", default=None,
                          help="memory limit of every worker (e.g. 0.5GB; default: the "
                               "LocalCluster's share of the machine)")
+    p_bench.add_argument("--scale", type=float, default=1.0,
+                         help="queries: size of the generated tables (1: 2,000,000 "
+                              "lineitem rows in 40 partitions)")
     p_bench.add_argument("--methods", default="service,p2p,tasks")
     p_bench.add_argument("--repeat", type=int, default=3)
     p_bench.add_argument("--calls", type=int, default=1000,

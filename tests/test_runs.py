@@ -85,13 +85,18 @@ def test_cli_bench_json_on_restarted_workers(capsys, what, sizes):
 
     args = ["bench", what, "--sizes", sizes, "--repeat", "1", "--methods", "service,p2p",
             "--partitions", "8", "--local-size", "1MB", "--json"]
-    if what == "rechunk":
-        args += ["--consumer", "none,sum"]
+    args += ["--consumer", "none,sum" if what == "rechunk" else "none,len"]
     assert main(args) == 0
     rows = json.loads(capsys.readouterr().out)
     cases = {row["case"] for row in rows}
     if what == "shuffle":
-        assert len(cases) == 2  # tiny and 2MB
+        # tiny, and 8 partitions of 200 rows and 2MB, each persisted and followed by len
+        assert cases == {"tiny (10 x 1,000 rows)", "8 x 200 rows", "8 x 200 rows + len",
+                         "2MB", "2MB + len"}
+        for row in rows:
+            if row["case"].startswith("8 x"):  # the cost per partition, the scheduler's share
+                assert row["per_part_ms"] > 0 and row["cpu_s"] > 0
+                assert row["update_graph_s"] > 0
     else:  # all-to-all and local, each with its outputs persisted and followed by .sum()
         assert len(cases) == 4 and sum(case.endswith(" +sum") for case in cases) == 2
     for case in cases:
@@ -100,3 +105,23 @@ def test_cli_bench_json_on_restarted_workers(capsys, what, sizes):
         assert by_method["p2p"]["ratio_to_p2p"] == 1.0
         for row in by_method.values():
             assert row["median_s"] > 0 and row["peak_worker_memory_MB"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cli_bench_queries_checks_every_result_against_tasks(capsys):
+    from dask_services.cli import main
+
+    assert main(["bench", "queries", "--scale", "0.01", "--repeat", "1",
+                 "--methods", "service,tasks", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    queries = {row["query"] for row in rows}
+    assert queries == {"q3", "q5", "q10", "q12", "q18", "brand_volume", "total"}
+    for row in rows:
+        assert row["median_s"] > 0 and row["x_p2p"] is None
+        if row["method"] == "tasks":
+            assert row["x_tasks"] == 1.0
+    total = {row["method"]: row["median_s"] for row in rows if row["query"] == "total"}
+    by_method = {m: sum(r["median_s"] for r in rows if r["method"] == m and r["query"] != "total")
+                 for m in ("service", "tasks")}
+    assert total == pytest.approx(by_method)
