@@ -106,6 +106,27 @@ def test_large_and_small_pieces_of_one_group_are_assembled_together(groups):
         assert_same_partitions(ddf, "key", npartitions=12)
 
 
+@pytest.mark.parametrize("window_bytes", [1, 2**30])
+def test_small_frames_spanning_groups_are_assembled_in_windows(monkeypatch, window_bytes):
+    """Small inputs travel as one frame per destination that spans several groups; with a
+    tiny window such frames are cut at the window's end and their rest carried over."""
+    from dask_services.dataframe import _service
+
+    monkeypatch.setattr(_service, "WINDOW_BYTES", window_bytes)
+    rng = np.random.default_rng(11)
+    df = pd.DataFrame({"key": rng.integers(0, 10**6, 3_000), "x": rng.random(3_000),
+                       "s": pd.array(rng.integers(0, 50, 3_000).astype(str), dtype="str")})
+    ddf = dd.from_pandas(df, npartitions=30)
+    with dask.config.set({"dask_services.shuffle.groups": 8}):
+        # all outputs in one computation (a partition at a time, each run has one output)
+        ours, ref = (dask.compute(*ddf.shuffle("key", npartitions=40, shuffle_method=m)
+                                  .to_delayed(), scheduler="sync")
+                     for m in ("service", "tasks"))
+    assert len(ours) == len(ref) == 40
+    for a, b in zip(ours, ref, strict=True):
+        pd.testing.assert_frame_equal(a, b)
+
+
 def test_unknown_and_known_categories():
     pdf = pd.DataFrame({"k": list(range(20)), "c": pd.Categorical(list("abcd") * 5)})
     ddf = dd.from_pandas(pdf, npartitions=4)

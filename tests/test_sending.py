@@ -322,6 +322,31 @@ def test_assemble_group_gives_each_partition_its_rows_in_input_order(
         pd.testing.assert_frame_equal(got, expected)
 
 
+@given(rows=st.integers(1, 60), nparts=st.integers(1, 12), groups=st.integers(1, 5),
+       last=st.integers(-1, 5), seed=st.integers(0, 2**16))
+def test_cut_at_splits_received_frames_at_a_group_boundary(rows, nparts, groups, last, seed):
+    rng = np.random.default_rng(seed)
+    df = pd.DataFrame({"x": np.arange(rows), "_p": rng.integers(0, nparts, rows)})
+    destination = group_partitions({p: ServiceId("a") for p in range(nparts)}, groups)
+    received = [(7, frame, parts, bounds) for frame, parts, bounds, _ in split_by_destination(
+        df.drop(columns="_p"), df["_p"].to_numpy(), destination, nbytes=rows,
+    ).get(ServiceId("a"), [])]
+    now, later = _service.cut_at(received, last, destination)
+
+    def rows_of(items):
+        out = {}
+        for index, frame, parts, bounds in items:
+            assert index == 7 and bounds[0] == 0 and bounds[-1] == len(frame)
+            for j, p in enumerate(parts):
+                out[p] = list(frame.x.iloc[bounds[j]:bounds[j + 1]])
+        return out
+
+    got_now, got_later = rows_of(now), rows_of(later)
+    assert all(destination[p][1] <= last for p in got_now)
+    assert all(destination[p][1] > last for p in got_later)
+    assert {**got_now, **got_later} == rows_of(received)
+
+
 def test_service_graphs_are_ordered_without_a_walk_per_input_output_pair():
     """The scheduler's ``dask.order.order`` orders a service task's graph as if its outputs
     did not depend on it: every key still gets a priority, hand-offs before the service

@@ -37,6 +37,7 @@ MIN_GROUP_BYTES = 2**19  # smaller groups of one input partition are sent togeth
 
 
 ASSEMBLY_BATCH_BYTES = 4 * 2**20  # large outputs are assembled a few at a time
+WINDOW_BYTES = 32 * 2**20  # small frames of more groups are assembled together up to this
 EXACT_SIZE_ROWS = 10_000  # groups of more rows are measured with sizeof; smaller ones estimated
 
 
@@ -168,7 +169,7 @@ SMALL_PIECE_ROWS = 256
 
 
 def assemble_group(received: list[Received], window: list[int], meta: pd.DataFrame,
-                   ignore_index: bool) -> list[pd.DataFrame]:
+                   ignore_index: bool, uniform: bool | None = None) -> list[pd.DataFrame]:
     """The output partitions ``window`` (in order) from every frame received for them.
 
     Rows keep the order ``tasks`` gives them: by input partition, then as they were in it.
@@ -178,13 +179,16 @@ def assemble_group(received: list[Received], window: list[int], meta: pd.DataFra
     microseconds whatever its size, and with thousands of partitions of a few hundred rows
     every output partition is made of hundreds of one-row pieces.  Frames whose dtypes
     differ from the meta's, or with categoricals (a partition's categories are the union
-    over its own pieces), always take the first way.
+    over its own pieces), always take the first way.  ``uniform``: whether that is known
+    not to be the case (found with :func:`frame_is_uniform` otherwise).
     """
     if not received:
         return [assemble([], meta, ignore_index) for _ in window]
     pairs = sum(len(parts) for _, _, parts, _ in received)
     rows = sum(len(frame) for _, frame, _, _ in received)
-    if rows >= SMALL_PIECE_ROWS * pairs or not _uniform(received, meta):
+    if uniform is None:
+        uniform = all(frame_is_uniform(frame, meta) for _, frame, _, _ in received)
+    if rows >= SMALL_PIECE_ROWS * pairs or not uniform:
         by_partition: dict[int, list[tuple[int, pd.DataFrame]]] = {p: [] for p in window}
         for index, frame, parts, bounds in received:
             for j, p in enumerate(parts):
@@ -211,16 +215,15 @@ def assemble_group(received: list[Received], window: list[int], meta: pd.DataFra
     return out
 
 
-def _uniform(received: list[Received], meta: pd.DataFrame) -> bool:
-    """Whether every received frame has the meta's dtypes and nothing is categorical."""
+def frame_is_uniform(frame: pd.DataFrame, meta: pd.DataFrame) -> bool:
+    """Whether ``frame`` has the meta's dtypes and nothing of it is categorical (its rows
+    can then be assembled with any other such frame's, :func:`assemble_group`)."""
     if meta.ndim != 2 or isinstance(meta.index.dtype, pd.CategoricalDtype):
         return False
     expected = meta.dtypes.tolist()
     if any(isinstance(d, pd.CategoricalDtype) for d in expected):
         return False
-    index_dtype = meta.index.dtype
-    return all(frame.dtypes.tolist() == expected and frame.index.dtype == index_dtype
-               for _, frame, _, _ in received)
+    return frame.dtypes.tolist() == expected and frame.index.dtype == meta.index.dtype
 
 
 def assemble_many(pieces: list[list[tuple[int, pd.DataFrame]]], meta: pd.DataFrame,
@@ -264,6 +267,7 @@ class DataFrameShuffle(PeerExchange):
             int(dask.config.get("dask_services.shuffle.groups")),
         )
         self.routing = Routing(self.destination)
+        self.mixed_groups: set[int] = set()  # groups with frames of other dtypes than meta's
         self.open_exchange(concierge)
 
     async def add_key(self, key, data: pd.DataFrame) -> None:
@@ -295,79 +299,122 @@ class DataFrameShuffle(PeerExchange):
         A frame of large pieces (``SMALL_PIECE_ROWS`` rows or more per partition on
         average) is cut into one piece per partition, buffered under its partition, so that
         outputs are read back and assembled a few at a time.  A frame of small pieces is
-        kept whole under its group (cut at group boundaries when small groups travelled
-        together): cutting it per partition cost a pandas call per piece, thousands per
-        input when partitions are many and small; a group's small frames are assembled by
-        :func:`assemble_group`.
+        kept whole, under the group of its first partition (small groups travel together,
+        so it may hold the rows of several): cutting it into a slice per partition or per
+        group cost a pandas call per piece, thousands per input when partitions are many
+        and small.  :meth:`all_inputs_done` assembles such frames a window of groups at a
+        time.
         """
         assert self.buffer is not None
         items: list[tuple[Any, Any, int]] = []
         group_of = self.destination
         for frame, partitions, bounds, nbytes in batch:
             self.received_bytes += nbytes
-            rows = max(len(frame), 1)
             if len(frame) >= SMALL_PIECE_ROWS * len(partitions):
+                rows = max(len(frame), 1)
                 items += [(p, (index, frame.iloc[bounds[j]:bounds[j + 1]]),
                            nbytes * (bounds[j + 1] - bounds[j]) // rows)
                           for j, p in enumerate(partitions)]
                 continue
-            first = 0
-            for j in range(1, len(partitions) + 1):
-                group = group_of[partitions[first]][1]
-                if j < len(partitions) and group_of[partitions[j]][1] == group:
-                    continue
-                a, b = bounds[first], bounds[j]
-                piece = frame if (a, b) == (0, len(frame)) else frame.iloc[a:b]
-                items.append((("group", group), (index, piece, partitions[first:j],
-                                                 [x - a for x in bounds[first:j + 1]]),
-                              nbytes * (b - a) // rows))
-                first = j
+            first, last = group_of[partitions[0]][1], group_of[partitions[-1]][1]
+            if not frame_is_uniform(frame, self.meta):
+                self.mixed_groups.update(range(first, last + 1))
+            items.append((("group", first), (index, frame, partitions, bounds), nbytes))
         await self.buffer.add_batch(items)
 
     async def all_inputs_done(self) -> None:
         assert self.buffer is not None and self.stream is not None
         await self.stream.finish()
-        # the owned partitions of each group, in partition order; groups one after the
-        # other, so that what was received for a group is freed before the next is read
+        # the owned partitions of each group, in partition order
         groups: dict[int, list[int]] = {}
         for p, (sid, g) in sorted(self.destination.items()):
             if sid == self.id:
                 groups.setdefault(g, []).append(p)
         key_of = {self.partition_of[k]: k for k in self.concierge.wanted_outputs}
         trim = TrimAfter()
-        for group, partitions in sorted(groups.items()):
+        order = sorted(groups)
+        carry: list[Received] = []  # rows of frames that reach past the last window
+        i = 0
+        while i < len(order):
+            # a window: the next group, and the groups after it that the small frames
+            # received with it reach into, up to WINDOW_BYTES; groups one window after the
+            # other, so that what was received for a window is freed before the next
             held = self.buffer.memory_bytes
-            small = await self.buffer.take(("group", group))
-            large = {p: self.buffer.nbytes(p) for p in partitions}
-            if not any(large.values()):
-                frames = await self.concierge.run_in_executor(
-                    assemble_group, small, partitions, self.meta, self.ignore_index)
-                del small
-                await self._trim(trim, held)
-                for p, frame in zip(partitions, frames, strict=True):
-                    await self.concierge.produce_key(key_of[p], frame)
-                del frames
-                continue
-            # large pieces: a few outputs at a time, each from its own pieces (and the
-            # group's small frames' rows for it, if any)
-            rest = pieces_by_partition(small)
+            window = [order[i]]
+            size = self.buffer.nbytes(("group", order[i]))
+            small = carry + await self.buffer.take(("group", order[i]))
+            i += 1
+            while (i < len(order) and size < WINDOW_BYTES and small
+                   and self._last_group(small) >= order[i]):
+                window.append(order[i])
+                size += self.buffer.nbytes(("group", order[i]))
+                small += await self.buffer.take(("group", order[i]))
+                i += 1
+            small, carry = cut_at(small, window[-1], self.destination)
+            partitions = [p for g in window for p in groups[g]]
+            await self._assemble_window(window, partitions, small, key_of, trim, held)
+        assert not carry, "rows left after the last group"
+
+    def _last_group(self, received: list[Received]) -> int:
+        return max(self.destination[parts[-1]][1] for _, _, parts, _ in received)
+
+    async def _assemble_window(self, window: list[int], partitions: list[int],
+                               small: list[Received], key_of: dict[int, Key],
+                               trim: TrimAfter, held: int) -> None:
+        """Produce the outputs ``partitions`` of the groups ``window``."""
+        assert self.buffer is not None
+        large = {p: self.buffer.nbytes(p) for p in partitions}
+        if not any(large.values()):
+            uniform = not self.mixed_groups.intersection(window)
+            frames = await self.concierge.run_in_executor(
+                assemble_group, small, partitions, self.meta, self.ignore_index, uniform)
             del small
-            for batch in size_batches(partitions, large.__getitem__, ASSEMBLY_BATCH_BYTES):
-                held = self.buffer.memory_bytes
-                pieces = [await self.buffer.take(p) + rest.pop(p, []) for p in batch]
-                frames = await self.concierge.run_in_executor(
-                    assemble_many, pieces, self.meta, self.ignore_index)
-                del pieces
-                await self._trim(trim, held)
-                for p, frame in zip(batch, frames, strict=True):
-                    await self.concierge.produce_key(key_of[p], frame)
-                del frames
+            await self._trim(trim, held)
+            for p, frame in zip(partitions, frames, strict=True):
+                await self.concierge.produce_key(key_of[p], frame)
+            return
+        # large pieces: a few outputs at a time, each from its own pieces (and the small
+        # frames' rows for it, if any)
+        rest = pieces_by_partition(small)
+        del small
+        for batch in size_batches(partitions, large.__getitem__, ASSEMBLY_BATCH_BYTES):
+            held = self.buffer.memory_bytes
+            pieces = [await self.buffer.take(p) + rest.pop(p, []) for p in batch]
+            frames = await self.concierge.run_in_executor(
+                assemble_many, pieces, self.meta, self.ignore_index)
+            del pieces
+            await self._trim(trim, held)
+            for p, frame in zip(batch, frames, strict=True):
+                await self.concierge.produce_key(key_of[p], frame)
+            del frames
 
     async def _trim(self, trim: TrimAfter, held: int) -> None:
         """Give memory back to the OS once enough was freed since ``held`` was read."""
         assert self.buffer is not None
         if trim.freed_bytes(held - self.buffer.memory_bytes):
             await self.concierge.run_in_executor(release_freed_memory)
+
+
+def cut_at(received: list[Received], last_group: int,
+           destination: dict[int, tuple[ServiceId, int]],
+           ) -> tuple[list[Received], list[Received]]:
+    """``received`` split into the rows of partitions in groups up to ``last_group`` and
+    the rest (a frame that reaches past it is sliced once)."""
+    now: list[Received] = []
+    later: list[Received] = []
+    for index, frame, parts, bounds in received:
+        j = len(parts)
+        while j and destination[parts[j - 1]][1] > last_group:
+            j -= 1
+        if j == len(parts):
+            now.append((index, frame, parts, bounds))
+        elif j == 0:
+            later.append((index, frame, parts, bounds))
+        else:
+            cut = bounds[j]
+            now.append((index, frame.iloc[:cut], parts[:j], bounds[:j + 1]))
+            later.append((index, frame.iloc[cut:], parts[j:], [b - cut for b in bounds[j:]]))
+    return now, later
 
 
 def pieces_by_partition(received: list[Received]) -> dict[int, list[tuple[int, pd.DataFrame]]]:
