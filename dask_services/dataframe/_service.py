@@ -189,11 +189,8 @@ def assemble_group(received: list[Received], window: list[int], meta: pd.DataFra
     if uniform is None:
         uniform = all(frame_is_uniform(frame, meta) for _, frame, _, _ in received)
     if rows >= SMALL_PIECE_ROWS * pairs or not uniform:
-        by_partition: dict[int, list[tuple[int, pd.DataFrame]]] = {p: [] for p in window}
-        for index, frame, parts, bounds in received:
-            for j, p in enumerate(parts):
-                by_partition[p].append((index, frame.iloc[bounds[j]:bounds[j + 1]]))
-        return [assemble(by_partition[p], meta, ignore_index) for p in window]
+        by_partition = pieces_by_partition(received)
+        return [assemble(by_partition.get(p, []), meta, ignore_index) for p in window]
     received = sorted(received, key=lambda item: item[0])
     part = np.concatenate([
         np.repeat(np.asarray(parts, dtype=np.int64), np.diff(bounds))
