@@ -227,6 +227,13 @@ def cpu_seconds(client: Any) -> dict[str, float]:
     return out
 
 
+def task_kind(key: Any) -> str:
+    """The kind of a task, as the dashboard groups them (``key_split``)."""
+    from dask.utils import key_split
+
+    return key_split(key)
+
+
 def _graph_durations(dask_scheduler: Any, since: float) -> dict[str, float]:
     found: dict[str, float] = {}
     for stamp, msg in dask_scheduler.get_events("scheduler"):

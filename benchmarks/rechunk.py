@@ -45,6 +45,8 @@ from benchmarks.common import (
     progress,
     rotated,
     settle,
+    task_kind,
+    update_graph_durations,
 )
 
 CHUNKS_PER_SIDE = 64  # all-to-all: row chunks (and column chunks) per array
@@ -79,27 +81,6 @@ def graph_size(array: Any) -> int:
     return len(dict(array.__dask_graph__()))
 
 
-def _update_graph_metrics(dask_scheduler: Any, since: float) -> dict[str, float]:
-    """Durations of the scheduler's last ``update-graph`` that started after ``since``."""
-    found: dict[str, float] = {}
-    for stamp, msg in dask_scheduler.get_events("scheduler"):
-        if (stamp >= since and isinstance(msg, dict)
-                and msg.get("action") == "update-graph" and "metrics" in msg):
-            m = msg["metrics"]
-            found = {
-                "update_graph_s": float(m.get("duration_seconds", 0.0)),
-                # distributed 2026.8.0 logs it with the sign reversed
-                "order_s": abs(float(m.get("ordering_duration_seconds", 0.0))),
-            }
-    return found
-
-
-def _kind(key: Any) -> str:
-    from dask.utils import key_split
-
-    return key_split(key)
-
-
 def _task_costs(stream: list[dict], start: float, chunks: int) -> dict[str, float]:
     """First task start after ``start``, and summed compute seconds per input chunk of
     each kind of task."""
@@ -108,7 +89,7 @@ def _task_costs(stream: list[dict], start: float, chunks: int) -> dict[str, floa
     for record in stream:
         for part in record.get("startstops", ()):
             if part.get("action") == "compute":
-                per_kind[_kind(record["key"])] += part["stop"] - part["start"]
+                per_kind[task_kind(record["key"])] += part["stop"] - part["start"]
                 first = min(first, part["start"])
     out = {"first_task_s": first - start if first < math.inf else math.nan}
     for kind, seconds in per_kind.items():
@@ -166,7 +147,7 @@ def run_case(client: Any, label: str, shape: tuple, old: tuple, new: tuple,
                 if first:
                     m.extra.setdefault("first_output_s", []).extend(first)
                 m.extra.setdefault("tasks", []).append(tasks)
-                sched = client.run_on_scheduler(_update_graph_metrics, since=wall)
+                sched = update_graph_durations(client, wall)
                 costs = _task_costs(stream.data, wall, chunks)
                 for name, value in (*sched.items(), *costs.items()):
                     m.extra.setdefault(name, []).append(value)

@@ -38,6 +38,7 @@ from benchmarks.common import (
     progress,
     rotated,
     settle,
+    task_kind,
     timed,
     update_graph_durations,
 )
@@ -80,19 +81,13 @@ def consumed(shuffled: Any, consumer: str) -> Any:
     return shuffled.optimize()
 
 
-def _kind(key: Any) -> str:
-    from dask.utils import key_split
-
-    return key_split(key)
-
-
 def task_seconds(stream: list[dict]) -> dict[str, float]:
     """Summed compute seconds of each kind of task in a task stream."""
     out: dict[str, float] = {}
     for record in stream:
         for part in record.get("startstops", ()):
             if part.get("action") == "compute":
-                kind = _kind(record["key"])
+                kind = task_kind(record["key"])
                 out[kind] = out.get(kind, 0.0) + part["stop"] - part["start"]
     return out
 
