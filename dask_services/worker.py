@@ -15,7 +15,9 @@ import shutil
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import dask.config
 from dask.typing import Key
+from dask.utils import parse_bytes
 from distributed.core import Status
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol.serialize import to_serialize
@@ -26,6 +28,7 @@ from dask_services._counters import CounterReports, Traffic, instance_counters
 from dask_services._host import Environment, InstanceSpec, ServiceHost, make_directory
 from dask_services._messages import dumps_exception, loads_exception, unwrap
 from dask_services._payload import pack, unpack
+from dask_services._pending_inputs import PendingInputs
 from dask_services._streams import flush
 from dask_services._worker_context import as_worker, in_current_context
 from dask_services.service import OutputLostError, PeerCallError, ServiceId, StaleRunError
@@ -163,6 +166,8 @@ class ServiceWorkerPlugin(WorkerPlugin):
         self.produced: dict[Key, Any] = {}
         self.outcomes: dict[Key, asyncio.Future] = {}
         self._background: set[asyncio.Task] = set()
+        self.pending_inputs = PendingInputs(parse_bytes(
+            dask.config.get("dask_services.hand-off-buffer")))
         self.counter_reports = CounterReports()
         for op in _STREAM_OPS:
             worker.stream_handlers[op] = self._guarded(getattr(self, "_" + op.replace("-", "_")))
@@ -307,6 +312,16 @@ class ServiceWorkerPlugin(WorkerPlugin):
             self._report_handed_off(inst.spec, key)
         return ok
 
+    async def _add_input(self, spec: InstanceSpec, key: Key, value: Any,
+                         still_wanted: Callable[[], bool], admitted: int | None = None
+                         ) -> None:
+        try:
+            if await self.host.add_key(spec.id, key, value, still_wanted):
+                self._report_handed_off(spec, key)
+        finally:
+            if admitted is not None:
+                self.pending_inputs.release(admitted)
+
     def _report_handed_off(self, spec: InstanceSpec, key: Key) -> None:
         self.worker.batched_stream.send({"op": "service-handed-off",
                                          "service_key": spec.service_key,
@@ -327,8 +342,21 @@ class ServiceWorkerPlugin(WorkerPlugin):
             return None
         inst = self.host.current.get(service_key)
         if inst is not None and not inst.stopping:
-            if await self.host.add_key(inst.spec.id, input_key, value, still_wanted):
-                self._report_handed_off(inst.spec, input_key)
+            ts = self.worker.state.tasks.get(input_key)
+            nbytes = ts.nbytes if ts is not None and ts.nbytes is not None else 0
+            if self.pending_inputs.admit(nbytes):
+                # Returned at once: the worker runs its next task while the instance takes
+                # the input (the scheduler's barrier waits for the report, not for this
+                # task).  The bytes waiting so are bounded (``hand-off-buffer``).
+                def not_released() -> bool:
+                    ts = self.worker.state.tasks.get(handoff_key)
+                    return ts is not None and ts.state in (
+                        "executing", "long-running", "resumed", "memory")
+
+                self._spawn(self._add_input(inst.spec, input_key, value, not_released,
+                                            nbytes))
+                return inst.spec.run_id
+            await self._add_input(inst.spec, input_key, value, still_wanted)
             return inst.spec.run_id
         # This worker takes no part in the current run: push the input to a participant.
         info = await self.worker.scheduler.service_run_info(service_key=service_key)

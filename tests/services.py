@@ -200,3 +200,23 @@ class Hog(Service):
         for out in self.concierge.wanted_outputs:
             if self.concierge.owner(out) == self.id:
                 await self.concierge.produce_key(out, "evicted")
+
+
+class GatedTaker(AllReduce):
+    """An all-reduce whose ``add_key`` waits for ``GatedTaker.gate`` (in-process workers
+    only) before taking its input; ``entered`` counts the ``add_key`` calls that began."""
+
+    gate: asyncio.Event | None = None
+    entered: int = 0
+
+    async def add_key(self, key, data) -> None:
+        type(self).entered += 1
+        if type(self).gate is None:
+            type(self).gate = asyncio.Event()
+        await type(self).gate.wait()
+        await super().add_key(key, data)
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.gate = None
+        cls.entered = 0

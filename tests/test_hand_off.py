@@ -1,0 +1,80 @@
+"""Hand-off tasks that return while their input is still being taken (``hand-off-buffer``)."""
+
+from __future__ import annotations
+
+import dask
+import numpy as np
+import pytest
+from distributed import wait
+from distributed.utils_test import async_poll_for
+from services import GatedTaker
+from utils import assert_nothing_left, service_cluster
+
+import dask_services
+from dask_services._pending_inputs import PendingInputs
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def block(i: int) -> np.ndarray:
+    return np.full(1000, i, dtype="f8")  # 8 kB
+
+
+def handoff_states(s) -> list[str]:
+    return [ts.state for k, ts in s.tasks.items() if "handoff" in str(k)]
+
+
+def test_pending_inputs_admits_up_to_its_limit():
+    pending = PendingInputs(100)
+    assert pending.admit(60)
+    assert not pending.admit(41)  # would pass the limit
+    assert pending.admit(40)
+    pending.release(60)
+    assert (pending.bytes, pending.count) == (40, 1)
+    assert not PendingInputs(0).admit(1)
+    assert PendingInputs(0).admit(0)  # an input whose size the worker does not know
+
+
+@pytest.fixture
+def gated():
+    GatedTaker.reset()
+    yield GatedTaker
+    GatedTaker.reset()
+
+
+@service_cluster()
+async def test_hand_offs_finish_before_their_inputs_are_taken(c, s, a, b, gated):
+    futs = c.map(block, range(10))
+    await wait(futs)
+    outs = dask_services.submit(gated, futs, outputs=2, client=c)
+    # every hand-off finishes while every add_key still waits for the gate ...
+    await async_poll_for(lambda: handoff_states(s) and all(
+        st == "memory" for st in handoff_states(s)), timeout=30)
+    await async_poll_for(lambda: gated.entered == 10, timeout=30)
+    assert not any(o.done() for o in outs)  # ... and the barrier waits for the inputs
+    assert sum(w.extensions["dask_services"].pending_inputs.count for w in (a, b)) == 10
+    gated.gate.set()
+    expected = np.sum([block(i) for i in range(10)], axis=0)
+    for got in await c.gather(outs):
+        np.testing.assert_array_equal(got, expected)
+    del outs, futs
+    await assert_nothing_left(s, [a, b])
+
+
+@pytest.mark.parametrize("limit", ["0", "4 kiB"])  # none, or less than one 8 kB input
+@service_cluster()
+async def test_hand_offs_wait_past_the_buffer(c, s, a, b, gated, limit):
+    with dask.config.set({"dask_services.hand-off-buffer": limit}):
+        for w in (a, b):
+            w.extensions["dask_services"].pending_inputs.limit = dask.utils.parse_bytes(limit)
+        futs = c.map(block, range(4))
+        await wait(futs)
+        outs = dask_services.submit(gated, futs, outputs=1, client=c)
+        await async_poll_for(lambda: gated.entered >= 1, timeout=30)
+        # an add_key is under way: its hand-off cannot have finished
+        assert "memory" not in handoff_states(s)
+        gated.gate.set()
+        expected = np.sum([block(i) for i in range(4)], axis=0)
+        np.testing.assert_array_equal(await c.gather(outs[0]), expected)
+    del outs, futs
+    await assert_nothing_left(s, [a, b])
