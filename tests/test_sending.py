@@ -292,18 +292,20 @@ def test_assemble_many_assembles_each_output_in_input_partition_order():
 
 
 @given(inputs=st.integers(1, 6), rows=st.integers(0, 40), nparts=st.integers(1, 9),
-       seed=st.integers(0, 2**16), small=st.booleans(), ignore_index=st.booleans())
+       seed=st.integers(0, 2**16), small=st.booleans(), ignore_index=st.booleans(),
+       groups=st.integers(1, 4), last=st.integers(-1, 4))
 @settings(deadline=None)
 def test_assemble_group_gives_each_partition_its_rows_in_input_order(
-        inputs, rows, nparts, seed, small, ignore_index):
+        inputs, rows, nparts, seed, small, ignore_index, groups, last):
     """Both ways of assembling (one concatenation per output, or one concatenation and sort
-    for the window) give what a concatenation of each partition's pieces gives."""
+    for the window) give what a concatenation of each partition's pieces gives, also for
+    frames cut at a window's edge (``cut_at``: the groups up to ``last``, then the rest)."""
     rng = np.random.default_rng(seed)
     frames = [pd.DataFrame({"x": rng.integers(0, 100, rows), "s": pd.array(
         rng.integers(0, 9, rows).astype(str), dtype="str"), "_p": rng.integers(0, nparts, rows)},
         index=rng.integers(0, 1000, rows)) for _ in range(inputs)]
     owner = {p: ServiceId("a") for p in range(nparts)}
-    destination = group_partitions(owner, 1)
+    destination = group_partitions(owner, groups)
     received = []
     for i in rng.permutation(inputs).tolist():  # arrival order is not input order
         df = frames[i]
@@ -311,15 +313,19 @@ def test_assemble_group_gives_each_partition_its_rows_in_input_order(
                                              destination, nbytes=rows * 16).items():
             received += [(i, frame, parts, bounds) for frame, parts, bounds, _ in batch]
     meta = frames[0].drop(columns="_p").iloc[:0]
-    window = list(range(nparts))
-    with mock.patch.object(_service, "SMALL_PIECE_ROWS", 10**9 if small else 0):
-        out = _service.assemble_group(received, window, meta, ignore_index)
-    for p, got in zip(window, out, strict=True):
-        pieces = [f[f._p == p].drop(columns="_p") for f in frames]
-        expected = pd.concat([f for f in pieces if len(f)]) if any(map(len, pieces)) else meta
-        if ignore_index:
-            expected = expected.reset_index(drop=True)
-        pd.testing.assert_frame_equal(got, expected)
+    now, later = _service.cut_at(received, last, destination)
+    windows = [([p for p in range(nparts) if destination[p][1] <= last], now),
+               ([p for p in range(nparts) if destination[p][1] > last], later)]
+    for window, items in windows:
+        with mock.patch.object(_service, "SMALL_PIECE_ROWS", 10**9 if small else 0):
+            out = _service.assemble_group(items, window, meta, ignore_index)
+        for p, got in zip(window, out, strict=True):
+            pieces = [f[f._p == p].drop(columns="_p") for f in frames]
+            expected = (pd.concat([f for f in pieces if len(f)]) if any(map(len, pieces))
+                        else meta)
+            if ignore_index:
+                expected = expected.reset_index(drop=True)
+            pd.testing.assert_frame_equal(got, expected)
 
 
 @given(rows=st.integers(1, 60), nparts=st.integers(1, 12), groups=st.integers(1, 5),
@@ -336,12 +342,15 @@ def test_cut_at_splits_received_frames_at_a_group_boundary(rows, nparts, groups,
     def rows_of(items):
         out = {}
         for index, frame, parts, bounds in items:
-            assert index == 7 and bounds[0] == 0 and bounds[-1] == len(frame)
+            assert index == 7 and len(bounds) == len(parts) + 1
             for j, p in enumerate(parts):
                 out[p] = list(frame.x.iloc[bounds[j]:bounds[j + 1]])
         return out
 
     got_now, got_later = rows_of(now), rows_of(later)
+    # frames are shared, not sliced: a slice per frame and window is what cut_at avoids
+    frames = {id(frame) for _, frame, _, _ in received}
+    assert {id(frame) for _, frame, _, _ in now + later} <= frames
     assert all(destination[p][1] <= last for p in got_now)
     assert all(destination[p][1] > last for p in got_later)
     assert {**got_now, **got_later} == rows_of(received)

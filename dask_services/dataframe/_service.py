@@ -16,6 +16,7 @@ order, as ``tasks`` gives them."""
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -160,7 +161,8 @@ def size_batches(items: list[Any], size: Callable[[Any], int], limit: int) -> li
 
 
 # A received frame as buffered: (input index, frame, partitions, bounds); partition
-# ``partitions[j]`` is ``frame.iloc[bounds[j]:bounds[j + 1]]``
+# ``partitions[j]`` is ``frame.iloc[bounds[j]:bounds[j + 1]]`` (rows before ``bounds[0]`` or
+# from ``bounds[-1]`` on belong to other windows, :func:`cut_at`)
 Received = tuple[int, pd.DataFrame, list[int], list[int]]
 # below this many rows per (received frame, output partition) on average, one concatenation
 # and one sort for all the partitions assembled together beat one concatenation of pieces
@@ -185,7 +187,7 @@ def assemble_group(received: list[Received], window: list[int], meta: pd.DataFra
     if not received:
         return [assemble([], meta, ignore_index) for _ in window]
     pairs = sum(len(parts) for _, _, parts, _ in received)
-    rows = sum(len(frame) for _, frame, _, _ in received)
+    rows = sum(bounds[-1] - bounds[0] for _, _, _, bounds in received)
     if uniform is None:
         uniform = all(frame_is_uniform(frame, meta) for _, frame, _, _ in received)
     if rows >= SMALL_PIECE_ROWS * pairs or not uniform:
@@ -198,7 +200,15 @@ def assemble_group(received: list[Received], window: list[int], meta: pd.DataFra
     ])
     order = np.argsort(part, kind="stable")  # frames are in input order: rows keep it
     part = part[order]
-    frame = pd.concat([f for _, f, _, _ in received]).take(order)
+    frame = pd.concat([f for _, f, _, _ in received])
+    if any(bounds[0] or bounds[-1] != len(f) for _, f, _, bounds in received):
+        # frames cut at a window's edge (:func:`cut_at`): only their rows in bounds
+        starts = np.cumsum([0] + [len(f) for _, f, _, _ in received[:-1]]).tolist()
+        rows_in = np.concatenate([
+            np.arange(start + bounds[0], start + bounds[-1])
+            for start, (_, _, _, bounds) in zip(starts, received, strict=True)])
+        order = rows_in[order]
+    frame = frame.take(order)
     cuts = np.searchsorted(part, np.asarray(window, dtype=np.int64), side="left").tolist()
     cuts.append(len(part))
     out = []
@@ -396,21 +406,22 @@ def cut_at(received: list[Received], last_group: int,
            destination: dict[int, tuple[ServiceId, int]],
            ) -> tuple[list[Received], list[Received]]:
     """``received`` split into the rows of partitions in groups up to ``last_group`` and
-    the rest (a frame that reaches past it is sliced once)."""
+    the rest.  A frame that reaches past ``last_group`` is not sliced: both sides keep the
+    whole frame, each with its own partitions and bounds (its rows are taken out when a
+    window is assembled, :func:`assemble_group`), since a pandas slice costs tens of
+    microseconds and a window may be reached by every frame received."""
     now: list[Received] = []
     later: list[Received] = []
     for index, frame, parts, bounds in received:
-        j = len(parts)
-        while j and destination[parts[j - 1]][1] > last_group:
-            j -= 1
+        # partitions are in order, and so are their groups
+        j = bisect.bisect_right(parts, last_group, key=lambda p: destination[p][1])
         if j == len(parts):
             now.append((index, frame, parts, bounds))
         elif j == 0:
             later.append((index, frame, parts, bounds))
         else:
-            cut = bounds[j]
-            now.append((index, frame.iloc[:cut], parts[:j], bounds[:j + 1]))
-            later.append((index, frame.iloc[cut:], parts[j:], [b - cut for b in bounds[j:]]))
+            now.append((index, frame, parts[:j], bounds[:j + 1]))
+            later.append((index, frame, parts[j:], bounds[j:]))
     return now, later
 
 
