@@ -22,6 +22,7 @@ import dask.config
 from dask.typing import Key
 
 from dask_services._counters import Traffic, size_of
+from dask_services._payload import arguments_nbytes
 from dask_services.service import (
     Concierge,
     ProduceKeyError,
@@ -380,7 +381,7 @@ class ServiceHost:
         if address == self.env.address:
             # Loopback: no serialization, same ordering guarantees; bytes counted by sizeof.
             async def arguments() -> tuple[tuple, dict]:
-                self._count(source, self.instances.get(target), size_of((args, kwargs)))
+                self._count(source, self.instances.get(target), known_or_size_of(args, kwargs))
                 return args, kwargs
 
             result = await self.deliver(target, source.spec.id, run_id, seq, method,
@@ -491,3 +492,9 @@ def make_directory(base: str | None) -> str:
     path = os.path.join(base, "dask-services")
     os.makedirs(path, exist_ok=True)
     return path
+
+
+def known_or_size_of(args: tuple, kwargs: dict) -> int:
+    """The bytes of a peer call's arguments: as its caller said, else measured."""
+    known = arguments_nbytes(args, kwargs)
+    return size_of((args, kwargs)) if known is None else known

@@ -14,6 +14,9 @@ Frames are passed through as they are, so numpy, pandas and arrow buffers are no
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
 from dask.sizeof import sizeof
@@ -29,6 +32,25 @@ from distributed.utils import offload
 from dask_services.service import PeerCallError
 
 _SERIALIZERS = ("dask", "pickle")
+
+# The bytes of the arguments of the peer calls made in this context, when the caller knows
+# them (``arguments_of_size``): measuring them again with ``sizeof`` costs a call per piece.
+_arguments_nbytes: ContextVar[int | None] = ContextVar("arguments_nbytes", default=None)
+
+
+@contextlib.contextmanager
+def arguments_of_size(nbytes: int) -> Iterator[None]:
+    """Peer calls made inside carry arguments of about ``nbytes`` bytes."""
+    token = _arguments_nbytes.set(nbytes)
+    try:
+        yield
+    finally:
+        _arguments_nbytes.reset(token)
+
+
+def arguments_nbytes(args: tuple, kwargs: dict) -> int | None:
+    """The bytes of a peer call's arguments as its caller said them, or None."""
+    return _arguments_nbytes.get()
 
 
 class Packed:
@@ -74,11 +96,12 @@ def _large(nbytes: int) -> bool:
     return bool(OFFLOAD_THRESHOLD) and nbytes > OFFLOAD_THRESHOLD
 
 
-async def pack(value: Any, what: str) -> Packed:
-    """Serialize ``value`` (in a thread when it is large, as distributed's comms do);
-    :class:`PeerCallError` naming ``what`` if it cannot be."""
+async def pack(value: Any, what: str, nbytes: int | None = None) -> Packed:
+    """Serialize ``value`` (in a thread when it is large, as distributed's comms do; its
+    size is ``nbytes`` if given, else measured); :class:`PeerCallError` naming ``what`` if
+    it cannot be."""
     try:
-        if _large(sizeof(value)):
+        if _large(sizeof(value) if nbytes is None else nbytes):
             return await offload(_serialize, value)
         return _serialize(value)
     except Exception as exc:

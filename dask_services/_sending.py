@@ -16,17 +16,21 @@ bytes: a message goes at once when nothing sent this way to that peer is in flig
 otherwise it waits, and everything that waited goes as one call when that send has been
 delivered (or once it adds up to ``coalesce_bytes``).  A peer call costs about a
 millisecond of CPU on each side whatever it carries, so with thousands of small pieces
-the calls, not the bytes, were the cost; and no message waits longer than one delivery.
+the calls, not the bytes, were the cost.  A message that finds nothing in flight lingers
+``linger`` seconds first (as ``linger.ms`` does in Kafka's producers), so that the next few
+go with it: a worker hands off a small partition every few milliseconds, and a round trip
+to a peer is shorter than that, so without it nearly every message went alone.  No
+message waits longer than the linger plus one delivery, and ``finish()`` sends at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from dask_services._memory import TrimAfter, release_freed_memory
+from dask_services._payload import arguments_of_size
 
 if TYPE_CHECKING:
     from dask_services.service import Service, ServiceId
@@ -102,10 +106,12 @@ class PeerStream:
     """
 
     def __init__(self, service: Service, limit: int, trim: bool = True,
-                 coalesce_bytes: int = 2**20) -> None:
+                 coalesce_bytes: int = 2**20, linger: float = 0.05) -> None:
         self.service = service
         self.trim = trim
         self.coalesce_bytes = coalesce_bytes
+        self.linger = linger
+        self._lingering: dict[ServiceId, asyncio.TimerHandle] = {}
         self.window = SendWindow(limit)
         # send_batched: per peer, the items waiting and their bytes, the method that takes
         # them, and how many of its batches are in flight
@@ -131,7 +137,12 @@ class PeerStream:
     async def send(self, sid: ServiceId, nbytes: int, method: str, *args: Any) -> None:
         """Call ``method(*args)`` on peer ``sid`` in the background, within the window."""
         call = getattr(self.service.peers[sid], method)
-        await self.window.send(nbytes, functools.partial(call, *args))
+
+        async def deliver() -> None:
+            with arguments_of_size(nbytes):
+                await call(*args)
+
+        await self.window.send(nbytes, deliver)
 
     async def send_batched(self, sid: ServiceId, nbytes: int, method: str, item: Any) -> None:
         """Deliver ``item`` to peer ``sid``'s ``method``, which takes a list of items: at
@@ -140,10 +151,29 @@ class PeerStream:
         self._queued.setdefault(sid, []).append(item)
         self._queued_bytes[sid] = self._queued_bytes.get(sid, 0) + nbytes
         self._batch_method[sid] = method
-        if not self._busy.get(sid) or self._queued_bytes[sid] >= self.coalesce_bytes:
+        if self._queued_bytes[sid] >= self.coalesce_bytes:
             await self._send_queued(sid)
+        elif not self._busy.get(sid) and sid not in self._lingering:
+            if self.linger <= 0:
+                await self._send_queued(sid)
+            else:
+                self._lingering[sid] = asyncio.get_running_loop().call_later(
+                    self.linger, self._linger_over, sid)
+
+    def _linger_over(self, sid: ServiceId) -> None:
+        del self._lingering[sid]
+        if not self._busy.get(sid):  # else the end of that delivery sends the queue
+            self._drain(sid)
+
+    def _drain(self, sid: ServiceId) -> None:
+        drain = asyncio.create_task(self._send_queued(sid))
+        self._drains.add(drain)
+        drain.add_done_callback(self._drained)
 
     async def _send_queued(self, sid: ServiceId) -> None:
+        timer = self._lingering.pop(sid, None)
+        if timer is not None:
+            timer.cancel()
         items = self._queued.pop(sid, None)
         nbytes = self._queued_bytes.pop(sid, 0)
         if not items:
@@ -153,14 +183,12 @@ class PeerStream:
 
         async def deliver() -> None:
             try:
-                await call(items)
+                with arguments_of_size(nbytes):
+                    await call(items)
             finally:
                 self._busy[sid] -= 1
                 if not self._busy[sid] and sid in self._queued:
-                    # what waited for this delivery goes now
-                    drain = asyncio.create_task(self._send_queued(sid))
-                    self._drains.add(drain)
-                    drain.add_done_callback(self._drained)
+                    self._drain(sid)  # what waited for this delivery goes now
 
         try:
             await self.window.send(nbytes, deliver)
@@ -213,6 +241,9 @@ class PeerStream:
         await self.all_received.wait()
 
     def cancel(self) -> None:
+        for timer in self._lingering.values():
+            timer.cancel()
+        self._lingering.clear()
         self._queued.clear()
         self._queued_bytes.clear()
         for drain in self._drains:

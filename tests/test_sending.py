@@ -145,9 +145,10 @@ class TwoInstances:
         self.peers = {self.id: None, ServiceId("other"): self.peer}
 
 
-def batched_stream(fail: bool = False, coalesce_bytes: int = 2**20):
+def batched_stream(fail: bool = False, coalesce_bytes: int = 2**20, linger: float = 0):
     service = TwoInstances(fail)
-    stream = PeerStream(service, limit=10**9, trim=False, coalesce_bytes=coalesce_bytes)
+    stream = PeerStream(service, limit=10**9, trim=False, coalesce_bytes=coalesce_bytes,
+                        linger=linger)
     stream.sender_done(ServiceId("other"))  # the other side has nothing for us
     return stream, service.peer
 
@@ -174,6 +175,46 @@ def test_batched_sends_go_at_once_and_wait_only_while_one_is_in_flight():
         await finishing  # delivers what waited, then the barrier
         assert [x for call in peer.calls for x in call] == list("abcde")
         assert stream.in_flight == 0
+
+    asyncio.run(main())
+
+
+def test_a_batched_send_lingers_so_that_the_next_ones_go_with_it():
+    async def main():
+        stream, peer = batched_stream(linger=0.01)
+        other = ServiceId("other")
+        for item in "abc":  # nothing in flight, but "a" lingers: "b" and "c" join it
+            await stream.send_batched(other, 10, "take", item)
+        assert peer.calls == []
+        await until(lambda: len(peer.calls) == 1)
+        assert peer.calls == [["a", "b", "c"]]
+        peer.open_all()
+        await stream.finish()
+        assert stream.in_flight == 0
+
+    asyncio.run(main())
+
+
+def test_finish_sends_lingering_messages_at_once():
+    async def main():
+        stream, peer = batched_stream(linger=3600)  # the timer would never fire in time
+        other = ServiceId("other")
+        await stream.send_batched(other, 10, "take", "a")
+        finishing = asyncio.create_task(stream.finish())
+        await until(lambda: len(peer.calls) == 1)
+        peer.open_all()
+        await asyncio.wait_for(finishing, 5)
+        assert peer.calls == [["a"]] and not stream._lingering
+
+    asyncio.run(main())
+
+
+def test_cancel_drops_lingering_messages():
+    async def main():
+        stream, peer = batched_stream(linger=3600)
+        await stream.send_batched(ServiceId("other"), 10, "take", "a")
+        stream.cancel()
+        assert not stream._lingering and stream.in_flight == 0 and peer.calls == []
 
     asyncio.run(main())
 
@@ -385,3 +426,15 @@ def service_graph_for_order(n: int) -> dict:
     xs = [dask.delayed(i, name=f"x-{i}") for i in range(n)]
     outs = service_task(AllReduce, xs, outputs=n)
     return dict(dask.base.collections_to_expr(outs).__dask_graph__())
+
+
+def test_peer_call_arguments_are_measured_unless_their_caller_knows_their_size():
+    from dask_services._host import known_or_size_of
+    from dask_services._payload import arguments_of_size
+
+    frame = pd.DataFrame({"x": np.arange(1000)})
+    measured = known_or_size_of((frame,), {})
+    assert measured >= 8000
+    with arguments_of_size(123):  # what PeerStream does around each delivery
+        assert known_or_size_of((frame,), {}) == 123
+    assert known_or_size_of((frame,), {}) == measured

@@ -39,6 +39,9 @@ MIN_GROUP_BYTES = 2**19  # smaller groups of one input partition are sent togeth
 
 ASSEMBLY_BATCH_BYTES = 4 * 2**20  # large outputs are assembled a few at a time
 WINDOW_BYTES = 32 * 2**20  # small frames of more groups are assembled together up to this
+# smaller inputs are split on the event loop: a hop to a worker thread and back costs about
+# as much as splitting them (distributed deserializes messages up to 10 MiB there too)
+INLINE_SPLIT_BYTES = 2**18
 EXACT_SIZE_ROWS = 10_000  # groups of more rows are measured with sizeof; smaller ones estimated
 
 
@@ -280,10 +283,13 @@ class DataFrameShuffle(PeerExchange):
     async def add_key(self, key, data: pd.DataFrame) -> None:
         assert self.stream is not None
         index = self.input_index[key]
-        batches = await self.concierge.run_in_executor(
-            split_input, data, self.assign, self.column, self.destination, sizeof(data),
-            self.routing,
-        )
+        nbytes = sizeof(data)
+        args = (data, self.assign, self.column, self.destination, nbytes, self.routing)
+        if nbytes < INLINE_SPLIT_BYTES:
+            batches = split_input(*args)  # less than handing it to a thread costs
+        else:
+            batches = await self.concierge.run_in_executor(split_input, *args)
+        del args
         del data
         for sid, batch in batches.items():
             if sid == self.id:
