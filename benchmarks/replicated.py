@@ -40,10 +40,27 @@ class Echo(dask_services.Service):
     def echo_sync(self, x: Any) -> Any:
         return x
 
+    def __init__(self) -> None:
+        self.spent: list[float] = []  # seconds each `work` call took inside the endpoint
+
     @dask_services.endpoint
     async def work(self, x: Any) -> Any:
+        start = time.perf_counter()
         await asyncio.sleep(SERVICE_TIME)
+        self.spent.append(time.perf_counter() - start)
         return x
+
+    @dask_services.endpoint
+    def work_sync(self, x: Any) -> Any:
+        start = time.perf_counter()
+        time.sleep(SERVICE_TIME)
+        self.spent.append(time.perf_counter() - start)
+        return x
+
+    @dask_services.endpoint
+    def take_spent(self) -> list[float]:
+        spent, self.spent = self.spent, []
+        return spent
 
 
 def _vectorized(xs: list[float]) -> list[float]:
@@ -122,8 +139,14 @@ def latency(client: Any, calls: int, show_progress: bool = True) -> dict[str, di
     return {name: _quantiles(t) for name, t in times.items()}
 
 
-def throughput(client: Any, replicas: int, calls: int, window: int = 64) -> dict[str, float]:
-    """Calls per second with ``replicas`` replicas and ``window`` calls in flight."""
+def throughput(client: Any, replicas: int, calls: int, window: int = 64,
+               method: str = "work") -> dict[str, float]:
+    """Calls per second with ``replicas`` replicas and ``window`` calls in flight.
+
+    Besides the ideal (``replicas / SERVICE_TIME``), the time the endpoint itself took
+    (measured inside it) gives the ideal for that time: ``await asyncio.sleep(0.005)`` on a
+    worker's event loop takes longer than 5 ms (the loop wakes in whole milliseconds), which
+    no framework can give back.  What is left per call is the framework's overhead."""
     svc = Echo.options(replicas=replicas, max_concurrency=1, max_queued=10_000).as_service(
         client=client)
 
@@ -136,24 +159,31 @@ def throughput(client: Any, replicas: int, calls: int, window: int = 64) -> dict
                                                    return_when=asyncio.FIRST_COMPLETED)
                 for d in done:
                     d.result()
-            pending.add(asyncio.ensure_future(svc._call("work", (i,), {})))
+            pending.add(asyncio.ensure_future(svc._call(method, (i,), {})))
         for d in await asyncio.gather(*pending):
             assert d is not None
         return time.perf_counter() - start
 
     try:
         client.sync(run, min(200, calls))  # warm-up
+        svc.take_spent.fanout().result()
         workers_cpu = client.run(time.process_time)
         cpu = time.process_time()
         seconds = client.sync(run, calls)
         cpu = time.process_time() - cpu
         workers_cpu = sum(t - workers_cpu[w] for w, t in client.run(time.process_time).items())
+        spent = [t for per_replica in svc.take_spent.fanout().result() for t in per_replica]
     finally:
         svc.shutdown()
+    endpoint_s = statistics.mean(spent)
+    per_call_s = replicas * seconds / calls  # what one call occupies its replica
     # CPU per call does not depend on how busy the machine is, unlike calls per second
-    return {"replicas": replicas, "calls": calls, "seconds": seconds,
+    return {"replicas": replicas, "calls": calls, "seconds": seconds, "method": method,
             "calls_per_s": calls / seconds,
             "ideal_calls_per_s": replicas / SERVICE_TIME,
+            "endpoint_ms": endpoint_s * 1e3,
+            "ideal_for_endpoint_calls_per_s": replicas / endpoint_s,
+            "overhead_ms_per_call": (per_call_s - endpoint_s) * 1e3,
             "client_cpu_ms_per_call": cpu / calls * 1e3,
             "workers_cpu_ms_per_call": workers_cpu / calls * 1e3}
 
@@ -197,9 +227,10 @@ def run(client: Any, calls: int = 1000, replicas: tuple[int, ...] = (1, 2, 4),
     result["route_p50_over_actor_p50"] = result["latency"]["route"]["p50_ms"] / actor
     result["route_sync_p50_over_actor_p50"] = result["latency"]["route_sync"]["p50_ms"] / actor
     result["throughput"] = []
-    for i, n in enumerate(replicas, 1):
-        result["throughput"].append(throughput(client, n, max(calls, 400)))
-        progress(i, len(replicas), "throughput", show_progress)
+    runs = [(n, "work") for n in replicas] + [(max(replicas), "work_sync")]
+    for i, (n, method) in enumerate(runs, 1):
+        result["throughput"].append(throughput(client, n, max(calls, 400), method=method))
+        progress(i, len(runs), "throughput", show_progress)
     result["batching"] = batching(client, max(calls, 2000))
     result["load_average"] = os.getloadavg()
     return result
@@ -218,12 +249,19 @@ def report(result: dict[str, Any]) -> str:
         q = lat[name]
         lines.append(f"{label} | {q['p50_ms']:.3f} | {q['p99_ms']:.3f} | "
                      f"{q['p50_ms'] / actor:.2f}")
-    lines += ["", f"replicas | calls/s (endpoint takes {SERVICE_TIME * 1e3:.0f} ms, "
-                  "max_concurrency=1) | ideal calls/s | client CPU ms/call | "
-                  "workers' CPU ms/call", "--- | --- | --- | --- | ---"]
+    lines += ["", f"replicas | endpoint ({SERVICE_TIME * 1e3:.0f} ms, max_concurrency=1) | "
+                  "calls/s | ideal calls/s | x ideal | endpoint's own ms | ideal for that | "
+                  "x that | overhead ms/call | client CPU ms/call | workers' CPU ms/call",
+              "--- | --- | --- | --- | --- | --- | --- | --- | --- | --- | ---"]
+    kinds = {"work": "async (asyncio.sleep)", "work_sync": "sync (time.sleep, thread)"}
     for row in result["throughput"]:
-        lines.append(f"{row['replicas']} | {row['calls_per_s']:.0f} | "
-                     f"{row['ideal_calls_per_s']:.0f} | {row['client_cpu_ms_per_call']:.3f} | "
+        ideal, own = row["ideal_calls_per_s"], row["ideal_for_endpoint_calls_per_s"]
+        lines.append(f"{row['replicas']} | {kinds[row.get('method', 'work')]} | "
+                     f"{row['calls_per_s']:.0f} | {ideal:.0f} | "
+                     f"{row['calls_per_s'] / ideal:.2f} | {row['endpoint_ms']:.2f} | "
+                     f"{own:.0f} | {row['calls_per_s'] / own:.2f} | "
+                     f"{row['overhead_ms_per_call']:.2f} | "
+                     f"{row['client_cpu_ms_per_call']:.3f} | "
                      f"{row['workers_cpu_ms_per_call']:.3f}")
     b = result["batching"]
     lines += ["", f"vectorized endpoint ({b['batch_ms']:.0f} ms a call or a batch), 1 replica, "

@@ -48,7 +48,14 @@ EXACT_SIZE_ROWS = 10_000  # groups of more rows are measured with sizeof; smalle
 class Routing:
     """Where each output partition goes, as arrays: ``codes[p]`` numbers the
     ``(instance, group)`` of partition ``p`` (``-1``: not wanted), in the order of
-    ``targets``, which lists each instance's groups consecutively and in group order."""
+    ``targets``, which lists each instance's groups consecutively and in group order.
+
+    ``rank[p]`` is partition ``p``'s place when the wanted partitions are ordered by
+    ``(code, partition)`` (``-1``: not wanted), and ``part_of_rank`` / ``code_of_rank`` go
+    back: sorting rows by rank sorts them by destination, then partition, with keys below
+    the number of partitions (a 16-bit radix sort for up to 65,536 of them, several times
+    faster than sorting 64-bit keys).
+    """
 
     def __init__(self, destination: dict[int, tuple[ServiceId, int]]) -> None:
         self.targets = sorted(set(destination.values()), key=lambda t: (str(t[0]), t[1]))
@@ -56,6 +63,12 @@ class Routing:
         self.codes = np.full(max(destination, default=-1) + 1, -1, dtype=np.int64)
         for p, t in destination.items():
             self.codes[p] = number[t]
+        ranked = sorted(destination, key=lambda p: (number[destination[p]], p))
+        self.part_of_rank = np.asarray(ranked, dtype=np.int64)
+        self.code_of_rank = self.codes[self.part_of_rank]
+        self.rank = np.full(len(self.codes), -1, dtype=np.int64)
+        self.rank[self.part_of_rank] = np.arange(len(ranked))
+        self.rank_dtype = np.uint16 if len(ranked) <= 2**16 else np.int64
 
 
 def split_by_destination(
@@ -84,21 +97,22 @@ def split_by_destination(
         return {}
     if routing is None:
         routing = Routing(destination)
-    codes, targets = routing.codes, routing.targets
+    targets = routing.targets
     parts = np.asarray(parts, dtype=np.int64)
-    width = len(codes)  # more than any wanted partition
-    row_codes = np.full(len(parts), -1, dtype=np.int64)
-    known = parts < width
-    row_codes[known] = codes[parts[known]]
-    wanted = np.flatnonzero(row_codes >= 0)
+    width = len(routing.rank)  # more than any wanted partition
+    row_rank = np.full(len(parts), -1, dtype=np.int64)
+    known = (parts < width) & (parts >= 0)
+    row_rank[known] = routing.rank[parts[known]]
+    wanted = np.flatnonzero(row_rank >= 0)
     if not len(wanted):
         return {}
-    key = row_codes[wanted] * width + parts[wanted]
+    key = row_rank[wanted].astype(routing.rank_dtype)
     by_key = np.argsort(key, kind="stable")
     order, key = wanted[by_key], key[by_key]
     starts = np.concatenate(([0], np.flatnonzero(key[1:] != key[:-1]) + 1))
-    part_ids = (key[starts] % width).tolist()
-    part_codes = key[starts] // width
+    ranks = key[starts].astype(np.int64)
+    part_ids = routing.part_of_rank[ranks].tolist()
+    part_codes = routing.code_of_rank[ranks]
     code_starts = np.concatenate(([0], np.flatnonzero(part_codes[1:] != part_codes[:-1]) + 1,
                                   [len(starts)])).tolist()
     row_starts = starts.tolist() + [len(key)]
