@@ -280,9 +280,10 @@ def test_groups_are_contiguous_runs_of_each_owners_partitions(owner, groups):
 
 
 @given(rows=st.integers(0, 300), groups=st.integers(1, 5), seed=st.integers(0, 2**16),
-       min_group_bytes=st.sampled_from([0, 200, 2**20]), wide_keys=st.booleans())
+       min_group_bytes=st.sampled_from([0, 200, 2**20]), wide_keys=st.booleans(),
+       own=st.sampled_from([None, "a", "b"]))
 def test_split_puts_every_row_in_its_partition_in_order(rows, groups, seed, min_group_bytes,
-                                                         wide_keys):
+                                                         wide_keys, own):
     rng = np.random.default_rng(seed)
     df = pd.DataFrame({"x": rng.integers(0, 1000, rows), "_p": rng.integers(0, 12, rows)})
     owner = {p: ServiceId("a" if p % 3 else "b") for p in range(10)}  # 10, 11 unwanted
@@ -293,7 +294,8 @@ def test_split_puts_every_row_in_its_partition_in_order(rows, groups, seed, min_
     with mock.patch.object(_service, "MIN_GROUP_BYTES", min_group_bytes), \
             mock.patch.object(_service, "EXACT_SIZE_ROWS", 0):  # sizes measured, not estimated
         out = split_by_destination(df.drop(columns="_p"), df["_p"].to_numpy(), destination,
-                                   nbytes=rows * 16, routing=routing)
+                                   nbytes=rows * 16, routing=routing,
+                                   own=None if own is None else ServiceId(own))
     seen = {}
     for sid, batch in out.items():
         if min_group_bytes == 0:
@@ -309,6 +311,9 @@ def test_split_puts_every_row_in_its_partition_in_order(rows, groups, seed, min_
             assert p not in seen
         else:
             pd.testing.assert_frame_equal(seen[p], expected)
+    if own is not None:  # the caller's own groups are copies of their own
+        mine = [frame.x.to_numpy() for frame, *_ in out.get(ServiceId(own), [])]
+        assert not any(np.shares_memory(x, y) for i, x in enumerate(mine) for y in mine[i + 1:])
 
 
 def batch_partitions(batch) -> list[int]:

@@ -73,7 +73,7 @@ class Routing:
 
 def split_by_destination(
     data: pd.DataFrame, parts: np.ndarray, destination: dict[int, tuple[ServiceId, int]],
-    nbytes: int, routing: Routing | None = None,
+    nbytes: int, routing: Routing | None = None, own: ServiceId | None = None,
 ) -> dict[ServiceId, Batch]:
     """Rows of ``data`` grouped per destination instance, then per group of partitions.
 
@@ -86,9 +86,12 @@ def split_by_destination(
     ``sizeof`` for large groups, else ``data``'s size in proportion to the rows plus the
     index a taken frame materializes where ``data`` had a ``RangeIndex`` (without it the
     estimate was 28% low on the benchmark frame, and buffers held more than their budget).
-    Every group is its own copy, so that the receiver frees a group's memory once it has
-    assembled that group's partitions; consecutive groups smaller than ``MIN_GROUP_BYTES``
-    (as estimated from ``nbytes``) are merged.  Rows for unwanted partitions are dropped.
+    The groups for instance ``own`` (the caller's, buffered without serialization) are
+    each their own copy, so that a group's memory is freed once its partitions are
+    assembled; the rows for every other instance are taken in one copy and its groups are
+    slices of it (serializing a slice writes only its rows, and one ``take`` costs less
+    than one per group).  Consecutive groups smaller than ``MIN_GROUP_BYTES`` (as estimated
+    from ``nbytes``) are merged.  Rows for unwanted partitions are dropped.
 
     The work per input is a few numpy calls and one ``take`` per group sent, whatever the
     number of output partitions its rows go to.
@@ -120,9 +123,23 @@ def split_by_destination(
     out: dict[ServiceId, Batch] = {}
     pending: tuple[ServiceId, int] | None = None  # (sid, first partition slot) not sent yet
 
-    def take(i0: int, i1: int) -> tuple[pd.DataFrame, list[int], list[int], int]:
+    rows_of: dict[ServiceId, list[int]] = {}  # each instance's rows: a run of ``order``
+    for c in range(len(code_starts) - 1):
+        sid = targets[int(part_codes[code_starts[c]])][0]
+        run = rows_of.setdefault(sid, [row_starts[code_starts[c]], 0])
+        run[1] = row_starts[code_starts[c + 1]]
+    taken: dict[ServiceId, pd.DataFrame] = {}
+
+    def take(sid: ServiceId, i0: int, i1: int
+             ) -> tuple[pd.DataFrame, list[int], list[int], int]:
         a, b = row_starts[i0], row_starts[i1]
-        frame = data.take(order[a:b])
+        if sid == own:
+            frame = data.take(order[a:b])
+        else:
+            first, last = rows_of[sid]
+            if sid not in taken:
+                taken[sid] = data.take(order[first:last])
+            frame = taken[sid].iloc[a - first:b - first]
         bounds = [r - a for r in row_starts[i0:i1 + 1]]
         size = sizeof(frame) if b - a > EXACT_SIZE_ROWS else int((b - a) * per_row)
         return frame, part_ids[i0:i1], bounds, size
@@ -131,7 +148,7 @@ def split_by_destination(
         i0, i1 = code_starts[c], code_starts[c + 1]
         sid = targets[int(part_codes[i0])][0]
         if pending is not None and pending[0] != sid:
-            out.setdefault(pending[0], []).append(take(pending[1], i0))
+            out.setdefault(pending[0], []).append(take(pending[0], pending[1], i0))
             pending = None
         start = pending[1] if pending is not None else i0
         # small groups travel together: a group is only worth its own copy (so that its
@@ -139,27 +156,27 @@ def split_by_destination(
         if (row_starts[i1] - row_starts[start]) * per_row < MIN_GROUP_BYTES:
             pending = (sid, start)
             continue
-        out.setdefault(sid, []).append(take(start, i1))
+        out.setdefault(sid, []).append(take(sid, start, i1))
         pending = None
     if pending is not None:
-        out.setdefault(pending[0], []).append(take(pending[1], len(starts)))
+        out.setdefault(pending[0], []).append(take(pending[0], pending[1], len(starts)))
     return out
 
 
 def split_input(
     df: pd.DataFrame | pd.Series, assign: Assign | None, column: Any,
     destination: dict[int, tuple[ServiceId, int]], nbytes: int,
-    routing: Routing | None = None,
+    routing: Routing | None = None, own: ServiceId | None = None,
 ) -> dict[ServiceId, Batch]:
     """:func:`split_by_destination` of one input partition.  Its rows' output partitions
     are in ``column``, or, with ``assign`` (the shuffle took dask's partitioning step in),
     computed here as dask computes them, so rows go where ``tasks`` sends them."""
     if assign is None:
         return split_by_destination(df.drop(columns=[column]), df[column].to_numpy(),
-                                    destination, nbytes, routing)
+                                    destination, nbytes, routing, own)
     parts = target_partitions(df, assign)
     return split_by_destination(df.to_frame() if df.ndim == 1 else df, parts, destination,
-                                nbytes, routing)
+                                nbytes, routing, own)
 
 
 def size_batches(items: list[Any], size: Callable[[Any], int], limit: int) -> list[list[Any]]:
@@ -298,7 +315,8 @@ class DataFrameShuffle(PeerExchange):
         assert self.stream is not None
         index = self.input_index[key]
         nbytes = sizeof(data)
-        args = (data, self.assign, self.column, self.destination, nbytes, self.routing)
+        args = (data, self.assign, self.column, self.destination, nbytes, self.routing,
+                self.id)
         if nbytes < INLINE_SPLIT_BYTES:
             batches = split_input(*args)  # less than handing it to a thread costs
         else:
