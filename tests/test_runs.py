@@ -125,3 +125,22 @@ def test_cli_bench_queries_checks_every_result_against_tasks(capsys):
     by_method = {m: sum(r["median_s"] for r in rows if r["method"] == m and r["query"] != "total")
                  for m in ("service", "tasks")}
     assert total == pytest.approx(by_method)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_cli_bench_replicated_splits_the_time_of_a_call(capsys):
+    """Throughput rows give the endpoint's own time, measured inside it, next to the
+    calls per second, so the framework's overhead per call can be read off."""
+    from dask_services.cli import main
+
+    assert main(["bench", "replicated", "--cases", "calls", "--calls", "20", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    rows = result["throughput"]
+    assert [(r["replicas"], r["method"]) for r in rows] == [
+        (1, "work"), (2, "work"), (4, "work"), (4, "work_sync")]
+    for row in rows:
+        assert row["endpoint_ms"] >= 5.0  # each call sleeps 5 ms inside the endpoint
+        assert row["calls_per_s"] <= row["ideal_for_endpoint_calls_per_s"]
+        assert row["overhead_ms_per_call"] >= 0
+    assert result["batching"]["speedup"] > 1
