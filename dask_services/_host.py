@@ -22,7 +22,7 @@ import dask.config
 from dask.typing import Key
 
 from dask_services._counters import Traffic, size_of
-from dask_services._payload import arguments_nbytes
+from dask_services._payload import known_arguments_nbytes
 from dask_services.service import (
     Concierge,
     ProduceKeyError,
@@ -496,5 +496,5 @@ def make_directory(base: str | None) -> str:
 
 def known_or_size_of(args: tuple, kwargs: dict) -> int:
     """The bytes of a peer call's arguments: as its caller said, else measured."""
-    known = arguments_nbytes(args, kwargs)
+    known = known_arguments_nbytes()
     return size_of((args, kwargs)) if known is None else known

@@ -48,8 +48,9 @@ def arguments_of_size(nbytes: int) -> Iterator[None]:
         _arguments_nbytes.reset(token)
 
 
-def arguments_nbytes(args: tuple, kwargs: dict) -> int | None:
-    """The bytes of a peer call's arguments as its caller said them, or None."""
+def known_arguments_nbytes() -> int | None:
+    """The bytes of the arguments of a peer call made here, as its caller said them
+    (``arguments_of_size``), or None."""
     return _arguments_nbytes.get()
 
 

@@ -27,7 +27,7 @@ from tornado.ioloop import PeriodicCallback
 from dask_services._counters import CounterReports, Traffic, instance_counters
 from dask_services._host import Environment, InstanceSpec, ServiceHost, make_directory
 from dask_services._messages import dumps_exception, loads_exception, unwrap
-from dask_services._payload import arguments_nbytes, pack, unpack
+from dask_services._payload import known_arguments_nbytes, pack, unpack
 from dask_services._pending_inputs import PendingInputs
 from dask_services._streams import flush
 from dask_services._worker_context import as_worker, in_current_context
@@ -101,7 +101,7 @@ class WorkerEnvironment(Environment):
         nbytes = 0
         try:
             packed = await pack((args, kwargs), f"the arguments of {call}",
-                                arguments_nbytes(args, kwargs))
+                                known_arguments_nbytes())
             payload: Any = to_serialize(packed)
             nbytes = packed.nbytes
         except PeerCallError as exc:
