@@ -24,7 +24,7 @@ from distributed.protocol.serialize import to_serialize
 from distributed.utils import sync
 from tornado.ioloop import PeriodicCallback
 
-from dask_services._counters import CounterReports, Traffic, instance_counters
+from dask_services._counters import CounterReports, Traffic, instance_counters, size_of
 from dask_services._host import Environment, InstanceSpec, ServiceHost, make_directory
 from dask_services._messages import dumps_exception, loads_exception, unwrap
 from dask_services._payload import known_arguments_nbytes, pack, unpack
@@ -344,7 +344,8 @@ class ServiceWorkerPlugin(WorkerPlugin):
         inst = self.host.current.get(service_key)
         if inst is not None and not inst.stopping:
             ts = self.worker.state.tasks.get(input_key)
-            nbytes = ts.nbytes if ts is not None and ts.nbytes is not None else 0
+            nbytes = (ts.nbytes if ts is not None and ts.nbytes is not None
+                      else size_of(value))  # the worker's own measure, if it has one
             if self.pending_inputs.admit(nbytes):
                 # Returned at once: the worker runs its next task while the instance takes
                 # the input (the scheduler's barrier waits for the report, not for this

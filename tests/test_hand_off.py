@@ -32,7 +32,7 @@ def test_pending_inputs_admits_up_to_its_limit():
     pending.release(60)
     assert (pending.bytes, pending.count) == (40, 1)
     assert not PendingInputs(0).admit(1)
-    assert PendingInputs(0).admit(0)  # an input whose size the worker does not know
+    assert PendingInputs(0).admit(0)  # an empty input
 
 
 @pytest.fixture
