@@ -64,17 +64,16 @@ async def test_hand_offs_finish_before_their_inputs_are_taken(c, s, a, b, gated)
 @pytest.mark.parametrize("limit", ["0", "4 kiB"])  # none, or less than one 8 kB input
 @service_cluster()
 async def test_hand_offs_wait_past_the_buffer(c, s, a, b, gated, limit):
-    with dask.config.set({"dask_services.hand-off-buffer": limit}):
-        for w in (a, b):
-            w.extensions["dask_services"].pending_inputs.limit = dask.utils.parse_bytes(limit)
-        futs = c.map(block, range(4))
-        await wait(futs)
-        outs = dask_services.submit(gated, futs, outputs=1, client=c)
-        await async_poll_for(lambda: gated.entered >= 1, timeout=30)
-        # an add_key is under way: its hand-off cannot have finished
-        assert "memory" not in handoff_states(s)
-        gated.gate.set()
-        expected = np.sum([block(i) for i in range(4)], axis=0)
-        np.testing.assert_array_equal(await c.gather(outs[0]), expected)
+    for w in (a, b):  # the workers read the setting when they start: set it there
+        w.extensions["dask_services"].pending_inputs.limit = dask.utils.parse_bytes(limit)
+    futs = c.map(block, range(4))
+    await wait(futs)
+    outs = dask_services.submit(gated, futs, outputs=1, client=c)
+    await async_poll_for(lambda: gated.entered >= 1, timeout=30)
+    # an add_key is under way: its hand-off cannot have finished
+    assert "memory" not in handoff_states(s)
+    gated.gate.set()
+    expected = np.sum([block(i) for i in range(4)], axis=0)
+    np.testing.assert_array_equal(await c.gather(outs[0]), expected)
     del outs, futs
     await assert_nothing_left(s, [a, b])

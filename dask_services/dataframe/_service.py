@@ -46,9 +46,9 @@ EXACT_SIZE_ROWS = 10_000  # groups of more rows are measured with sizeof; smalle
 
 
 class Routing:
-    """Where each output partition goes, as arrays: ``codes[p]`` numbers the
-    ``(instance, group)`` of partition ``p`` (``-1``: not wanted), in the order of
-    ``targets``, which lists each instance's groups consecutively and in group order.
+    """Where each output partition goes, as arrays.  ``targets`` lists each instance's
+    groups ``(instance, group)`` consecutively and in group order; a partition's *code* is
+    the number of its target in that list.
 
     ``rank[p]`` is partition ``p``'s place when the wanted partitions are ordered by
     ``(code, partition)`` (``-1``: not wanted), and ``part_of_rank`` / ``code_of_rank`` go
@@ -60,13 +60,11 @@ class Routing:
     def __init__(self, destination: dict[int, tuple[ServiceId, int]]) -> None:
         self.targets = sorted(set(destination.values()), key=lambda t: (str(t[0]), t[1]))
         number = {t: i for i, t in enumerate(self.targets)}
-        self.codes = np.full(max(destination, default=-1) + 1, -1, dtype=np.int64)
-        for p, t in destination.items():
-            self.codes[p] = number[t]
         ranked = sorted(destination, key=lambda p: (number[destination[p]], p))
         self.part_of_rank = np.asarray(ranked, dtype=np.int64)
-        self.code_of_rank = self.codes[self.part_of_rank]
-        self.rank = np.full(len(self.codes), -1, dtype=np.int64)
+        self.code_of_rank = np.asarray([number[destination[p]] for p in ranked],
+                                       dtype=np.int64)
+        self.rank = np.full(max(destination, default=-1) + 1, -1, dtype=np.int64)
         self.rank[self.part_of_rank] = np.arange(len(ranked))
         self.rank_dtype = np.uint16 if len(ranked) <= 2**16 else np.int64
 
