@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from utils import suspended_in, until
@@ -89,6 +92,114 @@ def test_gate_close_fails_queued_calls_and_refuses_new_ones():
         assert not idle.done() and gate.in_flight == 1  # the running call holds its slot
         gate.release()
         await idle
+
+    run(main())
+
+
+def test_thread_calls_follow_each_other_without_the_event_loop():
+    """With a sync call running and more queued, the thread that ends one call starts the
+    next itself: the queued calls run while the event loop is blocked."""
+
+    async def main():
+        gate = CallGate(1, 10)
+        executor = ThreadPoolExecutor(1)
+        go, last_started = threading.Event(), threading.Event()
+        ran = []
+
+        def call(i):
+            ran.append(i)
+            if i == 0:
+                go.wait(5)
+            if i == 2:
+                last_started.set()
+            return i
+
+        calls = [gate.admit_to_thread(executor, functools.partial(call, i)) for i in range(3)]
+        assert gate.in_flight == 1 and gate.queued == 2
+        go.set()
+        assert last_started.wait(5), "the queued calls waited for the event loop"
+        assert [await gate.outcome(c) for c in calls] == [0, 1, 2]
+        assert ran == [0, 1, 2]
+        await until(lambda: gate.in_flight == 0)  # the last thread gave its slot back
+        executor.shutdown()
+
+    run(main())
+
+
+def test_thread_calls_keep_first_come_first_served_with_other_calls():
+    """A call waiting for a slot on the event loop (an async endpoint's) ends the chain of
+    thread calls and goes first; a queued thread call whose caller gave up never runs;
+    closing fails the queued ones."""
+
+    async def main():
+        gate = CallGate(1, 10, name="replica x")
+        executor = ThreadPoolExecutor(1)
+        go = threading.Event()
+        order = []
+
+        def call(i):
+            if i == 0:
+                go.wait(5)
+            order.append(i)
+            return i
+
+        first = gate.admit_to_thread(executor, functools.partial(call, 0))
+
+        async def on_the_loop():
+            await gate.acquire()
+            order.append("async")
+            gate.release()
+
+        waiter = asyncio.ensure_future(on_the_loop())
+        await until(lambda: suspended_in(waiter, "CallGate.acquire", gate))
+        then = gate.admit_to_thread(executor, functools.partial(call, 1))
+        given_up = asyncio.ensure_future(gate.outcome(
+            gate.admit_to_thread(executor, functools.partial(call, 2))))
+        last = gate.admit_to_thread(executor, functools.partial(call, 3))
+        await until(lambda: suspended_in(given_up, "CallGate.outcome", gate))
+        given_up.cancel()
+        await asyncio.wait([given_up])
+        assert gate.queued == 3  # the async call, 1 and 3
+        go.set()
+        assert await gate.outcome(first) == 0
+        await waiter
+        assert await gate.outcome(then) == 1 and await gate.outcome(last) == 3
+        assert order == [0, "async", 1, 3]
+
+        go.clear()
+        blocked = gate.admit_to_thread(executor, functools.partial(call, 0))
+        queued = gate.admit_to_thread(executor, functools.partial(call, 4))
+        gate.close()
+        with pytest.raises(ServiceShutdown, match="replica x"):
+            await gate.outcome(queued)
+        with pytest.raises(ServiceShutdown):
+            gate.admit_to_thread(executor, functools.partial(call, 5))
+        go.set()
+        assert await gate.outcome(blocked) == 0
+        await until(lambda: gate.in_flight == 0)
+        assert 4 not in order and 5 not in order
+        executor.shutdown()
+
+    run(main())
+
+
+def test_thread_call_errors_reach_their_caller_and_free_the_slot():
+    async def main():
+        gate = CallGate(1, 10)
+        executor = ThreadPoolExecutor(1)
+
+        def fail():
+            raise ValueError("bad input")
+
+        calls = [gate.admit_to_thread(executor, fail), gate.admit_to_thread(executor, lambda: 7)]
+        with pytest.raises(ValueError, match="bad input"):
+            await gate.outcome(calls[0])
+        assert await gate.outcome(calls[1]) == 7
+        await until(lambda: gate.in_flight == 0)
+        executor.shutdown()
+        with pytest.raises(RuntimeError, match="shutdown"):  # the replica's executor is gone
+            await gate.outcome(gate.admit_to_thread(executor, lambda: 8))
+        await until(lambda: gate.in_flight == 0)
 
     run(main())
 

@@ -4,15 +4,36 @@ Waiting callers each hold a future that the releasing call completes (first come
 served); nobody polls.  Beyond the queue a call fails at once with ``ServiceOverloaded``.
 Calls waiting to join a batch (``_batching.py``) are *held*: they count as queued, and
 the batch they join takes one slot (``acquire(internal=True)``, which is not a queued call).
+
+A sync call queues as a :class:`ThreadCall` (``admit_to_thread``): the thread that ends
+one call takes the next queued thread call itself, slot and all, so a busy replica of a
+sync endpoint goes from call to call without a trip through the event loop (which only
+hands back the results).  The queue is shared with those threads, under a lock.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Any
 
 from dask_services.replicated._errors import ReplicaGone, ServiceOverloaded, ServiceShutdown
+
+
+@dataclass(eq=False)
+class ThreadCall:
+    """A sync call admitted by a :class:`CallGate`: ``fn`` runs on ``executor`` once it
+    has a slot, and its result or exception goes to ``future`` (on ``loop``)."""
+
+    fn: Callable[[], Any]
+    executor: Executor
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    state: str = "queued"  # -> "running" (has the slot) or "dropped" (left the queue)
 
 
 class CallGate:
@@ -23,7 +44,8 @@ class CallGate:
         self.max_queued = max_queued
         self.name = name
         self.in_flight = 0
-        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._waiters: collections.deque[asyncio.Future | ThreadCall] = collections.deque()
+        self._lock = threading.Lock()  # the queue, which threads ending a call also take from
         self._internal: set[asyncio.Future] = set()  # waiters that are batches, not calls
         self.held = 0  # calls waiting to join a batch (counted as queued)
         self._closed: BaseException | None = None
@@ -68,7 +90,8 @@ class CallGate:
         if not internal:
             self._check_room()
         fut = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        with self._lock:
+            self._waiters.append(fut)
         if internal:
             self._internal.add(fut)
         try:
@@ -83,24 +106,111 @@ class CallGate:
     def release(self) -> None:
         """Give a slot back: to the next waiter if any."""
         self.in_flight -= 1
-        while self._waiters:
-            fut = self._waiters.popleft()
-            self._internal.discard(fut)
-            if not fut.done():
-                self._take()
-                fut.set_result(None)
-                return
+        with self._lock:
+            while self._waiters:
+                waiter = self._waiters.popleft()
+                if isinstance(waiter, ThreadCall):
+                    self._take()
+                    waiter.state = "running"
+                    self._start(waiter)
+                    return
+                self._internal.discard(waiter)
+                if not waiter.done():
+                    self._take()
+                    waiter.set_result(None)
+                    return
         if self.in_flight == 0:
             self._idle.set()
 
     def close(self, exc: BaseException | None = None) -> None:
         """Refuse new calls and fail every queued one with ``exc``."""
         self._closed = exc or ServiceShutdown(f"{self.name} is shutting down")
-        while self._waiters:
-            fut = self._waiters.popleft()
-            self._internal.discard(fut)
-            if not fut.done():
-                fut.set_exception(self._closed)
+        with self._lock:
+            waiters = list(self._waiters)
+            self._waiters.clear()
+        for waiter in waiters:
+            if isinstance(waiter, ThreadCall):
+                waiter.state = "dropped"
+                waiter = waiter.future
+            self._internal.discard(waiter)
+            if not waiter.done():
+                waiter.set_exception(self._closed)
+
+    # ------------------------------------------------------------ sync calls
+
+    def admit_to_thread(self, executor: Executor, fn: Callable[[], Any]) -> ThreadCall:
+        """Admit sync call ``fn`` (run on ``executor``): started at once if a slot is
+        free, else queued; ``ServiceOverloaded`` (or the closing error) at once when the
+        queue is full.  Await its outcome with :meth:`outcome`; its slot is given back
+        by the thread that runs it, or passed on to the next queued thread call."""
+        if self._closed is not None:
+            raise self._closed
+        loop = asyncio.get_running_loop()
+        call = ThreadCall(fn, executor, loop, loop.create_future())
+        with self._lock:
+            if self.in_flight < self.max_concurrency and not self._waiters:
+                self._take()
+                call.state = "running"
+                self._start(call)
+            else:
+                self._check_room()
+                self._waiters.append(call)
+        return call
+
+    async def outcome(self, call: ThreadCall) -> Any:
+        """The result of ``call`` (or its exception).  A caller cancelled while the call
+        is queued takes it out of the queue; one that is running finishes in its thread."""
+        try:
+            return await call.future
+        except asyncio.CancelledError:
+            with self._lock:
+                if call.state == "queued":
+                    call.state = "dropped"
+                    try:
+                        self._waiters.remove(call)
+                    except ValueError:
+                        pass
+            raise
+
+    def _start(self, call: ThreadCall) -> None:
+        try:
+            call.executor.submit(self._run_calls, call)
+        except RuntimeError as e:  # the executor is shut down: the replica is stopping
+            call.loop.call_soon(self._settle, call.future, None, e, True)
+
+    def _run_calls(self, call: ThreadCall | None) -> None:
+        """In a thread: run ``call``, then every thread call queued right behind it."""
+        while call is not None:
+            result, error, ok = None, None, False
+            try:
+                result = call.fn()
+                ok = True
+            except Exception as e:
+                error = e
+            finally:
+                this, call = call, None
+                if ok or error is not None:  # not interrupted: take the next one
+                    with self._lock:
+                        if self._waiters and isinstance(self._waiters[0], ThreadCall):
+                            call = self._waiters.popleft()
+                            call.state = "running"
+                if error is None and not ok:
+                    error = RuntimeError("the call's thread was interrupted")
+                try:
+                    this.loop.call_soon_threadsafe(self._settle, this.future, result, error,
+                                                   call is None)
+                except RuntimeError:  # the event loop is closed: the worker is gone
+                    return
+
+    def _settle(self, future: asyncio.Future, result: Any, error: BaseException | None,
+                release: bool) -> None:
+        if not future.done():
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
+        if release:
+            self.release()
 
     async def wait_idle(self) -> None:
         """Return once no call is running."""
@@ -112,10 +222,11 @@ class CallGate:
 
     def _discard(self, fut: asyncio.Future) -> None:
         self._internal.discard(fut)
-        try:
-            self._waiters.remove(fut)
-        except ValueError:
-            pass
+        with self._lock:
+            try:
+                self._waiters.remove(fut)
+            except ValueError:
+                pass
 
 
 def not_admitted(metrics: Any, exc: BaseException) -> dict:

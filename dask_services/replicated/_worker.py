@@ -28,7 +28,7 @@ from dask_services.replicated._batching import Batcher
 from dask_services.replicated._errors import ReplicaGone, ServiceOverloaded, ServiceShutdown
 from dask_services.replicated._metrics import ReplicaMetrics
 from dask_services.replicated._options import endpoint_spec, is_endpoint
-from dask_services.replicated._queue import CallGate, not_admitted
+from dask_services.replicated._queue import CallGate, ThreadCall, not_admitted
 from dask_services.replicated._wire import pack, unpack
 from dask_services.service import Service, ServiceId
 
@@ -315,8 +315,15 @@ class ReplicaWorker(WorkerPlugin):
                 f"svc.{method}.stream(...)"))}
         if spec.batched:
             return await self._call_batched(rep, method, args, kwargs, arrived)
+        fn = getattr(rep.service, method)
+        fans_out = rep.gang is not None and rep.gang.fans_out(type(rep.service), method)
+        in_thread: ThreadCall | None = None
         try:
-            await rep.gate.acquire()
+            if fans_out or inspect.iscoroutinefunction(fn):
+                await rep.gate.acquire()
+            else:  # the replica's thread that ends a call may start this one itself
+                in_thread = rep.gate.admit_to_thread(rep.executor, in_current_context(
+                    functools.partial(fn, *args, **kwargs)))
         except (ServiceOverloaded, ReplicaGone, ServiceShutdown) as e:
             return not_admitted(rep.metrics, e)
         task = asyncio.current_task()
@@ -324,16 +331,14 @@ class ReplicaWorker(WorkerPlugin):
             rep.running.add(task)
         error = True
         try:
-            fn = getattr(rep.service, method)
-            if rep.gang is not None and rep.gang.fans_out(type(rep.service), method):
+            if in_thread is not None:
+                result = await rep.gate.outcome(in_thread)
+            elif fans_out:
                 from dask_services.replicated._gang import gang_call
 
                 result = await gang_call(self, rep, method, args, kwargs)  # every rank
-            elif inspect.iscoroutinefunction(fn):
-                result = await fn(*args, **kwargs)
             else:
-                result = await asyncio.get_running_loop().run_in_executor(
-                    rep.executor, in_current_context(functools.partial(fn, *args, **kwargs)))
+                result = await fn(*args, **kwargs)
             error = False
         except asyncio.CancelledError:
             if not rep.cancelled:
@@ -351,10 +356,10 @@ class ReplicaWorker(WorkerPlugin):
             rep.metrics.record(time.perf_counter() - arrived, error)
             if task is not None:
                 rep.running.discard(task)
-            rep.gate.release()
+            if in_thread is None:  # a thread call's slot is its thread's to give back
+                rep.gate.release()
         return {"status": "ok", **pack(result, "result"),
                 "load": rep.gate.in_flight + rep.gate.queued}
-
 
     async def calls(self, comm: Any, calls: list[dict]) -> Any:
         """Several calls in one message (``ReplicatedService._send``): each runs as if it
