@@ -28,6 +28,7 @@ from dask.sizeof import sizeof
 from dask_services._exchange import PeerExchange
 from dask_services._memory import TrimAfter, release_freed_memory
 from dask_services.dataframe._partitioning import Assign, target_partitions
+from dask_services.dataframe._rows import FrameRows, RowSource, concat_rows
 from dask_services.service import ServiceId, rpc
 
 Key = Hashable
@@ -265,21 +266,26 @@ def frame_is_uniform(frame: pd.DataFrame, meta: pd.DataFrame) -> bool:
     return frame.dtypes.tolist() == expected and frame.index.dtype == meta.index.dtype
 
 
-def assemble_many(pieces: list[list[tuple[int, pd.DataFrame]]], meta: pd.DataFrame,
+def assemble_many(pieces: list[list[tuple[int, pd.DataFrame | FrameRows]]], meta: pd.DataFrame,
                   ignore_index: bool) -> list[pd.DataFrame]:
     """:func:`assemble` for several output partitions in one call."""
     return [assemble(p, meta, ignore_index) for p in pieces]
 
 
-def assemble(pieces: list[tuple[int, pd.DataFrame]], meta: pd.DataFrame,
+def assemble(pieces: list[tuple[int, pd.DataFrame | FrameRows]], meta: pd.DataFrame,
              ignore_index: bool) -> pd.DataFrame:
-    """One output partition from its pieces, in input-partition order (as ``tasks`` does)."""
+    """One output partition from its pieces, in input-partition order (as ``tasks`` does):
+    column by column where the pieces allow it (``_rows.py``), else by pandas."""
     from dask.dataframe.core import _concat
 
     if not pieces:
         return meta.reset_index(drop=True) if ignore_index else meta
     pieces.sort(key=lambda item: item[0])
-    frames = [frame for _, frame in pieces]
+    rows = [piece if isinstance(piece, FrameRows) else FrameRows(RowSource(piece), 0, len(piece))
+            for _, piece in pieces]
+    if all(r.source.takes_column_way(meta) for r in rows):
+        return concat_rows(rows, meta, ignore_index)
+    frames = [r.frame() for r in rows]
     result = _concat(frames, ignore_index=ignore_index)
     if ignore_index:
         result = result.reset_index(drop=True)
@@ -340,7 +346,8 @@ class DataFrameShuffle(PeerExchange):
         """Peer RPC: keep the rows of input ``index`` that belong to this instance.
 
         A frame of large pieces (``SMALL_PIECE_ROWS`` rows or more per partition on
-        average) is cut into one piece per partition, buffered under its partition, so that
+        average) is buffered as one share per partition (its row range, ``_rows.py``: the
+        frame is sliced only at assembly, in a worker thread), under its partition, so that
         outputs are read back and assembled a few at a time.  A frame of small pieces is
         kept whole, under the group of its first partition (small groups travel together,
         so it may hold the rows of several): cutting it into a slice per partition or per
@@ -355,7 +362,8 @@ class DataFrameShuffle(PeerExchange):
             self.received_bytes += nbytes
             if len(frame) >= SMALL_PIECE_ROWS * len(partitions):
                 rows = max(len(frame), 1)
-                items += [(p, (index, frame.iloc[bounds[j]:bounds[j + 1]]),
+                source = RowSource(frame)
+                items += [(p, (index, FrameRows(source, bounds[j], bounds[j + 1])),
                            nbytes * (bounds[j + 1] - bounds[j]) // rows)
                           for j, p in enumerate(partitions)]
                 continue
@@ -461,12 +469,13 @@ def cut_at(received: list[Received], last_group: int,
     return now, later
 
 
-def pieces_by_partition(received: list[Received]) -> dict[int, list[tuple[int, pd.DataFrame]]]:
+def pieces_by_partition(received: list[Received]) -> dict[int, list[tuple[int, FrameRows]]]:
     """``(input index, rows)`` pieces of each partition of received frames."""
-    out: dict[int, list[tuple[int, pd.DataFrame]]] = {}
+    out: dict[int, list[tuple[int, FrameRows]]] = {}
     for index, frame, parts, bounds in received:
+        source = RowSource(frame)
         for j, p in enumerate(parts):
-            out.setdefault(p, []).append((index, frame.iloc[bounds[j]:bounds[j + 1]]))
+            out.setdefault(p, []).append((index, FrameRows(source, bounds[j], bounds[j + 1])))
     return out
 
 

@@ -1,0 +1,106 @@
+"""Received rows assembled column by column give what pandas' concatenation gives."""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+
+import numpy as np
+import pandas as pd
+import pytest
+from dask.dataframe.core import _concat
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dask_services.dataframe._rows import FrameRows, RowSource, concat_rows, takes_column_way
+from dask_services.dataframe._service import assemble
+
+pytestmark = pytest.mark.timeout(120)
+
+COLUMNS = {
+    "int": lambda rng, n: rng.integers(-5, 5, n),
+    "float": lambda rng, n: rng.random(n),
+    "bool": lambda rng, n: rng.random(n) < 0.5,
+    "str": lambda rng, n: pd.array([None if x == 0 else f"s{x}" for x in rng.integers(0, 9, n)],
+                                   dtype="str"),
+    "python_string": lambda rng, n: pd.array([f"p{x}" for x in rng.integers(0, 9, n)],
+                                             dtype="string[python]"),
+    "nullable": lambda rng, n: pd.array([None if x == 0 else int(x)
+                                         for x in rng.integers(0, 9, n)], dtype="Int64"),
+    "time": lambda rng, n: pd.to_datetime(rng.integers(0, 10**9, n), unit="s", utc=True),
+    "object": lambda rng, n: objects([(int(x),) for x in rng.integers(0, 9, n)]),
+    "object_text": lambda rng, n: objects([f"o{x}" for x in rng.integers(0, 9, n)]),
+    "object_time": lambda rng, n: objects([datetime.datetime(2020, 1, 1 + int(x))
+                                           for x in rng.integers(0, 9, n)]),
+}
+
+
+def objects(values: list) -> np.ndarray:
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out
+
+
+INDEXES = {
+    "range": lambda rng, n, i: pd.RangeIndex(n),
+    "ints": lambda rng, n, i: pd.Index(rng.integers(0, 100, n), name="idx"),
+    "text": lambda rng, n, i: pd.Index([f"r{i}-{k}" for k in range(n)], dtype="str"),
+}
+
+
+def frames(seed: int, columns: list[str], index: str, sizes: list[int]) -> list[pd.DataFrame]:
+    rng = np.random.default_rng(seed)
+    return [pd.DataFrame({c: pd.Series(COLUMNS[c](rng, n)).astype(object) if
+                          c.startswith("object") else COLUMNS[c](rng, n) for c in columns},
+                         index=INDEXES[index](rng, n, i)) for i, n in enumerate(sizes)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**16),
+       columns=st.lists(st.sampled_from(sorted(COLUMNS)), min_size=1, max_size=4, unique=True),
+       index=st.sampled_from(sorted(INDEXES)),
+       sizes=st.lists(st.integers(0, 30), min_size=1, max_size=5),
+       cuts=st.lists(st.tuples(st.floats(0, 1), st.floats(0, 1)), min_size=1, max_size=8),
+       ignore_index=st.booleans())
+def test_rows_concatenate_as_pandas_does(seed, columns, index, sizes, cuts, ignore_index):
+    sources = frames(seed, columns, index, sizes)
+    meta = sources[0].iloc[:0]
+    pieces = []
+    for k, (a, b) in enumerate(cuts):
+        frame = sources[k % len(sources)]
+        start, stop = sorted((int(a * len(frame)), int(b * len(frame))))
+        pieces.append(FrameRows(RowSource(frame), start, stop))
+    assert all(takes_column_way(f, meta) for f in sources)
+    expected = pd.concat([p.frame() for p in pieces], ignore_index=ignore_index)
+    got = concat_rows(pieces, meta, ignore_index)
+    pd.testing.assert_frame_equal(got, expected, check_index_type=True,
+                                  check_column_type=True)
+
+
+def test_assemble_takes_pandas_way_where_columns_cannot():
+    rng = np.random.default_rng(0)
+    cat = [pd.DataFrame({"c": pd.Categorical(list(letters)), "x": rng.random(len(letters))})
+           for letters in ("ab", "bc")]
+    meta = cat[0].iloc[:0]
+    assert not takes_column_way(cat[0], meta)
+    out = assemble([(1, cat[1]), (0, FrameRows(RowSource(cat[0]), 0, 2))], meta, True)
+    # what dask's own concatenation (``tasks``) gives: the union of the categories
+    pd.testing.assert_frame_equal(out, _concat([cat[0], cat[1]]).reset_index(drop=True))
+    assert set(out["c"].cat.categories) == {"a", "b", "c"}
+
+    other = pd.DataFrame({"x": [1.0], "y": [2]})  # columns other than the meta's
+    plain = pd.DataFrame({"y": [3], "x": [4.0]})
+    assert not takes_column_way(other, plain.iloc[:0])
+    out = assemble([(0, other), (1, plain)], plain.iloc[:0], False)
+    pd.testing.assert_frame_equal(out, pd.concat([other, plain]))
+
+
+def test_pickled_rows_take_only_their_own_rows():
+    frame = pd.DataFrame({"x": np.arange(100_000, dtype="int64"),
+                          "s": pd.array([str(i) for i in range(100_000)], dtype="str")})
+    rows = FrameRows(RowSource(frame), 10, 20)
+    blob = pickle.dumps(rows, protocol=5)
+    assert len(blob) < 10_000  # the whole frame is over 1 MB
+    back = pickle.loads(blob)
+    assert isinstance(back, FrameRows)
+    pd.testing.assert_frame_equal(back.frame(), frame.iloc[10:20])
