@@ -178,29 +178,36 @@ class CallGate:
         except RuntimeError as e:  # the executor is shut down: the replica is stopping
             call.loop.call_soon(self._settle, call.future, None, e, True)
 
-    def _run_calls(self, call: ThreadCall | None) -> None:
+    def _run_calls(self, call: ThreadCall) -> None:
         """In a thread: run ``call``, then every thread call queued right behind it."""
-        while call is not None:
-            result, error, ok = None, None, False
+        while True:
             try:
-                result = call.fn()
-                ok = True
+                result, error = call.fn(), None
             except Exception as e:
-                error = e
-            finally:
-                this, call = call, None
-                if ok or error is not None:  # not interrupted: take the next one
-                    with self._lock:
-                        if self._waiters and isinstance(self._waiters[0], ThreadCall):
-                            call = self._waiters.popleft()
-                            call.state = "running"
-                if error is None and not ok:
-                    error = RuntimeError("the call's thread was interrupted")
-                try:
-                    this.loop.call_soon_threadsafe(self._settle, this.future, result, error,
-                                                   call is None)
-                except RuntimeError:  # the event loop is closed: the worker is gone
-                    return
+                result, error = None, e
+            except BaseException:  # the thread itself is interrupted: give the slot back
+                self._post(call, None, RuntimeError("the call's thread was interrupted"), True)
+                raise
+            with self._lock:
+                queued = self._waiters[0] if self._waiters else None
+                if isinstance(queued, ThreadCall):
+                    self._waiters.popleft()
+                    queued.state = "running"
+                else:
+                    queued = None
+            if not self._post(call, result, error, queued is None) or queued is None:
+                return
+            call = queued
+
+    def _post(self, call: ThreadCall, result: Any, error: BaseException | None,
+              release: bool) -> bool:
+        """From a thread: settle ``call`` on its loop (and give its slot back with
+        ``release``); False if the loop is closed (the worker is gone)."""
+        try:
+            call.loop.call_soon_threadsafe(self._settle, call.future, result, error, release)
+        except RuntimeError:
+            return False
+        return True
 
     def _settle(self, future: asyncio.Future, result: Any, error: BaseException | None,
                 release: bool) -> None:
