@@ -21,6 +21,10 @@ def _local_cluster(workers: int, threads: int, processes: bool, **kwargs: Any) -
     )
 
 
+# Longer than any benchmark command's pauses between two graphs (see ``_bench_client``).
+BENCH_TCP_TIMEOUT = "2h"
+
+
 @contextlib.contextmanager
 def _bench_client(args: argparse.Namespace) -> Iterator[Any]:
     """A client of a new LocalCluster for one benchmark command.
@@ -30,21 +34,30 @@ def _bench_client(args: argparse.Namespace) -> Iterator[Any]:
     leaves in quick succession; it then fails with a KeyError on the departure and raises
     it again when the cluster closes.  That error says nothing about the measurements,
     which are reported before the cluster closes, so closing tolerates it.
+
+    The connections get a long kernel-level TCP timeout (:data:`BENCH_TCP_TIMEOUT`): on some
+    Linux kernels a connection whose peer stopped reading for a moment (a multi-megabyte
+    graph sent to a scheduler that shares the client's event loop, as a LocalCluster's
+    does) is reset with ``ETIMEDOUT`` the next time that happens more than
+    ``distributed.comm.timeouts.tcp`` later, whatever ran in between; plain
+    dask.distributed shows it too (``design/architecture.md``, "Lost client connections").
     """
+    import dask
     from distributed import Client
 
     limit = getattr(args, "memory_limit", None)
-    cluster = _local_cluster(args.workers, args.threads, True,
-                             **({"memory_limit": limit} if limit else {}))
-    try:
-        with Client(cluster) as client:
-            yield client
-    finally:
+    with dask.config.set({"distributed.comm.timeouts.tcp": BENCH_TCP_TIMEOUT}):
+        cluster = _local_cluster(args.workers, args.threads, True,
+                                 **({"memory_limit": limit} if limit else {}))
         try:
-            cluster.close()
-        except KeyError as exc:
-            print(f"note: the local cluster's worker-status watcher failed ({exc!r}); "
-                  "the figures above are unaffected", file=sys.stderr)
+            with Client(cluster) as client:
+                yield client
+        finally:
+            try:
+                cluster.close()
+            except KeyError as exc:
+                print(f"note: the local cluster's worker-status watcher failed ({exc!r}); "
+                      "the figures above are unaffected", file=sys.stderr)
 
 
 def show_progress(args: argparse.Namespace) -> bool:

@@ -94,3 +94,32 @@ def test_every_public_exception_is_exported_at_the_top_level():
                 assert name in dask_services.__all__, name
                 assert getattr(dask_services, name) is obj
     from dask_services import DeploymentError, EndpointRefused  # noqa: F401
+
+
+def test_the_benchmarks_cluster_uses_a_long_tcp_timeout(monkeypatch):
+    """``dask-services bench`` starts its cluster with a long kernel-level TCP timeout
+    (``design/architecture.md``, "Lost client connections"): the client's own socket to the
+    scheduler carries it, and the setting is gone once the benchmark's client closes."""
+    import argparse
+    import socket
+
+    import dask
+    from dask.utils import parse_timedelta
+
+    from dask_services import cli
+
+    def small_cluster(workers, threads, processes, **kwargs):
+        return LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                            protocol="tcp", dashboard_address=None, **kwargs)
+
+    monkeypatch.setattr(cli, "_local_cluster", small_cluster)
+    args = argparse.Namespace(workers=1, threads=1)
+    wanted = int(parse_timedelta(cli.BENCH_TCP_TIMEOUT) * 1000)
+    assert wanted > 30_000
+    with cli._bench_client(args) as client:
+        sock = client.scheduler_comm.comm.stream.socket
+        if sys.platform.startswith("linux"):
+            TCP_USER_TIMEOUT = 18
+            assert sock.getsockopt(socket.SOL_TCP, TCP_USER_TIMEOUT) == wanted
+        assert dask.config.get("distributed.comm.timeouts.tcp") == cli.BENCH_TCP_TIMEOUT
+    assert dask.config.get("distributed.comm.timeouts.tcp") != cli.BENCH_TCP_TIMEOUT
