@@ -27,6 +27,8 @@ from dask.typing import Key
 
 from dask_services.service import OutputLostError, Service, ServiceGraphError
 
+PARTICIPANTS = frozenset({"all", "input-holders"})  # ``ServiceDefinition.participants``
+
 
 @dataclass(frozen=True)
 class ServiceDefinition:
@@ -42,6 +44,18 @@ class ServiceDefinition:
     # output key -> the input key it needs most: an output is placed on the worker that
     # holds that input when the run starts, as far as the outputs stay balanced
     affinity: dict[Key, Key] | None = None
+    # the workers a run takes part on: "all" running workers (the default), or
+    # "input-holders": the workers that hold the inputs or compute them when the run starts
+    # (all workers where one of them has no place yet), for a service task that moves a
+    # small part of a large collection (one region of a rechunk): a run's cost grows with
+    # its participants (an instance, a start, a barrier each)
+    participants: str = "all"
+
+    def __post_init__(self) -> None:
+        if self.participants not in PARTICIPANTS:
+            raise ValueError(
+                f"participants={self.participants!r} is not one of {sorted(PARTICIPANTS)}"
+            )
 
     def __dask_tokenize__(self) -> tuple:
         from dask.tokenize import tokenize

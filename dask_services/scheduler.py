@@ -369,7 +369,27 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             restricted = running & set(ts.worker_restrictions)
             if restricted or not ts.loose_restrictions:
                 running = restricted
+        if self.definitions[service_key].participants == "input-holders":
+            running = self._input_holders(service_key, running) or running
         return sorted(running)
+
+    def _input_holders(self, service_key: Key, candidates: set[str]) -> set[str]:
+        """The ``candidates`` that hold an input of ``service_key`` in memory or compute
+        one; none where an input has no worker yet (then every candidate takes part, as
+        a hand-off on a worker outside the run would have to send its input on)."""
+        tasks = self.scheduler.tasks
+        holders: set[str] = set()
+        for key in self.definitions[service_key].input_keys:
+            ts = tasks.get(key)
+            if ts is None:
+                return set()
+            if ts.state == "memory":
+                holders.update(ws.address for ws in ts.who_has)
+            elif ts.processing_on is not None:
+                holders.add(ts.processing_on.address)
+            else:
+                return set()
+        return holders & candidates
 
     def _wanted(self, service_key: Key) -> list[Key]:
         ts = self.scheduler.tasks[service_key]

@@ -307,6 +307,37 @@ async def test_outputs_are_placed_near_their_inputs_and_hand_offs_run_in_order(c
     await assert_nothing_left(s, [a, b])
 
 
+@service_cluster(nthreads=[("127.0.0.1", 1)] * 4, timeout=90)
+async def test_a_region_runs_only_on_the_workers_holding_its_inputs(c, s, a, b, w3, w4):
+    """A rechunk of several regions: each region's run takes part only where its inputs
+    are (an instance, a start and a barrier per participant); a region whose inputs are not
+    placed yet still runs on every worker."""
+    from distributed import wait
+
+    arr = np.arange(12000.0).reshape(6000, 2)
+    holders = {a.address, b.address}
+    x = c.persist(da.from_array(arr, chunks=(100, 2)), workers=list(holders))
+    await wait(x)
+    y = c.persist(x.rechunk((150, 2), method="service"))
+    await wait(y)
+    rows = [r for r in s.extensions["dask_services_diagnostics"].status()["runs"]
+            if r["service"] == "ArrayRechunk"]
+    assert len(rows) > 1
+    for row in rows:
+        assert set(row["worker_addresses"].split(", ")) <= holders, row
+        assert row["state"] == "finished" and row["restarts"] == 0
+    assert {ws.address for k in y.__dask_keys__() for (k,) in [k]
+            for ws in s.tasks[k].who_has} <= holders
+    np.testing.assert_array_equal(await c.compute(y), arr)
+    del y
+
+    # inputs not computed yet when the runs start: every worker may hold them
+    z = x.map_blocks(lambda block: block + 1).rechunk((150, 2), method="service")
+    np.testing.assert_array_equal(await c.compute(z), arr + 1)
+    del x
+    await assert_nothing_left(s, [a, b, w3, w4])
+
+
 @pytest.mark.parametrize("dtype", ["f8", "bool", "c16", "M8[ns]", "m8[s]", "S7", "U3",
                                    [("a", "i4"), ("b", "f8")]])
 def test_large_output_chunks_are_plain_writeable_arrays(dtype):

@@ -194,3 +194,14 @@ async def test_service_ids_are_never_reused(c, s, a, b):
         assert not ids & seen
         seen |= ids
     await assert_nothing_left(s, [a, b])
+
+
+def test_a_service_definition_names_its_participants_plainly():
+    from dask_services.graph import PARTICIPANTS, ServiceDefinition
+
+    common = dict(service_class=dask_services.Service, params={}, input_keys=(),
+                  handoff_keys=(), output_keys=())
+    for choice in PARTICIPANTS:
+        assert ServiceDefinition(**common, participants=choice).participants == choice
+    with pytest.raises(ValueError, match="participants='inputs' is not one of"):
+        ServiceDefinition(**common, participants="inputs")

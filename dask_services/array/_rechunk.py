@@ -94,7 +94,8 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> dict:
     max_pairs = int(dask.config.get("dask_services.rechunk.pairs-per-task", PAIRS_PER_TASK))
     overlaps = [axis_overlaps(o, n) for o, n in zip(x.chunks, chunks, strict=True)]
     layer: dict = {}
-    for b, (old_box, new_box) in enumerate(region_boxes(x.chunks, chunks, max_pairs)):
+    boxes = list(region_boxes(x.chunks, chunks, max_pairs))
+    for b, (old_box, new_box) in enumerate(boxes):
         outputs = list(itertools.product(*new_box))
         inputs = list(itertools.product(*old_box))
         if len(outputs) == 1:
@@ -132,6 +133,9 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> dict:
                 (name, *_shift(j, new_offset)): (x.name, *_shift(i, old_offset))
                 for j, i in nearest.items()
             },
+            # one of several regions: its run takes place where its inputs are, not on
+            # every worker (an instance, a start and a barrier each)
+            participants="input-holders" if len(boxes) > 1 else "all",
         )
         layer.update(build_service_graph(
             definition, f"rechunk-service-task-{token}-{b}", input_keys))
