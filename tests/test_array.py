@@ -354,3 +354,28 @@ def test_large_output_chunks_are_plain_writeable_arrays(dtype):
     np.testing.assert_array_equal(got, source)
     assert got.flags.writeable and got.flags.c_contiguous
     assert type(new_array((3, 2), np.dtype(object))) is np.ndarray  # small or object: numpy's
+
+
+def test_large_output_chunks_leave_numpys_huge_page_advice_as_it_was():
+    """``new_array`` turns numpy's process-wide huge-page advice off around its own
+    allocation only, also when several threads allocate at once, whichever way it was set."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dask_services.array._service import (
+        HUGEPAGE_ADVICE_FROM,
+        _get_madvise_hugepage,
+        _set_madvise_hugepage,
+        new_array,
+    )
+
+    shape = (HUGEPAGE_ADVICE_FROM // 8 + 1,)
+    before = _get_madvise_hugepage()
+    try:
+        for setting in (True, False):
+            _set_madvise_hugepage(setting)
+            with ThreadPoolExecutor(8) as pool:
+                arrays = list(pool.map(lambda _: new_array(shape, np.dtype("f8")), range(64)))
+            assert all(a.shape == shape and a.flags.writeable for a in arrays)
+            assert _get_madvise_hugepage() is setting
+    finally:
+        _set_madvise_hugepage(before)

@@ -37,3 +37,15 @@ def test_unknown_methods_still_refused_by_dask():
 
     with pytest.raises(NotImplementedError, match="Unknown rechunking method"):
         da.ones((4, 4), chunks=2).rechunk(4, method="nope")
+
+
+def test_numpys_huge_page_switch_is_where_output_chunks_find_it():
+    """Large output chunks are allocated with numpy's huge-page advice off
+    (``array/_service.py``, ``new_array``); without the switch they fall back to fresh
+    pages, which costs every assembled chunk its page faults."""
+    from dask_services.array import _service
+
+    assert _service._set_madvise_hugepage is not None, (
+        "numpy._core.multiarray._set_madvise_hugepage is gone: new_array falls back to "
+        "fresh pages for every output chunk")
+    assert isinstance(_service._get_madvise_hugepage(), bool)
