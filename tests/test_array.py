@@ -341,14 +341,15 @@ async def test_a_region_runs_only_on_the_workers_holding_its_inputs(c, s, a, b, 
 @pytest.mark.parametrize("dtype", ["f8", "bool", "c16", "M8[ns]", "m8[s]", "S7", "U3",
                                    [("a", "i4"), ("b", "f8")]])
 def test_large_output_chunks_are_plain_writeable_arrays(dtype):
-    from dask_services.array._service import HUGEPAGE_ADVICE_FROM, new_array, write_pieces
+    from dask_services._memory import HUGE_PAGE_ADVICE_FROM
+    from dask_services.array._service import new_array, write_pieces
 
     dtype = np.dtype(dtype)
-    rows = HUGEPAGE_ADVICE_FROM // (dtype.itemsize * 8) + 3  # above the size that maps
+    rows = HUGE_PAGE_ADVICE_FROM // (dtype.itemsize * 8) + 3  # above the size that maps
     source = np.zeros((rows, 8), dtype=dtype)
     out = new_array(source.shape, dtype)
     assert out.flags.writeable and out.flags.c_contiguous and out.dtype == dtype
-    assert out.nbytes >= HUGEPAGE_ADVICE_FROM
+    assert out.nbytes >= HUGE_PAGE_ADVICE_FROM
     got = write_pieces(source.shape, dtype, [((0, 0), source[: rows // 2]),
                                              ((rows // 2, 0), source[rows // 2:])])
     np.testing.assert_array_equal(got, source)
@@ -361,14 +362,14 @@ def test_large_output_chunks_leave_numpys_huge_page_advice_as_it_was():
     allocation only, also when several threads allocate at once, whichever way it was set."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from dask_services.array._service import (
-        HUGEPAGE_ADVICE_FROM,
+    from dask_services._memory import (
+        HUGE_PAGE_ADVICE_FROM,
         _get_madvise_hugepage,
         _set_madvise_hugepage,
-        new_array,
     )
+    from dask_services.array._service import new_array
 
-    shape = (HUGEPAGE_ADVICE_FROM // 8 + 1,)
+    shape = (HUGE_PAGE_ADVICE_FROM // 8 + 1,)
     before = _get_madvise_hugepage()
     try:
         for setting in (True, False):

@@ -40,12 +40,12 @@ def test_unknown_methods_still_refused_by_dask():
 
 
 def test_numpys_huge_page_switch_is_where_output_chunks_find_it():
-    """Large output chunks are allocated with numpy's huge-page advice off
-    (``array/_service.py``, ``new_array``); without the switch they fall back to fresh
-    pages, which costs every assembled chunk its page faults."""
-    from dask_services.array import _service
+    """Rechunk output chunks are allocated with numpy's huge-page advice off (``_memory.py``,
+    ``without_huge_page_advice``); without the switch they get the advice again, and every
+    large allocation its huge-page faults."""
+    from dask_services import _memory
 
-    assert _service._set_madvise_hugepage is not None, (
-        "numpy._core.multiarray._set_madvise_hugepage is gone: new_array falls back to "
-        "fresh pages for every output chunk")
-    assert isinstance(_service._get_madvise_hugepage(), bool)
+    assert _memory._set_madvise_hugepage is not None, (
+        "numpy._core.multiarray._set_madvise_hugepage is gone: without_huge_page_advice "
+        "no longer turns numpy's huge-page advice off")
+    assert isinstance(_memory._get_madvise_hugepage(), bool)

@@ -86,3 +86,40 @@ def test_a_write_under_way_holds_back_batches_over_the_limit(tmp_path, monkeypat
         buf.clear()
 
     run(main())
+
+
+def test_huge_page_advice_is_off_while_any_thread_is_inside_and_restored_after():
+    """Overlapping ``without_huge_page_advice`` blocks in two threads: the advice stays off
+    until the last one leaves, then is what it was before the first entered."""
+    import threading
+
+    from dask_services._memory import (
+        _get_madvise_hugepage,
+        _set_madvise_hugepage,
+        without_huge_page_advice,
+    )
+
+    before = _get_madvise_hugepage()
+    entered, leave = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with without_huge_page_advice():
+            entered.set()
+            leave.wait(10)
+
+    try:
+        for setting in (True, False):
+            _set_madvise_hugepage(setting)
+            entered.clear()
+            leave.clear()
+            thread = threading.Thread(target=other)
+            with without_huge_page_advice():
+                thread.start()
+                assert entered.wait(10)
+                assert _get_madvise_hugepage() is False
+            assert _get_madvise_hugepage() is False  # the other thread is still inside
+            leave.set()
+            thread.join(10)
+            assert _get_madvise_hugepage() is setting
+    finally:
+        _set_madvise_hugepage(before)

@@ -16,8 +16,6 @@ import asyncio
 import bisect
 import itertools
 import math
-import mmap
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +23,7 @@ import numpy as np
 from dask.sizeof import sizeof
 
 from dask_services._exchange import PeerExchange
-from dask_services._memory import TrimAfter, release_freed_memory
+from dask_services._memory import TrimAfter, release_freed_memory, without_huge_page_advice
 from dask_services.service import ServiceId, rpc
 
 Index = tuple[int, ...]
@@ -251,40 +249,14 @@ def fill(out: np.ndarray, pieces: list[tuple[tuple[int, ...], np.ndarray]]) -> n
     return out
 
 
-HUGEPAGE_ADVICE_FROM = 4 * 2**20  # numpy advises huge pages from this size on (Linux)
-try:  # numpy's switch for that advice (process-wide; present in numpy 1.x and 2.x)
-    from numpy._core.multiarray import _get_madvise_hugepage, _set_madvise_hugepage
-except ImportError:  # pragma: no cover - a numpy without it: fresh pages instead
-    _get_madvise_hugepage = _set_madvise_hugepage = None
-_HUGEPAGE_SWITCH = threading.Lock()
-
-
 def new_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialized, writeable, C-ordered array, allocated without huge-page advice.
-
-    numpy advises transparent huge pages for every allocation of 4 MiB or more.  Where THP is
-    ``madvise`` (a common default), each first write then makes the kernel find and zero a
-    whole 2 MiB page, compacting memory when none is free: assembling a 31 MB output chunk of
-    a 2 GB all-to-all rechunk took ~70 ms of kernel time per chunk that way, ~20 ms from
-    plain pages.  Without the advice the allocator also hands back memory that freed pieces
-    and chunks left in the process, which needs no page faults at all: a 15.6 MB chunk took
-    ~15 ms to allocate and fill on fresh pages of an anonymous ``mmap`` (what this did
-    before), ~2 ms on reused ones.  The advice is numpy's process-wide switch, turned off
-    only around this allocation (under a lock, so that concurrent calls restore it
-    correctly); an allocation elsewhere meanwhile at worst goes without the advice.
-    """
-    count = math.prod(shape)
-    nbytes = count * dtype.itemsize
-    if nbytes < HUGEPAGE_ADVICE_FROM or dtype.hasobject:
+    """An uninitialized, writeable, C-ordered array, allocated without huge-page advice
+    (``_memory.py``): assembling a 31 MB output chunk of a 2 GB all-to-all rechunk took ~70
+    ms of kernel time with the advice, ~20 ms on fresh plain pages, and with the allocator
+    handing back memory that freed pieces left in the process (no page faults) the 1 GB
+    rechunks took 5-19% less time than on fresh pages of an anonymous ``mmap``."""
+    with without_huge_page_advice():
         return np.empty(shape, dtype=dtype)
-    if _set_madvise_hugepage is None:
-        return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=count).reshape(shape)
-    with _HUGEPAGE_SWITCH:
-        advised = _set_madvise_hugepage(False)
-        try:
-            return np.empty(shape, dtype=dtype)
-        finally:
-            _set_madvise_hugepage(advised)
 
 
 def piece_bytes(piece: np.ndarray) -> int:
