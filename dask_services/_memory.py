@@ -92,4 +92,3 @@ class TrimAfter:
             return False
         self.freed = 0
         return True
-
