@@ -16,6 +16,11 @@ import dask_services
 
 pytestmark = pytest.mark.timeout(120)
 
+# rechunks whose outputs need few inputs each are copy tasks by default; these settings make
+# them service tasks, to test the service's regions on them
+def service_for_local_rechunks():
+    return dask.config.set({"dask_services.rechunk.copy-max-inputs": 0})
+
 DTYPES = [
     np.bool_, np.int8, np.uint16, np.int32, np.uint64, np.float16, np.float32, np.float64,
     np.complex64, np.complex128, "datetime64[ns]", "timedelta64[s]", "U5", "S3",
@@ -212,7 +217,8 @@ async def test_outputs_stream_before_the_last_input_is_handed_off(c, s, a, b):
     # 100-row chunks to 150-row chunks: independent regions of 300 rows
     arr = np.arange(6000.0).reshape(3000, 2)
     x = da.from_array(arr, chunks=(100, 2)).map_blocks(slow_inc)
-    y = x.rechunk((150, 2), method="service")
+    with service_for_local_rechunks():
+        y = x.rechunk((150, 2), method="service")
     result = await c.compute(y)
     np.testing.assert_array_equal(result, arr + 1)
     memory_at = {}
@@ -277,7 +283,8 @@ async def test_outputs_are_placed_near_their_inputs_and_hand_offs_run_in_order(c
     arr = np.arange(12000.0).reshape(6000, 2)
     x = c.persist(da.from_array(arr, chunks=(100, 2)))
     await wait(x)
-    y = c.persist(x.rechunk((150, 2), method="service"))
+    with service_for_local_rechunks():
+        y = c.persist(x.rechunk((150, 2), method="service"))
     await wait(y)
 
     def worker_of(key):
@@ -318,7 +325,8 @@ async def test_a_region_runs_only_on_the_workers_holding_its_inputs(c, s, a, b, 
     holders = {a.address, b.address}
     x = c.persist(da.from_array(arr, chunks=(100, 2)), workers=list(holders))
     await wait(x)
-    y = c.persist(x.rechunk((150, 2), method="service"))
+    with service_for_local_rechunks():
+        y = c.persist(x.rechunk((150, 2), method="service"))
     await wait(y)
     rows = [r for r in s.extensions["dask_services_diagnostics"].status()["runs"]
             if r["service"] == "ArrayRechunk"]
@@ -332,7 +340,8 @@ async def test_a_region_runs_only_on_the_workers_holding_its_inputs(c, s, a, b, 
     del y
 
     # inputs not computed yet when the runs start: every worker may hold them
-    z = x.map_blocks(lambda block: block + 1).rechunk((150, 2), method="service")
+    with service_for_local_rechunks():
+        z = x.map_blocks(lambda block: block + 1).rechunk((150, 2), method="service")
     np.testing.assert_array_equal(await c.compute(z), arr + 1)
     del x
     await assert_nothing_left(s, [a, b, w3, w4])
@@ -380,3 +389,29 @@ def test_large_output_chunks_leave_numpys_huge_page_advice_as_it_was():
             assert _get_madvise_hugepage() is setting
     finally:
         _set_madvise_hugepage(before)
+
+
+@service_cluster(timeout=90)
+async def test_outputs_needing_few_inputs_are_copy_tasks_and_feed_their_consumer(c, s, a, b):
+    """100-row chunks to 150-row chunks (each output needs at most 2 inputs): one copy task
+    per output chunk, no service task; with ``copy-max-inputs: 0`` service tasks again.
+    Both give numpy's result, alone and with a ``.sum()``."""
+    arr = np.arange(12000.0).reshape(6000, 2)
+    x = da.from_array(arr, chunks=(100, 2))
+    y = x.rechunk((150, 2), method="service")
+    keys = [str(k) for k in dict(y.__dask_graph__())]
+    assert not [k for k in keys if "service-task" in k or "handoff" in k]
+    assert len([k for k in dict(y.__dask_graph__()) if k[0] == y.name]) == 40
+    np.testing.assert_array_equal(await c.compute(y), arr)
+    assert await c.compute(y.sum()) == arr.sum()
+    with service_for_local_rechunks():
+        z = x.rechunk((150, 2), method="service")
+    assert any("service-task" in str(k) for k in dict(z.__dask_graph__()))
+    np.testing.assert_array_equal(await c.compute(z), arr)
+    # a 2-d rechunk whose outputs need 9 inputs each stays a service task by default
+    arr2 = np.arange(250_000.0).reshape(500, 500)
+    w = da.from_array(arr2, chunks=(100, 100)).rechunk((250, 250), method="service")
+    assert any("service-task" in str(k) for k in dict(w.__dask_graph__()))
+    np.testing.assert_array_equal(await c.compute(w), arr2)
+    del y, z, w
+    await assert_nothing_left(s, [a, b])

@@ -27,6 +27,7 @@ from dask_services.graph import ServiceDefinition, build_service_graph
 
 METHOD = "service"
 PAIRS_PER_TASK = 400  # dask_services.rechunk.pairs-per-task
+COPY_MAX_INPUTS = 4  # dask_services.rechunk.copy-max-inputs
 _module = importlib.import_module("dask.array.rechunk")
 _dask_rechunk = _module.rechunk
 
@@ -76,12 +77,10 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> dict:
     walks every pair of an input and an output that the service task connects) and let
     dask order each region's consumers right after it, as for any other task.
     """
-    from dask._task_spec import Task, TaskRef
-
     from dask_services.array._service import (
         ArrayRechunk,
         axis_overlaps,
-        copy_pieces,
+        max_inputs_per_output,
         most_needed_inputs,
         region_boxes,
     )
@@ -94,25 +93,19 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> dict:
     max_pairs = int(dask.config.get("dask_services.rechunk.pairs-per-task", PAIRS_PER_TASK))
     overlaps = [axis_overlaps(o, n) for o, n in zip(x.chunks, chunks, strict=True)]
     layer: dict = {}
+    # Where no output chunk needs more than ``copy-max-inputs`` input chunks (100-row chunks
+    # to 150-row chunks: at most 2), every output chunk is one task that copies from its
+    # inputs, as a region with a single output always is: no hand-offs, no claims, and the
+    # consumer of an output (a ``.sum()``) follows it as the next task of a chain.
+    copy_max = int(dask.config.get("dask_services.rechunk.copy-max-inputs", COPY_MAX_INPUTS))
+    copy_each = 0 < max_inputs_per_output(overlaps, chunks) <= copy_max
     boxes = list(region_boxes(x.chunks, chunks, max_pairs))
     for b, (old_box, new_box) in enumerate(boxes):
         outputs = list(itertools.product(*new_box))
         inputs = list(itertools.product(*old_box))
-        if len(outputs) == 1:
-            (j,) = outputs
-            pieces = []
-            for i in inputs:
-                per_axis = [[p for p in overlaps[d][i[d]] if p[0] == j[d]]
-                            for d in range(len(i))]
-                if all(per_axis):
-                    pieces.append((i, tuple(p[0][1] for p in per_axis),
-                                   tuple(p[0][2] for p in per_axis)))
-            shape = tuple(chunks[d][jd] for d, jd in enumerate(j))
-            layer[(name, *j)] = Task(
-                (name, *j), copy_pieces, shape, x.dtype,
-                [(sl, off) for _, sl, off in pieces],
-                *(TaskRef((x.name, *i)) for i, _, _ in pieces),
-            )
+        if len(outputs) == 1 or copy_each:
+            for j in outputs:
+                layer[(name, *j)] = _copy_task(x, name, chunks, overlaps, j, inputs)
             continue
         old_offset = tuple(r.start for r in old_box)
         new_offset = tuple(r.start for r in new_box)
@@ -140,6 +133,26 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> dict:
         layer.update(build_service_graph(
             definition, f"rechunk-service-task-{token}-{b}", input_keys))
     return layer
+
+
+def _copy_task(x: Array, name: str, chunks: tuple, overlaps: list, j: tuple,
+               inputs: list[tuple]) -> Any:
+    """The task that builds output chunk ``j`` from the slices of ``inputs`` it needs."""
+    from dask._task_spec import Task, TaskRef
+
+    from dask_services.array._service import copy_pieces
+
+    pieces = []
+    for i in inputs:
+        per_axis = [[p for p in overlaps[d][i[d]] if p[0] == j[d]] for d in range(len(i))]
+        if all(per_axis):
+            pieces.append((i, tuple(p[0][1] for p in per_axis),
+                           tuple(p[0][2] for p in per_axis)))
+    shape = tuple(chunks[d][jd] for d, jd in enumerate(j))
+    return Task(
+        (name, *j), copy_pieces, shape, x.dtype, [(sl, off) for _, sl, off in pieces],
+        *(TaskRef((x.name, *i)) for i, _, _ in pieces),
+    )
 
 
 def _shift(index: tuple, offset: tuple) -> tuple:

@@ -16,6 +16,7 @@ import asyncio
 import bisect
 import itertools
 import math
+import mmap
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,7 +24,12 @@ import numpy as np
 from dask.sizeof import sizeof
 
 from dask_services._exchange import PeerExchange
-from dask_services._memory import TrimAfter, release_freed_memory, without_huge_page_advice
+from dask_services._memory import (
+    HUGE_PAGE_ADVICE_FROM,
+    TrimAfter,
+    release_freed_memory,
+    without_huge_page_advice,
+)
 from dask_services.service import ServiceId, rpc
 
 Index = tuple[int, ...]
@@ -136,8 +142,7 @@ def most_needed_inputs(old: Chunks, new: Chunks) -> dict[Index, Index] | None:
     more than ``AFFINITY_MAX_INPUTS`` inputs each (row to column chunks, say), where being
     near one of them saves nothing."""
     overlaps = [axis_overlaps(o, n) for o, n in zip(old, new, strict=True)]
-    counts = pieces_per_output(overlaps, new)
-    if math.prod(max(c, default=0) for c in counts) > AFFINITY_MAX_INPUTS:
+    if max_inputs_per_output(overlaps, new) > AFFINITY_MAX_INPUTS:
         return None
     best: list[list[int]] = []
     for d, axis in enumerate(overlaps):
@@ -151,6 +156,12 @@ def most_needed_inputs(old: Chunks, new: Chunks) -> dict[Index, Index] | None:
         best.append(choice)
     return {j: tuple(best[d][jd] for d, jd in enumerate(j))
             for j in itertools.product(*(range(len(c)) for c in new))}
+
+
+def max_inputs_per_output(overlaps: list[list[list[tuple[int, slice, int]]]],
+                          new: Chunks) -> int:
+    """The most input chunks that any one output chunk needs."""
+    return math.prod(max(c, default=0) for c in pieces_per_output(overlaps, new))
 
 
 def pieces_per_output(overlaps: list[list[list[tuple[int, slice, int]]]],
@@ -199,8 +210,8 @@ def merge_blocks(shape: tuple[float, ...], dtype: np.dtype, offsets: list[tuple[
                  *blocks: np.ndarray) -> np.ndarray:
     """One output chunk of a rechunk that only merges: its input chunks, each placed at its
     offset, in one new (C-ordered, writeable) array."""
-    return write_pieces(shape, dtype, [(o, np.asarray(b)) for o, b in zip(offsets, blocks,
-                                                                          strict=True)])
+    pieces = [(o, np.asarray(b)) for o, b in zip(offsets, blocks, strict=True)]
+    return fill(fresh_array(output_shape(shape, pieces), np.dtype(dtype)), pieces)
 
 
 def copy_pieces(shape: tuple[float, ...], dtype: np.dtype,
@@ -209,10 +220,9 @@ def copy_pieces(shape: tuple[float, ...], dtype: np.dtype,
     """One output chunk of a region with no other output: from every input chunk, the
     slice it needs (``layout``: slices and offset in the output, per input), in one new
     (C-ordered, writeable) array."""
-    return write_pieces(shape, dtype, [
-        (offset, np.asarray(block)[slices])
-        for (slices, offset), block in zip(layout, blocks, strict=True)
-    ])
+    pieces = [(offset, np.asarray(block)[slices])
+              for (slices, offset), block in zip(layout, blocks, strict=True)]
+    return fill(fresh_array(output_shape(shape, pieces), np.dtype(dtype)), pieces)
 
 
 def slice_block(block: np.ndarray, index: Index,
@@ -257,6 +267,22 @@ def new_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     rechunks took 5-19% less time than on fresh pages of an anonymous ``mmap``."""
     with without_huge_page_advice():
         return np.empty(shape, dtype=dtype)
+
+
+def fresh_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialized, writeable, C-ordered array; a large one on fresh pages of an
+    anonymous ``mmap`` (no huge-page advice, and back to the OS as soon as it is freed).
+
+    For the output chunks that tasks copy (``copy_pieces``, ``merge_blocks``): they are
+    allocated in task threads, whose allocator arenas hold no freed pieces to reuse, and on
+    fresh pages their memory leaves with them (1 GB 100 -> 150 rows, outputs persisted:
+    peak 0.96x p2p's with these, 1.07x with ``new_array``'s).
+    """
+    count = math.prod(shape)
+    nbytes = count * dtype.itemsize
+    if nbytes < HUGE_PAGE_ADVICE_FROM or dtype.hasobject:
+        return np.empty(shape, dtype=dtype)
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=count).reshape(shape)
 
 
 def piece_bytes(piece: np.ndarray) -> int:
