@@ -80,6 +80,7 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> dict:
     from dask_services.array._service import (
         ArrayRechunk,
         axis_overlaps,
+        inputs_by_output,
         max_inputs_per_output,
         most_needed_inputs,
         region_boxes,
@@ -98,14 +99,18 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> dict:
     # inputs, as a region with a single output always is: no hand-offs, no claims, and the
     # consumer of an output (a ``.sum()``) follows it as the next task of a chain.
     copy_max = int(dask.config.get("dask_services.rechunk.copy-max-inputs", COPY_MAX_INPUTS))
-    copy_each = 0 < max_inputs_per_output(overlaps, chunks) <= copy_max
+    by_output = [inputs_by_output(axis, len(chunks[d])) for d, axis in enumerate(overlaps)]
+    if 0 < max_inputs_per_output(overlaps, chunks) <= copy_max:
+        for j in itertools.product(*(range(len(c)) for c in chunks)):
+            layer[(name, *j)] = _copy_task(x, name, chunks, by_output, j)
+        return layer
     boxes = list(region_boxes(x.chunks, chunks, max_pairs))
     for b, (old_box, new_box) in enumerate(boxes):
         outputs = list(itertools.product(*new_box))
         inputs = list(itertools.product(*old_box))
-        if len(outputs) == 1 or copy_each:
-            for j in outputs:
-                layer[(name, *j)] = _copy_task(x, name, chunks, overlaps, j, inputs)
+        if len(outputs) == 1:
+            (j,) = outputs
+            layer[(name, *j)] = _copy_task(x, name, chunks, by_output, j)
             continue
         old_offset = tuple(r.start for r in old_box)
         new_offset = tuple(r.start for r in new_box)
@@ -135,19 +140,16 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> dict:
     return layer
 
 
-def _copy_task(x: Array, name: str, chunks: tuple, overlaps: list, j: tuple,
-               inputs: list[tuple]) -> Any:
-    """The task that builds output chunk ``j`` from the slices of ``inputs`` it needs."""
+def _copy_task(x: Array, name: str, chunks: tuple, by_output: list, j: tuple) -> Any:
+    """The task that builds output chunk ``j`` from the slices of the inputs it needs
+    (``by_output``: per axis, per output index, ``[(input index, slice, offset), ...]``)."""
     from dask._task_spec import Task, TaskRef
 
     from dask_services.array._service import copy_pieces
 
-    pieces = []
-    for i in inputs:
-        per_axis = [[p for p in overlaps[d][i[d]] if p[0] == j[d]] for d in range(len(i))]
-        if all(per_axis):
-            pieces.append((i, tuple(p[0][1] for p in per_axis),
-                           tuple(p[0][2] for p in per_axis)))
+    pieces = [(tuple(i for i, _, _ in combo), tuple(sl for _, sl, _ in combo),
+               tuple(off for _, _, off in combo))
+              for combo in itertools.product(*(by_output[d][jd] for d, jd in enumerate(j)))]
     shape = tuple(chunks[d][jd] for d, jd in enumerate(j))
     return Task(
         (name, *j), copy_pieces, shape, x.dtype, [(sl, off) for _, sl, off in pieces],

@@ -158,6 +158,17 @@ def most_needed_inputs(old: Chunks, new: Chunks) -> dict[Index, Index] | None:
             for j in itertools.product(*(range(len(c)) for c in new))}
 
 
+def inputs_by_output(axis: list[list[tuple[int, slice, int]]], outputs: int
+                     ) -> list[list[tuple[int, slice, int]]]:
+    """One axis's overlaps turned around: for each new chunk along it, ``[(old chunk,
+    slice of it, offset in the new chunk), ...]`` in old-chunk order."""
+    out: list[list[tuple[int, slice, int]]] = [[] for _ in range(outputs)]
+    for i, pieces in enumerate(axis):
+        for j, piece, offset in pieces:
+            out[j].append((i, piece, offset))
+    return out
+
+
 def max_inputs_per_output(overlaps: list[list[list[tuple[int, slice, int]]]],
                           new: Chunks) -> int:
     """The most input chunks that any one output chunk needs."""
