@@ -347,23 +347,27 @@ async def test_a_region_runs_only_on_the_workers_holding_its_inputs(c, s, a, b, 
     await assert_nothing_left(s, [a, b, w3, w4])
 
 
+@pytest.mark.parametrize("allocate", ["new_array", "fresh_array"])
 @pytest.mark.parametrize("dtype", ["f8", "bool", "c16", "M8[ns]", "m8[s]", "S7", "U3",
                                    [("a", "i4"), ("b", "f8")]])
-def test_large_output_chunks_are_plain_writeable_arrays(dtype):
+def test_large_output_chunks_are_plain_writeable_arrays(dtype, allocate):
+    """Both ways output chunks are allocated (the service's assembly, the copy tasks')."""
     from dask_services._memory import HUGE_PAGE_ADVICE_FROM
-    from dask_services.array._service import new_array, write_pieces
+    from dask_services.array import _service
+    from dask_services.array._service import fill, output_shape
 
+    new = getattr(_service, allocate)
     dtype = np.dtype(dtype)
     rows = HUGE_PAGE_ADVICE_FROM // (dtype.itemsize * 8) + 3  # above the size that maps
     source = np.zeros((rows, 8), dtype=dtype)
-    out = new_array(source.shape, dtype)
+    out = new(source.shape, dtype)
     assert out.flags.writeable and out.flags.c_contiguous and out.dtype == dtype
     assert out.nbytes >= HUGE_PAGE_ADVICE_FROM
-    got = write_pieces(source.shape, dtype, [((0, 0), source[: rows // 2]),
-                                             ((rows // 2, 0), source[rows // 2:])])
+    pieces = [((0, 0), source[: rows // 2]), ((rows // 2, 0), source[rows // 2:])]
+    got = fill(new(output_shape(source.shape, pieces), dtype), pieces)
     np.testing.assert_array_equal(got, source)
     assert got.flags.writeable and got.flags.c_contiguous
-    assert type(new_array((3, 2), np.dtype(object))) is np.ndarray  # small or object: numpy's
+    assert type(new((3, 2), np.dtype(object))) is np.ndarray  # small or object: numpy's
 
 
 def test_large_output_chunks_leave_numpys_huge_page_advice_as_it_was():

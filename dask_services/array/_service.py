@@ -247,12 +247,6 @@ def slice_block(block: np.ndarray, index: Index,
     ]
 
 
-def write_pieces(shape: tuple[int, ...], dtype: np.dtype,
-                 pieces: list[tuple[tuple[int, ...], np.ndarray]]) -> np.ndarray:
-    """One output chunk: every piece written into one new (C-ordered, writeable) array."""
-    return fill(new_array(output_shape(shape, pieces), np.dtype(dtype)), pieces)
-
-
 def output_shape(shape: tuple[float, ...], pieces: list[tuple[tuple[int, ...], np.ndarray]]
                  ) -> tuple[int, ...]:
     """The shape of the output chunk made of ``pieces`` (axes of unknown size, NaN in
