@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib
 import itertools
+import math
 from typing import Any
 
 import dask
@@ -102,7 +103,7 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> dict:
     by_output = [inputs_by_output(axis, len(chunks[d])) for d, axis in enumerate(overlaps)]
     if 0 < max_inputs_per_output(overlaps, chunks) <= copy_max:
         for j in itertools.product(*(range(len(c)) for c in chunks)):
-            layer[(name, *j)] = _copy_task(x, name, chunks, by_output, j)
+            layer.update(_copy_tasks(x, name, token, chunks, by_output, j))
         return layer
     boxes = list(region_boxes(x.chunks, chunks, max_pairs))
     for b, (old_box, new_box) in enumerate(boxes):
@@ -110,7 +111,7 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> dict:
         inputs = list(itertools.product(*old_box))
         if len(outputs) == 1:
             (j,) = outputs
-            layer[(name, *j)] = _copy_task(x, name, chunks, by_output, j)
+            layer.update(_copy_tasks(x, name, token, chunks, by_output, j))
             continue
         old_offset = tuple(r.start for r in old_box)
         new_offset = tuple(r.start for r in new_box)
@@ -140,21 +141,52 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> dict:
     return layer
 
 
-def _copy_task(x: Array, name: str, chunks: tuple, by_output: list, j: tuple) -> Any:
-    """The task that builds output chunk ``j`` from the slices of the inputs it needs
-    (``by_output``: per axis, per output index, ``[(input index, slice, offset), ...]``)."""
+def _copy_tasks(x: Array, name: str, token: str, chunks: tuple, by_output: list, j: tuple
+                ) -> dict:
+    """The tasks that build output chunk ``j`` from the slices of the inputs it needs
+    (``by_output``: per axis, per output index, ``[(input index, slice, offset), ...]``).
+
+    An input chunk that the output takes whole is an argument of the copy itself; an input
+    chunk shared with other outputs gets a slice task of its own per output, which runs
+    where the input is.  When the copy runs on another worker, only that slice travels,
+    and it is gone once the copy is done, where a whole input chunk fetched for a slice of
+    it would stay there, a replica, as long as the input lives (a persisted input: until
+    the end).
+    """
     from dask._task_spec import Task, TaskRef
 
-    from dask_services.array._service import copy_pieces
+    from dask_services.array._service import copy_pieces, take_slice
 
-    pieces = [(tuple(i for i, _, _ in combo), tuple(sl for _, sl, _ in combo),
-               tuple(off for _, _, off in combo))
-              for combo in itertools.product(*(by_output[d][jd] for d, jd in enumerate(j)))]
+    tasks: dict = {}
+    layout = []
+    blocks = []
+    for combo in itertools.product(*(by_output[d][jd] for d, jd in enumerate(j))):
+        i = tuple(i for i, _, _ in combo)
+        slices = tuple(sl for _, sl, _ in combo)
+        offset = tuple(off for _, _, off in combo)
+        if _is_whole(slices, x.chunks, i):
+            layout.append((slices, offset))
+            blocks.append(TaskRef((x.name, *i)))
+            continue
+        key = (f"rechunk-slice-{token}", *i, *j)
+        tasks[key] = Task(key, take_slice, TaskRef((x.name, *i)), slices)
+        layout.append((None, offset))
+        blocks.append(TaskRef(key))
     shape = tuple(chunks[d][jd] for d, jd in enumerate(j))
-    return Task(
-        (name, *j), copy_pieces, shape, x.dtype, [(sl, off) for _, sl, off in pieces],
-        *(TaskRef((x.name, *i)) for i, _, _ in pieces),
-    )
+    tasks[(name, *j)] = Task((name, *j), copy_pieces, shape, x.dtype, layout, *blocks)
+    return tasks
+
+
+def _is_whole(slices: tuple[slice, ...], old: tuple, i: tuple) -> bool:
+    """Whether ``slices`` cover all of input chunk ``i`` (of unknown size: always)."""
+    for d, (sl, id_) in enumerate(zip(slices, i, strict=True)):
+        size = old[d][id_]
+        if math.isnan(size):
+            continue
+        start, stop, _ = sl.indices(int(size))
+        if start != 0 or stop != size:
+            return False
+    return True
 
 
 def _shift(index: tuple, offset: tuple) -> tuple:

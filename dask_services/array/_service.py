@@ -226,14 +226,20 @@ def merge_blocks(shape: tuple[float, ...], dtype: np.dtype, offsets: list[tuple[
 
 
 def copy_pieces(shape: tuple[float, ...], dtype: np.dtype,
-                layout: list[tuple[tuple[slice, ...], tuple[int, ...]]],
+                layout: list[tuple[tuple[slice, ...] | None, tuple[int, ...]]],
                 *blocks: np.ndarray) -> np.ndarray:
     """One output chunk of a region with no other output: from every input chunk, the
-    slice it needs (``layout``: slices and offset in the output, per input), in one new
-    (C-ordered, writeable) array."""
-    pieces = [(offset, np.asarray(block)[slices])
+    slice it needs (``layout``: slices and offset in the output, per input; ``None``: the
+    block is that slice already), in one new (C-ordered, writeable) array."""
+    pieces = [(offset, np.asarray(block) if slices is None else np.asarray(block)[slices])
               for (slices, offset), block in zip(layout, blocks, strict=True)]
     return fill(fresh_array(output_shape(shape, pieces), np.dtype(dtype)), pieces)
+
+
+def take_slice(block: np.ndarray, slices: tuple[slice, ...]) -> np.ndarray:
+    """The part of an input chunk that one output chunk needs (a view: on the input's
+    worker it costs nothing; sent to another worker, only its own bytes travel)."""
+    return np.asarray(block)[slices]
 
 
 def slice_block(block: np.ndarray, index: Index,
