@@ -78,12 +78,15 @@ def rechunk_cases(draw):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(rechunk_cases())
-def test_property_matches_numpy_and_tasks(case):
+@given(rechunk_cases(), st.sampled_from([0, 16, "256 KiB"]))
+def test_property_matches_numpy_and_tasks(case, slice_saving):
+    """Any chunking, and shared input chunks taken through slice tasks always (0), for
+    some (16 bytes) or for none (the default, on these small arrays)."""
     shape, old, new, dtype = case
     a = sample(shape, dtype)
     x = da.from_array(a, chunks=old)
-    ours = x.rechunk(new, method="service")
+    with dask.config.set({"dask_services.rechunk.slice-saving": slice_saving}):
+        ours = x.rechunk(new, method="service")
     assert ours.chunks == x.rechunk(new, method="tasks").chunks
     result = ours.compute(scheduler="sync")
     assert result.dtype == a.dtype and result.shape == a.shape
@@ -407,8 +410,14 @@ async def test_outputs_needing_few_inputs_are_copy_tasks_and_feed_their_consumer
     keys = [str(k) for k in dict(y.__dask_graph__())]
     assert not [k for k in keys if "service-task" in k or "handoff" in k]
     assert len([k for k in dict(y.__dask_graph__()) if k[0] == y.name]) == 40
-    # input chunks 1, 4, 7, ... go half to one output, half to the next: a slice task each
-    assert len([k for k in keys if "rechunk-slice" in k]) == 2 * 20
+    # input chunks 1, 4, 7, ... go half to one output, half to the next: small, they are
+    # taken whole; with ``slice-saving: 0`` through a slice task per output
+    assert not [k for k in keys if "rechunk-slice" in k]
+    with dask.config.set({"dask_services.rechunk.slice-saving": 0}):
+        v = x.rechunk((150, 2), method="service")
+    assert len([k for k in dict(v.__dask_graph__()) if "rechunk-slice" in str(k)]) == 2 * 20
+    np.testing.assert_array_equal(await c.compute(v), arr)
+    assert await c.compute(v.sum()) == arr.sum()
     np.testing.assert_array_equal(await c.compute(y), arr)
     assert await c.compute(y.sum()) == arr.sum()
     with service_for_local_rechunks():
@@ -420,7 +429,7 @@ async def test_outputs_needing_few_inputs_are_copy_tasks_and_feed_their_consumer
     w = da.from_array(arr2, chunks=(100, 100)).rechunk((250, 250), method="service")
     assert any("service-task" in str(k) for k in dict(w.__dask_graph__()))
     np.testing.assert_array_equal(await c.compute(w), arr2)
-    del y, z, w
+    del y, z, w, v
     await assert_nothing_left(s, [a, b])
 
 

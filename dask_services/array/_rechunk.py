@@ -23,12 +23,14 @@ from dask.array.core import Array, normalize_chunks
 from dask.array.utils import validate_axis
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
+from dask.utils import parse_bytes
 
 from dask_services.graph import ServiceDefinition, build_service_graph
 
 METHOD = "service"
 PAIRS_PER_TASK = 400  # dask_services.rechunk.pairs-per-task
 COPY_MAX_INPUTS = 4  # dask_services.rechunk.copy-max-inputs
+SLICE_SAVING = "256 KiB"  # dask_services.rechunk.slice-saving
 _module = importlib.import_module("dask.array.rechunk")
 _dask_rechunk = _module.rechunk
 
@@ -101,9 +103,11 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> dict:
     # consumer of an output (a ``.sum()``) follows it as the next task of a chain.
     copy_max = int(dask.config.get("dask_services.rechunk.copy-max-inputs", COPY_MAX_INPUTS))
     by_output = [inputs_by_output(axis, len(chunks[d])) for d, axis in enumerate(overlaps)]
+    saving = parse_bytes(dask.config.get("dask_services.rechunk.slice-saving", SLICE_SAVING))
+    copy = functools.partial(_copy_tasks, x, name, token, chunks, by_output, saving)
     if 0 < max_inputs_per_output(overlaps, chunks) <= copy_max:
         for j in itertools.product(*(range(len(c)) for c in chunks)):
-            layer.update(_copy_tasks(x, name, token, chunks, by_output, j))
+            layer.update(copy(j))
         return layer
     boxes = list(region_boxes(x.chunks, chunks, max_pairs))
     for b, (old_box, new_box) in enumerate(boxes):
@@ -111,7 +115,7 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> dict:
         inputs = list(itertools.product(*old_box))
         if len(outputs) == 1:
             (j,) = outputs
-            layer.update(_copy_tasks(x, name, token, chunks, by_output, j))
+            layer.update(copy(j))
             continue
         old_offset = tuple(r.start for r in old_box)
         new_offset = tuple(r.start for r in new_box)
@@ -141,17 +145,19 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> dict:
     return layer
 
 
-def _copy_tasks(x: Array, name: str, token: str, chunks: tuple, by_output: list, j: tuple
-                ) -> dict:
+def _copy_tasks(x: Array, name: str, token: str, chunks: tuple, by_output: list,
+                saving: int, j: tuple) -> dict:
     """The tasks that build output chunk ``j`` from the slices of the inputs it needs
     (``by_output``: per axis, per output index, ``[(input index, slice, offset), ...]``).
 
-    An input chunk that the output takes whole is an argument of the copy itself; an input
-    chunk shared with other outputs gets a slice task of its own per output, which runs
-    where the input is.  When the copy runs on another worker, only that slice travels,
-    and it is gone once the copy is done, where a whole input chunk fetched for a slice of
-    it would stay there, a replica, as long as the input lives (a persisted input: until
-    the end).
+    An input chunk that the output takes whole is an argument of the copy itself; so is
+    one shared with other outputs when the part this output does not need is smaller than
+    ``saving`` bytes.  Otherwise the shared chunk gets a slice task for this output, run
+    where the input is: when the copy runs on another worker only the slice travels, and
+    it is forgotten with the copy.  Workers fetch the dependencies of every task assigned
+    to them as early as they can, so whole shared chunks would be held (twice) long before
+    their copies run; a slice task costs the scheduler a task, more than moving a small
+    chunk whole (``design/array-rechunk.md``, "Slices of shared inputs").
     """
     from dask._task_spec import Task, TaskRef
 
@@ -164,7 +170,7 @@ def _copy_tasks(x: Array, name: str, token: str, chunks: tuple, by_output: list,
         i = tuple(i for i, _, _ in combo)
         slices = tuple(sl for _, sl, _ in combo)
         offset = tuple(off for _, _, off in combo)
-        if _is_whole(slices, x.chunks, i):
+        if _unneeded_bytes(slices, x.chunks, i, x.dtype) < max(saving, 1):
             layout.append((slices, offset))
             blocks.append(TaskRef((x.name, *i)))
             continue
@@ -177,16 +183,19 @@ def _copy_tasks(x: Array, name: str, token: str, chunks: tuple, by_output: list,
     return tasks
 
 
-def _is_whole(slices: tuple[slice, ...], old: tuple, i: tuple) -> bool:
-    """Whether ``slices`` cover all of input chunk ``i`` (of unknown size: always)."""
+def _unneeded_bytes(slices: tuple[slice, ...], old: tuple, i: tuple, dtype: np.dtype
+                    ) -> float:
+    """How many bytes of input chunk ``i`` lie outside ``slices`` (an axis of unknown size,
+    which slices cover whole, counts as one element: a lower bound)."""
+    whole = part = float(dtype.itemsize)
     for d, (sl, id_) in enumerate(zip(slices, i, strict=True)):
         size = old[d][id_]
         if math.isnan(size):
             continue
         start, stop, _ = sl.indices(int(size))
-        if start != 0 or stop != size:
-            return False
-    return True
+        whole *= size
+        part *= stop - start
+    return whole - part
 
 
 def _shift(index: tuple, offset: tuple) -> tuple:
