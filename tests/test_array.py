@@ -17,10 +17,12 @@ import dask_services
 
 pytestmark = pytest.mark.timeout(120)
 
-# rechunks whose outputs need few inputs each are copy tasks by default; these settings make
-# them service tasks, to test the service's regions on them
+# rechunks whose outputs need few inputs each are copy tasks by default, and rechunks of many
+# small regions merge-and-split tasks; these settings make them service tasks, to test the
+# service's regions on them
 def service_for_local_rechunks():
-    return dask.config.set({"dask_services.rechunk.copy-max-inputs": 0})
+    return dask.config.set({"dask_services.rechunk.copy-max-inputs": 0,
+                            "dask_services.rechunk.merge-region-max": 0})
 
 DTYPES = [
     np.bool_, np.int8, np.uint16, np.int32, np.uint64, np.float16, np.float32, np.float64,
@@ -78,14 +80,16 @@ def rechunk_cases(draw):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(rechunk_cases(), st.sampled_from([0, 16, "256 KiB"]))
-def test_property_matches_numpy_and_tasks(case, slice_saving):
-    """Any chunking, and shared input chunks taken through slice tasks always (0), for
-    some (16 bytes) or for none (the default, on these small arrays)."""
+@given(rechunk_cases(), st.sampled_from([0, 16, "256 KiB"]), st.sampled_from([0, "16 MiB"]))
+def test_property_matches_numpy_and_tasks(case, slice_saving, merge_region_max):
+    """Any chunking; shared input chunks taken through slice tasks always (0), for some
+    (16 bytes) or for none (the default, on these small arrays); regions as service tasks
+    (0) or, the default on small arrays of several regions, merged and split by tasks."""
     shape, old, new, dtype = case
     a = sample(shape, dtype)
     x = da.from_array(a, chunks=old)
-    with dask.config.set({"dask_services.rechunk.slice-saving": slice_saving}):
+    with dask.config.set({"dask_services.rechunk.slice-saving": slice_saving,
+                          "dask_services.rechunk.merge-region-max": merge_region_max}):
         ours = x.rechunk(new, method="service")
     assert ours.chunks == x.rechunk(new, method="tasks").chunks
     result = ours.compute(scheduler="sync")
@@ -456,3 +460,46 @@ async def test_a_copy_fetches_only_the_slice_it_needs_from_another_worker(c, s, 
     assert [len(s.tasks[k].who_has) for k in keys[1::3]] == [1] * 10
     del x, parts
     await assert_nothing_left(s, [a, b])
+
+
+@service_cluster(timeout=90)
+async def test_many_small_regions_are_merged_and_split_by_tasks(c, s, a, b):
+    """100 x 100 chunks to 2000 x 5 (each output needs 20 inputs, each input feeds 20
+    outputs): 10 independent regions of 2000 x 100, 800 kB each.  By default every region
+    is one task merging its 20 inputs and a task per output cutting it out (no service
+    run); above ``merge-region-max`` they are service tasks.  Both give numpy's result,
+    alone and with a ``.sum()``, in fresh C-ordered, writeable output chunks."""
+    arr = np.random.default_rng(0).random((2000, 1000)).astype("f4")
+    x = da.from_array(arr, chunks=(100, 100))
+    y = x.rechunk((2000, 5), method="service")
+    keys = [str(k) for k in dict(y.__dask_graph__())]
+    assert not [k for k in keys if "service-task" in k or "handoff" in k]
+    assert len([k for k in keys if "rechunk-region" in k]) == 10
+    assert len(dict(y.__dask_graph__())) == 200 + 10 + 200  # inputs, regions, outputs
+    np.testing.assert_array_equal(await c.compute(y), arr)
+    assert np.isclose(await c.compute(y.sum()), arr.sum(dtype="f4"), rtol=1e-5)
+    block = await c.compute(y.blocks[0, 7])
+    assert block.flags.c_contiguous and block.flags.writeable
+    with dask.config.set({"dask_services.rechunk.merge-region-max": "100 kB"}):
+        z = x.rechunk((2000, 5), method="service")
+    assert any("service-task" in str(k) for k in dict(z.__dask_graph__()))
+    np.testing.assert_array_equal(await c.compute(z), arr)
+    # rows to columns, one region (every output needs a part of every input): one service
+    # task, however small
+    w = da.from_array(arr, chunks=(100, 1000)).rechunk((2000, 50), method="service")
+    assert any("service-task" in str(k) for k in dict(w.__dask_graph__()))
+    np.testing.assert_array_equal(await c.compute(w), arr)
+    del y, z, w
+    await assert_nothing_left(s, [a, b])
+
+
+def test_largest_region_bytes():
+    from dask_services.array._rechunk import largest_region_bytes
+
+    f4 = np.dtype("f4")
+    # 100-row chunks to 150 rows: regions of 300 rows x 2 columns
+    assert largest_region_bytes(((100,) * 6, (2,)), ((150,) * 4, (2,)), f4) == 300 * 2 * 4
+    # rows to columns: one region, the whole array
+    assert largest_region_bytes(((10,) * 4, (40,)), ((40,), (10,) * 4), f4) == 40 * 40 * 4
+    assert largest_region_bytes(((np.nan, np.nan), (4,)), ((np.nan, np.nan), (2, 2)),
+                                f4) == float("inf")

@@ -31,6 +31,7 @@ METHOD = "service"
 PAIRS_PER_TASK = 400  # dask_services.rechunk.pairs-per-task
 COPY_MAX_INPUTS = 4  # dask_services.rechunk.copy-max-inputs
 SLICE_SAVING = "256 KiB"  # dask_services.rechunk.slice-saving
+MERGE_REGION_MAX = "16 MiB"  # dask_services.rechunk.merge-region-max
 _module = importlib.import_module("dask.array.rechunk")
 _dask_rechunk = _module.rechunk
 
@@ -109,7 +110,21 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> dict:
         for j in itertools.product(*(range(len(c)) for c in chunks)):
             layer.update(copy(j))
         return layer
+    merge_max = parse_bytes(dask.config.get("dask_services.rechunk.merge-region-max",
+                                            MERGE_REGION_MAX))
     boxes = list(region_boxes(x.chunks, chunks, max_pairs))
+    if len(boxes) > 1 and largest_region_bytes(x.chunks, chunks, x.dtype) <= merge_max:
+        # many service runs, each moving little (every region's data fits one task): merge
+        # each region in a task and cut its outputs out of it instead, as ``tasks`` does;
+        # the runs' fixed costs (hand-offs, barrier, claims) outweighed the data
+        for r, (old_box, new_box) in enumerate(region_boxes(x.chunks, chunks, 0)):
+            outputs = list(itertools.product(*new_box))
+            if len(outputs) == 1:
+                layer.update(copy(outputs[0]))
+            else:
+                layer.update(_merge_and_split_tasks(x, name, token, chunks, r, old_box,
+                                                    outputs))
+        return layer
     for b, (old_box, new_box) in enumerate(boxes):
         outputs = list(itertools.product(*new_box))
         inputs = list(itertools.product(*old_box))
@@ -181,6 +196,53 @@ def _copy_tasks(x: Array, name: str, token: str, chunks: tuple, by_output: list,
     shape = tuple(chunks[d][jd] for d, jd in enumerate(j))
     tasks[(name, *j)] = Task((name, *j), copy_pieces, shape, x.dtype, layout, *blocks)
     return tasks
+
+
+def largest_region_bytes(old: tuple, new: tuple, dtype: np.dtype) -> float:
+    """The bytes of the largest independent region of a rechunk (``inf`` with an axis of
+    unknown size)."""
+    from dask_services.array._service import axis_regions
+
+    size = float(dtype.itemsize)
+    for o, n in zip(old, new, strict=True):
+        if any(math.isnan(c) for c in o):
+            return math.inf
+        size *= max((sum(o[i] for i in r) for r, _ in axis_regions(o, n)), default=0)
+    return size
+
+
+def _merge_and_split_tasks(x: Array, name: str, token: str, chunks: tuple, r: int,
+                           old_box: tuple[range, ...], outputs: list[tuple[int, ...]]
+                           ) -> dict:
+    """The tasks of one small independent region: one task that merges its input chunks
+    into one array, and a task per output chunk that copies its part out of it."""
+    from dask._task_spec import Task, TaskRef
+
+    from dask_services.array._service import copy_part, merge_blocks
+
+    if not outputs:
+        return {}
+    old_at = [_starts(c) for c in x.chunks]
+    new_at = [_starts(c) for c in chunks]
+    origin = [old_at[d][box.start] for d, box in enumerate(old_box)]
+    shape = tuple(old_at[d][box.stop] - origin[d] for d, box in enumerate(old_box))
+    inputs = list(itertools.product(*old_box))
+    region_key = (f"rechunk-region-{token}", r)
+    tasks: dict = {region_key: Task(
+        region_key, merge_blocks, shape, x.dtype,
+        [tuple(old_at[d][id_] - origin[d] for d, id_ in enumerate(i)) for i in inputs],
+        *(TaskRef((x.name, *i)) for i in inputs),
+    )}
+    for j in outputs:
+        part = tuple(slice(new_at[d][jd] - origin[d], new_at[d][jd + 1] - origin[d])
+                     for d, jd in enumerate(j))
+        tasks[(name, *j)] = Task((name, *j), copy_part, TaskRef(region_key), part)
+    return tasks
+
+
+def _starts(sizes: tuple[int, ...]) -> list[int]:
+    """Where every chunk along an axis starts, and (last) the axis's length."""
+    return [0, *itertools.accumulate(int(c) for c in sizes)]
 
 
 def _unneeded_bytes(slices: tuple[slice, ...], old: tuple, i: tuple, dtype: np.dtype

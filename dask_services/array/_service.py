@@ -236,6 +236,11 @@ def copy_pieces(shape: tuple[float, ...], dtype: np.dtype,
     return fill(fresh_array(output_shape(shape, pieces), np.dtype(dtype)), pieces)
 
 
+def copy_part(block: np.ndarray, part: tuple[slice, ...]) -> np.ndarray:
+    """One output chunk cut out of a merged region: a C-ordered, writeable copy."""
+    return np.array(np.asarray(block)[part], order="C", copy=True)
+
+
 def take_slice(block: np.ndarray, slices: tuple[slice, ...]) -> np.ndarray:
     """The part of an input chunk that one output chunk needs (a view: on the input's
     worker it costs nothing; sent to another worker, only its own bytes travel)."""
