@@ -76,8 +76,11 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> dict:
     """The tasks of a rechunk, one independent region (or box of regions) at a time.
 
     Regions (``region_boxes``) share no input: a region with one output chunk is one task
-    that copies the pieces of its inputs into it; every other one is a service task of its
-    own.  Several service tasks instead of one keep the scheduler's ordering cheap (it
+    that copies the pieces of its inputs into it, and so is every output when none needs
+    more than ``copy-max-inputs`` inputs; when there are several regions and all are small
+    (``merge-region-max``), each is merged by a task and its outputs cut out of it; every
+    other region (or box of neighbouring regions) is a service task of its own.  Several
+    service tasks instead of one keep the scheduler's ordering cheap (it
     walks every pair of an input and an output that the service task connects) and let
     dask order each region's consumers right after it, as for any other task.
     """
@@ -91,10 +94,10 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> dict:
     )
 
     # Neighbouring regions share a service task while it connects at most this many
-    # (input, output) pairs: each service task costs a run (instances on every worker, a
-    # barrier), and ordering costs per pair.  One region of 3 inputs and 2 outputs per
-    # service task made a 0.25 GB local rechunk-then-sum 1.60x p2p's time, groups of 8
-    # regions 1.07x (one run each, load 15).
+    # (input, output) pairs: each service task costs a run (an instance on every worker
+    # holding its inputs, a barrier), and ordering costs per pair.  One region of 3 inputs
+    # and 2 outputs per service task made a 0.25 GB local rechunk-then-sum 1.60x p2p's
+    # time, groups of 8 regions 1.07x (one run each, load 15).
     max_pairs = int(dask.config.get("dask_services.rechunk.pairs-per-task", PAIRS_PER_TASK))
     overlaps = [axis_overlaps(o, n) for o, n in zip(x.chunks, chunks, strict=True)]
     layer: dict = {}
