@@ -78,23 +78,27 @@ def _output_names(outputs: int | Sequence[Key], name: str, token: str) -> tuple[
 
 def _definition(service_class: type[Service], input_keys: Sequence[Key],
                 outputs: int | Sequence[Key], params: dict, placement: str | None,
-                name: str | None) -> tuple[Key, ServiceDefinition]:
+                name: str | None, participants: str = "all"
+                ) -> tuple[Key, ServiceDefinition]:
     _check_service_class(service_class)
     name = name or funcname(service_class).lower()
-    token = tokenize(service_class, params, tuple(input_keys), outputs, placement)
+    token = tokenize(service_class, params, tuple(input_keys), outputs, placement,
+                     participants)
     output_keys = _output_names(outputs, name, token)
     service_key = f"service-{name}-{token}"
     handoffs = tuple((f"handoff-{name}-{token}", j) for j in range(len(input_keys)))
     definition = ServiceDefinition(
         service_class=service_class, params=dict(params), input_keys=tuple(input_keys),
         handoff_keys=handoffs, output_keys=output_keys, placement=placement, name=name,
+        participants=participants,
     )
     return service_key, definition
 
 
 def service_task(service_class: type[Service], inputs: Sequence[Any] | Any, *,
                  outputs: int | Sequence[Key], placement: str | None = None,
-                 name: str | None = None, **params: Any) -> list[Delayed]:
+                 name: str | None = None, participants: str = "all",
+                 **params: Any) -> list[Delayed]:
     """A lazy service task: one ``Delayed`` per output key.
 
     ``inputs`` is a list of ``Delayed`` objects and dask collections (every key of a
@@ -102,6 +106,9 @@ def service_task(service_class: type[Service], inputs: Sequence[Any] | Any, *,
     ``outputs`` is the number of outputs or a list of output keys.  ``params`` reach every
     instance as keyword arguments of ``start`` and as ``self.params``.  Service tasks with
     the same ``placement`` string agree on which worker produces output *i*.
+    ``participants``: ``"all"`` (an instance on every worker) or ``"input-holders"`` (only
+    on the workers that hold or compute an input, every worker while one has no place
+    yet; outputs are then produced on those workers only).
 
     The result composes with the rest of dask: compute it with a ``Client`` (the instances
     then live on the workers) or with a local scheduler (the instances run in-process).
@@ -120,7 +127,7 @@ def service_task(service_class: type[Service], inputs: Sequence[Any] | Any, *,
     if len(set(input_keys)) != len(input_keys):
         raise ServiceGraphError("the same input key was given twice to service_task()")
     service_key, definition = _definition(
-        service_class, input_keys, outputs, params, placement, name
+        service_class, input_keys, outputs, params, placement, name, participants
     )
     layer = build_service_graph(definition, service_key, input_keys)
     graph = HighLevelGraph.from_collections(service_key, layer, dependencies=inputs)
@@ -130,7 +137,8 @@ def service_task(service_class: type[Service], inputs: Sequence[Any] | Any, *,
 
 def submit(service_class: type[Service], inputs: Sequence[Any], *,
            outputs: int | Sequence[Key], client: Any = None, placement: str | None = None,
-           name: str | None = None, **params: Any) -> list[Any]:
+           name: str | None = None, participants: str = "all",
+           **params: Any) -> list[Any]:
     """Run a service task on a cluster now; returns one ``Future`` per output key.
 
     ``inputs`` is a list of futures (or dask collections / ``Delayed`` objects).
@@ -146,7 +154,7 @@ def submit(service_class: type[Service], inputs: Sequence[Any], *,
         else:
             collections.append(obj)
     outs = service_task(service_class, collections, outputs=outputs, placement=placement,
-                        name=name, **params)
+                        name=name, participants=participants, **params)
     if not outs:
         return []
     return client.compute(outs)

@@ -67,6 +67,30 @@ async def test_hooks_order_arguments_and_placement(c, s, a, b):
     await assert_nothing_left(s, [a, b])
 
 
+@service_cluster(nthreads=[("127.0.0.1", 1)] * 4)
+async def test_participants_input_holders_through_the_client_api(c, s, a, b, w3, w4):
+    """``participants="input-holders"`` from ``submit``: instances start only on the two
+    workers holding the inputs, and the outputs are produced there; by default on all
+    four.  A misspelt value fails when the graph is built."""
+    futs = [c.submit(inc, i, workers=[(a, b)[i % 2].address]) for i in range(6)]
+    await wait(futs)
+    holders = {a.address, b.address}
+    outs = dask_services.submit(Recorder, futs, outputs=4, client=c,
+                                participants="input-holders")
+    assert await c.gather(outs) == [sum(range(1, 7))] * 4
+    assert {e[3] for e in events_of("start")} == holders
+    assert {ws.address for o in outs for ws in s.tasks[o.key].who_has} <= holders
+    del outs
+    Recorder.events.clear()
+    outs = dask_services.submit(Recorder, futs, outputs=4, client=c, name="everywhere")
+    assert await c.gather(outs) == [sum(range(1, 7))] * 4
+    assert {e[3] for e in events_of("start")} == {w.address for w in (a, b, w3, w4)}
+    with pytest.raises(ValueError, match="participants='holders' is not one of"):
+        dask_services.service_task(Recorder, [], outputs=1, participants="holders")
+    del outs, futs
+    await assert_nothing_left(s, [a, b, w3, w4])
+
+
 @service_cluster(nthreads=[("127.0.0.1", 2), ("127.0.0.1", 2)])
 async def test_outputs_flow_downstream_while_service_runs(c, s, a, b):
     """Output 0 and its dependent reach memory while the service still waits for input 1."""
