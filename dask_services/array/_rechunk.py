@@ -120,12 +120,13 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> dict:
         # many service runs, each moving little (every region's data fits one task): merge
         # each region in a task and cut its outputs out of it instead, as ``tasks`` does;
         # the runs' fixed costs (hand-offs, barrier, claims) outweighed the data
+        starts = ([_starts(c) for c in x.chunks], [_starts(c) for c in chunks])
         for r, (old_box, new_box) in enumerate(region_boxes(x.chunks, chunks, 0)):
             outputs = list(itertools.product(*new_box))
             if len(outputs) == 1:
                 layer.update(copy(outputs[0]))
-            else:
-                layer.update(_merge_and_split_tasks(x, name, token, chunks, r, old_box,
+            elif outputs:
+                layer.update(_merge_and_split_tasks(x, name, token, starts, r, old_box,
                                                     outputs))
         return layer
     for b, (old_box, new_box) in enumerate(boxes):
@@ -214,19 +215,18 @@ def largest_region_bytes(old: tuple, new: tuple, dtype: np.dtype) -> float:
     return size
 
 
-def _merge_and_split_tasks(x: Array, name: str, token: str, chunks: tuple, r: int,
+def _merge_and_split_tasks(x: Array, name: str, token: str,
+                           starts: tuple[list[list[int]], list[list[int]]], r: int,
                            old_box: tuple[range, ...], outputs: list[tuple[int, ...]]
                            ) -> dict:
     """The tasks of one small independent region: one task that merges its input chunks
-    into one array, and a task per output chunk that copies its part out of it."""
+    into one array, and a task per output chunk that copies its part out of it
+    (``starts``: where every old and every new chunk starts, per axis, ``_starts``)."""
     from dask._task_spec import Task, TaskRef
 
     from dask_services.array._service import copy_part, merge_blocks
 
-    if not outputs:
-        return {}
-    old_at = [_starts(c) for c in x.chunks]
-    new_at = [_starts(c) for c in chunks]
+    old_at, new_at = starts
     origin = [old_at[d][box.start] for d, box in enumerate(old_box)]
     shape = tuple(old_at[d][box.stop] - origin[d] for d, box in enumerate(old_box))
     inputs = list(itertools.product(*old_box))
