@@ -81,7 +81,7 @@ async def test_participants_input_holders_through_the_client_api(c, s, a, b, w3,
     assert {e[3] for e in events_of("start")} == holders
     assert {ws.address for o in outs for ws in s.tasks[o.key].who_has} <= holders
     del outs
-    Recorder.events.clear()
+    Recorder.reset()
     outs = dask_services.submit(Recorder, futs, outputs=4, client=c, name="everywhere")
     assert await c.gather(outs) == [sum(range(1, 7))] * 4
     assert {e[3] for e in events_of("start")} == {w.address for w in (a, b, w3, w4)}
