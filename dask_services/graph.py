@@ -77,6 +77,25 @@ class HandOffReceipt:
     run_id: int | None
 
 
+def service_key_of_handoffs(prefix: str, handoffs_name: str) -> str:
+    """The key of the service task fed by the hand-offs ``(handoffs_name, i)``."""
+    from dask.tokenize import tokenize
+
+    return f"{prefix}-{tokenize(handoffs_name)}"
+
+
+@dataclass(frozen=True)
+class ServiceKeyOfHandOff:
+    """A hand-off's service key, derived from the hand-off's own task name when it runs
+    (:func:`service_key_of_handoffs`): a hand-off that dask fused with the steps making
+    its input learns its task name only then."""
+
+    prefix: str
+
+    def resolve(self, handoff_key: Key) -> Key:
+        return service_key_of_handoffs(self.prefix, handoff_key[0])
+
+
 def _executing_key() -> Key | None:
     """The key of the task that this worker thread executes, if any."""
     from distributed.worker import thread_state
@@ -143,6 +162,12 @@ class HandOffSpec(Task):
     On a worker it is a coroutine, which distributed runs on the worker's event loop: the
     hand-off is mostly the instance's ``add_key`` there, and its CPU work goes to a worker
     thread through ``concierge.run_in_executor``, so a task thread would only wait.
+
+    It may also be the last step of a fused task (``ShuffleHandOffs``: dask fuses it with
+    the blockwise steps that make its input, so no task per partition holds the input
+    alone).  The fused task runs in a worker thread under its own key, which the
+    scheduler knows as the hand-off; the hand-off is then done through the event loop
+    (:func:`_hand_off_in_thread`) under that key.
     """
 
     @property
@@ -156,9 +181,45 @@ class HandOffSpec(Task):
     def __call__(self, values: Any = ()) -> Any:
         handoff_key, service_key, input_key, ref = self.args
         value = values[ref.key]
+        fused_key = _fused_task_ending_in(handoff_key)
+        if fused_key is not None:
+            if isinstance(service_key, ServiceKeyOfHandOff):
+                service_key = service_key.resolve(fused_key)
+            return _hand_off_in_thread(fused_key, service_key, input_key, value)
+        if isinstance(service_key, ServiceKeyOfHandOff):
+            service_key = service_key.resolve(handoff_key)
         if _worker_executing(handoff_key) is None:
             return self.func(handoff_key, service_key, input_key, value)
         return _hand_off_on_worker(handoff_key, service_key, input_key, value)
+
+
+def _fused_task_ending_in(key: Key) -> Key | None:
+    """The key of the fused task this worker thread executes, if its last step is ``key``
+    (not under dask's local schedulers, even inside a worker's task)."""
+    executing = _executing_key()
+    if executing is None or executing == key:
+        return None
+    worker = _worker_executing(executing)
+    if worker is None:
+        return None
+    spec = worker.state.tasks[executing].run_spec
+    if not (isinstance(spec, Task) and spec.has_subgraph() and spec.args[1] == key):
+        return None
+    return executing
+
+
+def _hand_off_in_thread(handoff_key: Key, service_key: Key, input_key: Key,
+                        value: Any) -> HandOffReceipt:
+    """A hand-off from a worker thread (the end of a fused task): the instance takes the
+    input on the event loop, as for a hand-off task of its own."""
+    from distributed.utils import sync
+
+    from dask_services.worker import _worker_extension, hand_off_on_worker
+
+    worker, _ = _worker_extension()
+    run_id = sync(worker.loop, hand_off_on_worker, handoff_key, service_key, input_key,
+                  value)
+    return HandOffReceipt(input_key, run_id)
 
 
 class ServiceTaskSpec(Task):
@@ -207,9 +268,11 @@ async def _claim_output_async(produced: dict | None, key: Key) -> Any:
 
 
 def build_service_graph(
-    definition: ServiceDefinition, service_key: Key, input_keys: Sequence[Key]
+    definition: ServiceDefinition, service_key: Key, input_keys: Sequence[Key],
+    handoffs_given: bool = False,
 ) -> dict[Key, Task]:
-    """The tasks of one service task (hand-offs, the task itself, output claims)."""
+    """The tasks of one service task (hand-offs, the task itself, output claims); without
+    the hand-offs where ``handoffs_given`` (the graph has them, made by the caller)."""
     if len(set(definition.output_keys)) != len(definition.output_keys):
         raise ServiceGraphError(
             f"service task {service_key!r} names an output key twice; output keys must "
@@ -222,10 +285,15 @@ def build_service_graph(
             f"{service_key!r}; give the outputs other names"
         )
     dsk: dict[Key, Task] = {}
-    for handoff_key, input_key in zip(definition.handoff_keys, input_keys, strict=True):
-        dsk[handoff_key] = HandOffSpec(
-            handoff_key, _hand_off, handoff_key, service_key, input_key, TaskRef(input_key)
+    if len(definition.handoff_keys) != len(input_keys):
+        raise ServiceGraphError(
+            f"service task {service_key!r} has {len(input_keys)} inputs and "
+            f"{len(definition.handoff_keys)} hand-offs; it needs one hand-off per input"
         )
+    if not handoffs_given:
+        for handoff_key, input_key in zip(definition.handoff_keys, input_keys, strict=True):
+            dsk[handoff_key] = HandOffSpec(handoff_key, _hand_off, handoff_key, service_key,
+                                           input_key, TaskRef(input_key))
     dsk[service_key] = ServiceTaskSpec(
         service_key,
         _run_service_task,

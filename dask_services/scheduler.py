@@ -252,8 +252,10 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         """Make a hand-off run where its input already lives."""
         if hts.state not in ("released", "waiting"):
             return
-        (dep,) = hts.dependencies or (None,)
-        if dep is not None and dep.who_has:
+        if len(hts.dependencies) != 1:
+            return  # none, or a fused hand-off making its input from several
+        (dep,) = hts.dependencies
+        if dep.who_has:
             self.scheduler.set_restrictions({hts.key: [ws.address for ws in dep.who_has]})
             hts.loose_restrictions = True  # no API for it: see design/architecture.md
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import decimal
+from collections import Counter
 
 import dask
 import dask.dataframe as dd
@@ -10,6 +11,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pytest
+from dask.utils import key_split
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from utils import assert_nothing_left, service_cluster
@@ -301,3 +303,59 @@ async def test_on_a_cluster_and_merge_alignment(c, s, a, b, w3):
 
 def test_service_method_name_is_registered():
     assert dask_services.dataframe.METHOD == "service"
+
+
+def test_hand_offs_are_fused_with_the_steps_making_their_input():
+    pdf = mixed_frame()[["k", "f"]]
+    ddf = dd.from_pandas(pdf, npartitions=4).map_partitions(lambda d: d.assign(g=d.f * 2))
+    shuffled = ddf.shuffle("k", shuffle_method="service")
+    graph = dict(shuffled.optimize().__dask_graph__())
+    kinds = Counter(key_split(k) for k in graph)
+    # a task per input partition maps it and hands it off: the map has no task of its own
+    assert kinds.pop("lambda-shufflehandoffs") == 4 and "lambda" not in kinds, kinds
+    ref = ddf.shuffle("k", shuffle_method="tasks")
+    for ours, theirs in zip(partitions(shuffled), partitions(ref), strict=True):
+        pd.testing.assert_frame_equal(ours, theirs)
+    # an input with another consumer is computed once, and handed off by a task of its own
+    both, total = dask.compute(shuffled, ddf.f.sum(), scheduler="sync")
+    pd.testing.assert_frame_equal(both.sort_index(), ddf.compute(scheduler="sync"))
+    assert total == pytest.approx(pdf.f.sum())
+
+
+def test_a_shuffle_and_selections_of_it_computed_together():
+    pdf = mixed_frame()[["k", "f"]]
+    ddf = dd.from_pandas(pdf, npartitions=4)
+    ours = ddf.shuffle("k", npartitions=5, shuffle_method="service")
+    ref = ddf.shuffle("k", npartitions=5, shuffle_method="tasks")
+    got = dask.compute(ours, ours.partitions[0], ours.partitions[[1, 3]], ours.head(2),
+                       scheduler="sync")
+    expected = dask.compute(ref, ref.partitions[0], ref.partitions[[1, 3]], ref.head(2),
+                            scheduler="sync")
+    for a, b in zip(got, expected, strict=True):
+        pd.testing.assert_frame_equal(a, b)
+
+
+def make_slice_of(i: int) -> pd.DataFrame:
+    return mixed_frame(120)[["k", "f", "str"]].iloc[i * 20:(i + 1) * 20]
+
+
+@service_cluster(nthreads=[("127.0.0.1", 1)] * 2)
+async def test_fused_hand_offs_on_a_cluster(c, s, a, b):
+    made = dd.from_map(make_slice_of, range(6), meta=make_slice_of(0).iloc[:0],
+                       enforce_metadata=False)
+    ours = made.shuffle("k", npartitions=4, shuffle_method="service")
+    ref = made.shuffle("k", npartitions=4, shuffle_method="tasks")
+    got = await c.compute(ours.optimize())  # as persist() optimizes: fused
+    pd.testing.assert_frame_equal(got, ref.compute(scheduler="sync"))
+    # the inputs were made inside the hand-offs: no task of their own ran
+    groups = [g for g in s.task_groups if g.startswith("make_slice_of")]
+    assert groups and all("shufflehandoffs" in g for g in groups), groups
+    # three shuffles of one input (so its tasks are not fused) computed at once
+    got, *selections = await c.gather(c.compute(
+        [ours, ours.partitions[2], ours.head(3, npartitions=2, compute=False)]))
+    expected = dask.compute(ref, ref.partitions[2], ref.head(3, npartitions=2, compute=False),
+                            scheduler="sync")
+    for x, y in zip([got, *selections], expected, strict=True):
+        pd.testing.assert_frame_equal(x, y)
+    del got, selections
+    await assert_nothing_left(s, [a, b])

@@ -67,4 +67,22 @@ def test_service_shuffle_has_no_partitioning_tasks():
         graph = shuffled.optimize().__dask_graph__()
         names = {key_split(k) for k in graph}
         assert "assignpartitioningindex" not in names and "operation" not in names, names
-        assert sum(key_split(k) == "shuffle-handoff" for k in graph) == 4
+        assert sum(key_split(k).startswith("shufflehandoffs") for k in graph) == 4
+
+
+def test_fusion_we_rely_on():
+    # ShuffleHandOffs is fused with the blockwise steps making its input: the fused
+    # expression's first step is the hand-offs, and a fused task runs its steps as a
+    # subgraph whose output key is args[1] (graph._fused_task_ending_in)
+    from dask._task_spec import Task, TaskRef, _execute_subgraph
+    from dask.dataframe.dask_expr._expr import Fused
+
+    src = inspect.getsource(Fused._task)
+    assert "Task.fuse(*internal_tasks, key=name)" in src
+    assert "self.exprs[0]" in inspect.getsource(Fused._meta.func)
+    a = Task(("a", 0), int, "1")
+    b = Task(("b", 0), str, TaskRef(("a", 0)))
+    fused = Task.fuse(a, b, key=("f", 0))
+    assert fused.func is _execute_subgraph and fused.has_subgraph()
+    assert fused.args[1] == ("b", 0)
+    assert not fused.is_coro

@@ -12,22 +12,87 @@ from __future__ import annotations
 
 import functools
 
-from dask.dataframe.dask_expr._expr import Expr
+from dask._task_spec import TaskRef
+from dask.dataframe.dask_expr._expr import Blockwise, Expr, Fused
 from dask.dataframe.dask_expr._shuffle import AssignPartitioningIndex, Shuffle, SimpleShuffle
+from dask.dataframe.dask_expr.io import FromGraph
+from dask.tokenize import tokenize
+from dask.typing import Key
 from dask.utils import get_default_shuffle_method
 
-from dask_services.graph import ServiceDefinition, build_service_graph
+from dask_services.graph import (
+    HandOffSpec,
+    ServiceDefinition,
+    ServiceKeyOfHandOff,
+    _hand_off,
+    build_service_graph,
+    service_key_of_handoffs,
+)
 
 METHOD = "service"
+SERVICE_PREFIX = "shuffle-service"  # the service tasks' keys: f"{SERVICE_PREFIX}-{token}"
+
+
+class ShuffleHandOffs(Blockwise):
+    """The hand-offs of a service shuffle's input partitions, one per partition.
+
+    A blockwise step, so that dask fuses it with the blockwise steps making its input (a
+    read, a conversion, a ``map_partitions``): the partition is made and handed off in one
+    task, and never held by a task of its own.  Where nothing fuses (a persisted input),
+    each is a hand-off task on the worker's event loop.  ``frame``'s keys are the
+    service's input keys; ``shuffle`` is the token of the shuffle it belongs to.
+
+    The service task's key is derived from the hand-offs' task name
+    (``graph.service_key_of_handoffs``), which differs between a fused and an unfused graph of
+    the same shuffle: the two are different graphs, and a scheduler still holding one must
+    not see the other under the same key.
+    """
+
+    _parameters = ["frame", "shuffle"]
+
+    @functools.cached_property
+    def _meta(self):
+        return self.frame._meta
+
+    def _divisions(self):
+        return self.frame.divisions
+
+    def input_key(self, index: int) -> Key:
+        """The key the hand-off ``index`` takes: a persisted collection's own key (dask
+        gives it an alias task per partition, a scheduler round trip each), else the
+        frame's."""
+        if isinstance(self.frame, FromGraph):
+            return self.frame.operand("keys")[index]
+        return (self.frame._name, index)
+
+    def _task(self, name: Key, index: int) -> HandOffSpec:
+        input_key = self.input_key(index)
+        service = ServiceKeyOfHandOff(SERVICE_PREFIX)
+        return HandOffSpec(name, _hand_off, name, service, input_key, TaskRef(input_key))
+
+
+def handoffs_of(frame: Expr) -> ShuffleHandOffs:
+    """The hand-offs expression ``frame`` is, or is fused into."""
+    if isinstance(frame, Fused) and isinstance(frame.exprs[0], ShuffleHandOffs):
+        return frame.exprs[0]
+    if not isinstance(frame, ShuffleHandOffs):
+        raise TypeError(
+            f"a service shuffle's input must be its hand-offs, not {type(frame).__name__}; "
+            "was the expression rewritten after lowering?"
+        )
+    return frame
 
 
 class ServiceShuffle(SimpleShuffle):
     """A hash shuffle carried out by one :class:`DataFrameShuffle` service task.
 
-    ``assign`` folds dask's ``AssignPartitioningIndex`` into the shuffle: when set, ``frame``
-    is that expression's input and every instance computes each row's target partition
-    itself (``_partitioning.target_partitions``: the numbers dask's step gives), instead of
-    a task per input partition doing it.
+    ``frame`` is a :class:`ShuffleHandOffs` of the partitions to shuffle (or what dask fused
+    it into).
+
+    ``assign`` folds dask's ``AssignPartitioningIndex`` into the shuffle: when set, the
+    input is that expression's input and every instance computes each row's target
+    partition itself (``_partitioning.target_partitions``: the numbers dask's step gives),
+    instead of a task per input partition doing it.
     """
 
     _parameters = [*SimpleShuffle._parameters, "assign"]
@@ -44,20 +109,30 @@ class ServiceShuffle(SimpleShuffle):
         return meta.reset_index(drop=True) if self.ignore_index else meta
 
     def _simplify_up(self, parent, dependents):
-        if self.operand("assign") is not None:
-            # ``frame`` lacks the partitioning column; projections and filters were
-            # pushed down before lowering already
-            return None
-        return super()._simplify_up(parent, dependents)
+        # Projections and filters were pushed below the shuffle before it was lowered; a
+        # projection pushed now would come between the hand-offs and their service task.
+        return None
+
+    def substitute_parameters(self, substitutions: dict) -> Expr:
+        """Selecting partitions (``Partitions``, ``head``) makes a service task of its own,
+        with hand-offs of its own: two selections of one shuffle may be computed at once,
+        and each service task produces only its outputs."""
+        if ("_partitions" in substitutions
+                and substitutions["_partitions"] != self.operand("_partitions")):
+            handoffs = handoffs_of(self.frame)
+            token = tokenize(handoffs.operand("shuffle"), substitutions["_partitions"])
+            substitutions = {**substitutions, "frame": ShuffleHandOffs(handoffs.frame, token)}
+        return super().substitute_parameters(substitutions)
 
     def _layer(self) -> dict:
         from dask_services.dataframe._service import DataFrameShuffle
 
-        token = self._name.split("-")[-1]
+        handoffs = handoffs_of(self.frame)
+        service_key = service_key_of_handoffs(SERVICE_PREFIX, self.frame._name)
         parts_out = list(self._partitions) if self._filtered else list(
             range(self.npartitions_out)
         )
-        input_keys = [(self.frame._name, i) for i in range(self.frame.npartitions)]
+        input_keys = [handoffs.input_key(i) for i in range(self.frame.npartitions)]
         definition = ServiceDefinition(
             service_class=DataFrameShuffle,
             params={
@@ -65,18 +140,18 @@ class ServiceShuffle(SimpleShuffle):
                 "column": self.partitioning_index,
                 "assign": self.operand("assign"),
                 "parts_out": parts_out,
-                "input_index": {k: k[1] for k in input_keys},
+                "input_index": {k: i for i, k in enumerate(input_keys)},
                 "ignore_index": bool(self.ignore_index),
             },
             input_keys=tuple(input_keys),
-            handoff_keys=tuple((f"shuffle-handoff-{token}", i) for i in range(len(input_keys))),
+            handoff_keys=tuple((self.frame._name, i) for i in range(len(input_keys))),
             output_keys=tuple((self._name, i) for i in range(len(parts_out))),
             # every shuffle into N partitions puts partition i on the same worker, so the
             # two sides of a hash join meet without moving data again
             placement=f"dataframe-shuffle-{self.npartitions_out}",
             name="shuffle",
         )
-        return build_service_graph(definition, f"shuffle-service-{token}", input_keys)
+        return build_service_graph(definition, service_key, input_keys, handoffs_given=True)
 
 
 _dask_lower = Shuffle._lower
@@ -100,16 +175,10 @@ def _lower(self: Shuffle):
                 frame.operand("index_shuffle"),
             )
             frame = frame.frame
-        return ServiceShuffle(
-            frame,
-            self.partitioning_index,
-            self.npartitions_out,
-            drops_index(self),
-            self.options,
-            self.original_partitioning_index,
-            None,
-            assign,
-        )
+        operands = (self.partitioning_index, self.npartitions_out, drops_index(self),
+                    self.options, self.original_partitioning_index, None, assign)
+        return ServiceShuffle(ShuffleHandOffs(frame, tokenize(frame._name, *operands)),
+                              *operands)
     return _dask_lower(self)
 
 
