@@ -102,7 +102,10 @@ def test_worker_killed_after_some_outputs_were_produced(small_cluster):
     # The scheduler takes the worker out of its running set, then finds the outputs it
     # held lost (they are wanted again: the run restarts for them, on the workers left),
     # and only then tells plugins the worker left, when the new run no longer includes it.
-    assert_restarted_for(client, victim, "more outputs were asked for")
+    # Where the run had produced an output on the victim that had not landed yet, the
+    # loss of that output is what restarts it.
+    assert_restarted_for(client, victim, "more outputs were asked for",
+                         "a produced output was lost")
     validate_scheduler(client)
 
 
