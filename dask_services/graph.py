@@ -200,9 +200,8 @@ def _fused_task_ending_in(key: Key) -> Key | None:
     if executing is None or executing == key:
         return None
     worker = _worker_executing(executing)
-    if worker is None:
-        return None
-    spec = worker.state.tasks[executing].run_spec
+    ts = worker.state.tasks.get(executing) if worker is not None else None
+    spec = ts.run_spec if ts is not None else None
     if not (isinstance(spec, Task) and spec.has_subgraph() and spec.args[1] == key):
         return None
     return executing

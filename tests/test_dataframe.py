@@ -12,12 +12,14 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 from dask.utils import key_split
+from distributed import wait
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from utils import assert_nothing_left, service_cluster
 
 import dask_services
 from dask_services.dataframe import shuffle
+from dask_services.graph import HandOffSpec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -357,5 +359,14 @@ async def test_fused_hand_offs_on_a_cluster(c, s, a, b):
                             scheduler="sync")
     for x, y in zip([got, *selections], expected, strict=True):
         pd.testing.assert_frame_equal(x, y)
-    del got, selections
+    # a persisted input is handed off by its own keys, not through dask's alias tasks
+    persisted = c.persist(made)
+    await wait(persisted)
+    held = {f.key for f in c.futures_of(persisted)}
+    shuffled = persisted.shuffle("k", npartitions=4, shuffle_method="service").optimize()
+    handoffs = [t for t in dict(shuffled.__dask_graph__()).values()
+                if isinstance(t, HandOffSpec)]
+    assert len(handoffs) == 6 and all(t.dependencies <= held for t in handoffs)
+    pd.testing.assert_frame_equal(await c.compute(shuffled), expected[0])
+    del got, selections, persisted, shuffled
     await assert_nothing_left(s, [a, b])

@@ -86,3 +86,7 @@ def test_fusion_we_rely_on():
     assert fused.func is _execute_subgraph and fused.has_subgraph()
     assert fused.args[1] == ("b", 0)
     assert not fused.is_coro
+    # a persisted frame's hand-offs take its keys (ShuffleHandOffs.input_key)
+    from dask.dataframe.dask_expr.io import FromGraph
+
+    assert "keys" in FromGraph._parameters
