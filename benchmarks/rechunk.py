@@ -83,7 +83,13 @@ def graph_size(array: Any) -> int:
 
 def _task_costs(stream: list[dict], start: float, chunks: int) -> dict[str, float]:
     """First task start after ``start``, and summed compute seconds per input chunk of
-    each kind of task."""
+    each kind of task; nothing where the scheduler's task stream, which keeps only its
+    latest records, dropped some of the run's (a graph of more tasks than it holds)."""
+    import dask
+
+    kept = dask.config.get("distributed.scheduler.dashboard.tasks.task-stream-length")
+    if len(stream) >= kept:
+        return {"first_task_s": math.nan}
     per_kind: dict[str, float] = defaultdict(float)
     first = math.inf
     for record in stream:

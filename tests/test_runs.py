@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import dask
 import pytest
@@ -144,3 +145,17 @@ def test_cli_bench_replicated_splits_the_time_of_a_call(capsys):
         assert row["calls_per_s"] <= row["ideal_for_endpoint_calls_per_s"]
         assert row["overhead_ms_per_call"] >= 0
     assert result["batching"]["speedup"] > 1
+
+
+def test_rechunk_task_costs_refuse_a_truncated_task_stream():
+    from benchmarks.rechunk import _task_costs
+
+    record = {"key": ("rechunk-copy-6a1c0b0e7b2c4e0f9d8a7b6c5d4e3f21", 0),
+              "startstops": [{"action": "compute", "start": 2.0, "stop": 2.5}]}
+    with dask.config.set({"distributed.scheduler.dashboard.tasks.task-stream-length": 3}):
+        costs = _task_costs([record] * 2, start=1.0, chunks=10)
+        assert costs["first_task_s"] == pytest.approx(1.0)
+        assert costs["per_chunk_ms:rechunk-copy"] == pytest.approx(100.0)
+        # as many records as the scheduler keeps: the run's first ones may be gone
+        truncated = _task_costs([record] * 3, start=1.0, chunks=10)
+        assert math.isnan(truncated["first_task_s"]) and len(truncated) == 1
