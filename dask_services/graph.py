@@ -210,14 +210,17 @@ def _fused_task_ending_in(key: Key) -> Key | None:
 def _hand_off_in_thread(handoff_key: Key, service_key: Key, input_key: Key,
                         value: Any) -> HandOffReceipt:
     """A hand-off from a worker thread (the end of a fused task): the instance takes the
-    input on the event loop, as for a hand-off task of its own."""
+    input on the event loop, as for a hand-off task of its own.  The input is measured
+    here, in the thread: the worker holds no measure of it (it was never a task result),
+    and measuring a frame on the event loop would hold up the worker's messages."""
     from distributed.utils import sync
 
+    from dask_services._counters import size_of
     from dask_services.worker import _worker_extension, hand_off_on_worker
 
     worker, _ = _worker_extension()
     run_id = sync(worker.loop, hand_off_on_worker, handoff_key, service_key, input_key,
-                  value)
+                  value, size_of(value))
     return HandOffReceipt(input_key, run_id)
 
 

@@ -331,7 +331,9 @@ class ServiceWorkerPlugin(WorkerPlugin):
     # ------------------------------------------------------------- called by tasks
 
     async def hand_off(self, handoff_key: Key, service_key: Key, input_key: Key,
-                       value: Any) -> int | None:
+                       value: Any, nbytes: int | None = None) -> int | None:
+        """Give ``value`` (input ``input_key``, ``nbytes`` if measured already) to the
+        local instance of ``service_key``, or to a participant where this worker has none."""
         def still_wanted() -> bool:
             # A hand-off released by the scheduler (its run was restarted) keeps running
             # until it returns; it must not give its input to the next run, which gets it
@@ -343,9 +345,10 @@ class ServiceWorkerPlugin(WorkerPlugin):
             return None
         inst = self.host.current.get(service_key)
         if inst is not None and not inst.stopping:
-            ts = self.worker.state.tasks.get(input_key)
-            nbytes = (ts.nbytes if ts is not None and ts.nbytes is not None
-                      else size_of(value))  # the worker's own measure, if it has one
+            if nbytes is None:
+                ts = self.worker.state.tasks.get(input_key)
+                nbytes = (ts.nbytes if ts is not None and ts.nbytes is not None
+                          else size_of(value))  # the worker's own measure, if it has one
             if self.pending_inputs.admit(nbytes):
                 # Returned at once: the worker runs its next task while the instance takes
                 # the input (the scheduler's barrier waits for the report, not for this
@@ -432,10 +435,10 @@ def _ignore_stream_op(**msg: Any) -> None:
 
 
 async def hand_off_on_worker(handoff_key: Key, service_key: Key, input_key: Key,
-                             value: Any) -> int | None:
+                             value: Any, nbytes: int | None = None) -> int | None:
     """Body of a hand-off task on a worker (a coroutine, run on the event loop)."""
     _, ext = _worker_extension()
-    return await ext.hand_off(handoff_key, service_key, input_key, value)
+    return await ext.hand_off(handoff_key, service_key, input_key, value, nbytes)
 
 
 def wait_for_service_task(service_key: Key) -> None:
