@@ -22,6 +22,15 @@ COLUMNS = {
     "c": lambda rng, n: pd.Categorical(rng.integers(0, 3, n)),
     "t": lambda rng, n: pd.to_datetime(rng.integers(0, 10, n), unit="D", utc=True),
     7: lambda rng, n: rng.integers(0, 3, n).astype("uint8"),
+    "b": lambda rng, n: rng.random(n) < 0.5,
+    "f4": lambda rng, n: rng.integers(0, 5, n).astype("float32"),
+    "o": lambda rng, n: np.array([("x", 1, None)[i] for i in rng.integers(0, 3, n)],
+                                 dtype=object),
+    "d": lambda rng, n: pd.to_datetime(rng.integers(0, 10, n), unit="D"),
+    "td": lambda rng, n: pd.to_timedelta(rng.integers(0, 10, n), unit="s"),
+    "F": lambda rng, n: pd.array(np.where(rng.random(n) < 0.3, None, rng.random(n)),
+                                 dtype="Float64"),
+    "cs": lambda rng, n: pd.Categorical(np.array(["a", "b", "c"])[rng.integers(0, 3, n)]),
 }
 
 
@@ -34,7 +43,7 @@ def expected(df, assign):
     rows=st.integers(0, 60),
     on=st.lists(st.sampled_from(list(COLUMNS) + ["idx"]), min_size=1, max_size=3,
                 unique=True),
-    npartitions=st.integers(1, 40),
+    npartitions=st.one_of(st.integers(1, 40), st.integers(40, 70_000)),
     seed=st.integers(0, 2**16),
     meta_from_other_dtype=st.booleans(),
 )
