@@ -314,6 +314,9 @@ def test_split_puts_every_row_in_its_partition_in_order(rows, groups, seed, min_
     if own is not None:  # the caller's own groups are copies of their own
         mine = [frame.x.to_numpy() for frame, *_ in out.get(ServiceId(own), [])]
         assert not any(np.shares_memory(x, y) for i, x in enumerate(mine) for y in mine[i + 1:])
+        others = [frame.x.to_numpy() for sid, batch in out.items() if sid != ServiceId(own)
+                  for frame, *_ in batch]
+        assert not any(np.shares_memory(x, y) for x in mine for y in others)
 
 
 def batch_partitions(batch) -> list[int]:
