@@ -98,6 +98,7 @@ class Instance:
     stopping: bool = False
     produced: set[Key] = field(default_factory=set)
     inputs: set[Key] = field(default_factory=set)  # input keys handed to add_key
+    input_sizes: dict[Key, int] = field(default_factory=dict)  # measured, while in add_key
     hooks: set[asyncio.Task] = field(default_factory=set)
     next_seq_out: dict[ServiceId, int] = field(default_factory=dict)
     next_seq_in: dict[ServiceId, int] = field(default_factory=dict)
@@ -167,6 +168,9 @@ class InstanceConcierge(Concierge):
         self._host.env.produced(inst.spec, key, value)
         await self._host.env.memory_backpressure()
         return True
+
+    def input_nbytes(self, key: Key) -> int | None:
+        return self._instance.input_sizes.get(key)
 
     def error(self, exc: BaseException) -> None:
         self._host.env.failed(self._instance.spec, exc)
@@ -293,10 +297,12 @@ class ServiceHost:
         await inst.service.all_inputs_done()
 
     async def add_key(self, sid: ServiceId, key: Key, data: Any,
-                      still_wanted: Callable[[], bool] = lambda: True) -> bool:
+                      still_wanted: Callable[[], bool] = lambda: True,
+                      nbytes: int | None = None) -> bool:
         """Hand one input to instance ``sid``; False if it is gone, the hook failed, or
         ``still_wanted()`` says no once the instance has started.  An instance takes each
-        input key once: a second hand-off of the same key is a no-op."""
+        input key once: a second hand-off of the same key is a no-op.  ``nbytes``: the
+        input's size if measured (``Concierge.input_nbytes`` while ``add_key`` runs)."""
         inst = self.instances.get(sid)
         if inst is None or inst.stopping:
             return False
@@ -305,7 +311,14 @@ class ServiceHost:
             if key in inst.inputs or not still_wanted():
                 return
             inst.inputs.add(key)
-            await inst.service.add_key(key, data)
+            if nbytes is None:
+                await inst.service.add_key(key, data)
+                return
+            inst.input_sizes[key] = nbytes
+            try:
+                await inst.service.add_key(key, data)
+            finally:
+                inst.input_sizes.pop(key, None)
 
         return await self._hook(inst, add) and key in inst.inputs
 

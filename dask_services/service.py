@@ -119,6 +119,12 @@ class Concierge(abc.ABC):
         wanted output produced a second time.
         """
 
+    def input_nbytes(self, key: Key) -> int | None:
+        """The size in bytes of input ``key`` as its worker measured it (dask's ``sizeof``),
+        while :meth:`Service.add_key` receives it; None where nothing measured it.  Saves
+        a service that accounts for its inputs' memory measuring each one again."""
+        return None
+
     @abc.abstractmethod
     def error(self, exc: BaseException) -> None:
         """Fail the whole service task with ``exc``; every instance then gets ``stop``."""

@@ -314,14 +314,14 @@ class ServiceWorkerPlugin(WorkerPlugin):
         return ok
 
     async def _add_input(self, spec: InstanceSpec, key: Key, value: Any,
-                         still_wanted: Callable[[], bool], admitted: int | None = None
-                         ) -> None:
+                         still_wanted: Callable[[], bool], nbytes: int,
+                         admitted: bool = False) -> None:
         try:
-            if await self.host.add_key(spec.id, key, value, still_wanted):
+            if await self.host.add_key(spec.id, key, value, still_wanted, nbytes):
                 self._report_handed_off(spec, key)
         finally:
-            if admitted is not None:
-                self.pending_inputs.release(admitted)
+            if admitted:
+                self.pending_inputs.release(nbytes)
 
     def _report_handed_off(self, spec: InstanceSpec, key: Key) -> None:
         self.worker.batched_stream.send({"op": "service-handed-off",
@@ -359,9 +359,9 @@ class ServiceWorkerPlugin(WorkerPlugin):
                         "executing", "long-running", "resumed", "memory")
 
                 self._spawn(self._add_input(inst.spec, input_key, value, not_released,
-                                            nbytes))
+                                            nbytes, admitted=True))
                 return inst.spec.run_id
-            await self._add_input(inst.spec, input_key, value, still_wanted)
+            await self._add_input(inst.spec, input_key, value, still_wanted, nbytes)
             return inst.spec.run_id
         # This worker takes no part in the current run: push the input to a participant.
         info = await self.worker.scheduler.service_run_info(service_key=service_key)

@@ -220,3 +220,14 @@ class GatedTaker(AllReduce):
     def reset(cls) -> None:
         cls.gate = None
         cls.entered = 0
+
+
+class SizeRecorder(AllReduce):
+    """An all-reduce recording ``concierge.input_nbytes`` of every input while its
+    ``add_key`` runs (in-process workers only)."""
+
+    seen: dict = {}
+
+    async def add_key(self, key, data) -> None:
+        type(self).seen[key] = self.concierge.input_nbytes(key)
+        await super().add_key(key, data)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import dask
 import numpy as np
 import pytest
+from dask.sizeof import sizeof
 from distributed import wait
 from distributed.utils_test import async_poll_for
-from services import GatedTaker
+from services import GatedTaker, SizeRecorder
 from utils import assert_nothing_left, service_cluster
 
 import dask_services
@@ -77,3 +78,16 @@ async def test_hand_offs_wait_past_the_buffer(c, s, a, b, gated, limit):
     np.testing.assert_array_equal(await c.gather(outs[0]), expected)
     del outs, futs
     await assert_nothing_left(s, [a, b])
+
+
+@service_cluster()
+async def test_add_key_sees_the_size_its_worker_measured(c, s, a, b):
+    SizeRecorder.seen = {}
+    futs = c.map(block, range(6))
+    await wait(futs)
+    outs = dask_services.submit(SizeRecorder, futs, outputs=2, client=c)
+    await c.gather(outs)
+    assert SizeRecorder.seen == {f.key: sizeof(block(0)) for f in futs}
+    hosts = [w.extensions["dask_services"].host for w in (a, b)]
+    assert not any(inst.input_sizes for h in hosts for inst in h.instances.values())
+    del outs, futs

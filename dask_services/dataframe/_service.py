@@ -329,7 +329,9 @@ class DataFrameShuffle(PeerExchange):
     async def add_key(self, key, data: pd.DataFrame) -> None:
         assert self.stream is not None
         index = self.input_index[key]
-        nbytes = sizeof(data)
+        nbytes = self.concierge.input_nbytes(key)
+        if nbytes is None:
+            nbytes = sizeof(data)
         args = (data, self.assign, self.column, self.destination, nbytes, self.routing,
                 self.id)
         if nbytes < INLINE_SPLIT_BYTES:
