@@ -8,7 +8,9 @@ workers, with the scheduler's share (``update-graph`` and ordering seconds), the
 seconds of all processes together, and the task seconds per partition of each kind of
 task.  ``--consumer`` runs every case with what follows the shuffle: ``none`` (outputs
 persisted), ``len`` (``len`` of every partition, summed), ``groupby`` (a groupby-sum per
-partition).
+partition).  The method ``noop`` (many-partition cases only) is no shuffle: one task per
+partition that returns its input, distributed's own cost of a task per partition on the
+same cluster, the floor of any method that runs a task per partition.
 
 Every method runs on the same LocalCluster, on the same generated frame (int key, float and
 string columns, 128 partitions by default), persisted before the timings; each shuffle's
@@ -92,12 +94,19 @@ def task_seconds(stream: list[dict]) -> dict[str, float]:
     return out
 
 
+NOOP = "noop"  # not a shuffle: one trivial task per partition (many-partition cases only)
+
+
+def same(partition: Any) -> Any:
+    return partition
+
+
 def run_many(client: Any, npartitions: int, methods: list[str], repeat: int,
              consumer: str, show_progress: bool) -> list[Measurement]:
     """N partitions of ``SMALL_ROWS`` rows into N, on warm workers: the cost per partition."""
     import time
 
-    from distributed import get_task_stream, wait
+    from distributed import futures_of, get_task_stream, wait
 
     label = f"{npartitions:,} x {SMALL_ROWS} rows" + (f" + {consumer}" if consumer != "none"
                                                       else "")
@@ -114,11 +123,16 @@ def run_many(client: Any, npartitions: int, methods: list[str], repeat: int,
     total, done = repeat * len(methods), 0
     for r in range(repeat):
         for method in rotated(methods, r):
-            shuffled = consumed(df.shuffle("key", shuffle_method=method), consumer)
+            if method == NOOP:  # distributed's own cost of one task per partition
+                shuffled = futures_of(df)
+            else:
+                shuffled = consumed(df.shuffle("key", shuffle_method=method), consumer)
             before = cpu_seconds(client)
             since = time.time()
             with get_task_stream(client) as stream, peak_memory(client) as peak:
-                if consumer == "none":
+                if method == NOOP:
+                    seconds = timed(lambda s=shuffled: wait(client.map(same, s, pure=False)))
+                elif consumer == "none":
                     seconds = timed(lambda s=shuffled: wait(client.persist(s)))
                 else:
                     seconds = timed(lambda s=shuffled: client.compute(s).result())
@@ -197,16 +211,18 @@ def run(client: Any, sizes: list[str], repeat: int, npartitions: int = 128,
 
     dask_services.install(client)
     out: list[Measurement] = []
+    shuffles = [m for m in methods if m != NOOP]
     if tiny:
         out += run_case(client, "tiny (10 x 1,000 rows)", 10 * 1000 * BYTES_PER_ROW, 10,
-                        list(methods), max(repeat, 5), show_progress, fresh=False)
+                        shuffles, max(repeat, 5), show_progress, fresh=False)
     for n in many:
         for consumer in consumers:
-            out += run_many(client, n, list(methods), repeat, consumer, show_progress)
+            out += run_many(client, n, [m for m in methods if m != NOOP or consumer == "none"],
+                            repeat, consumer, show_progress)
     for size in sizes:
         for consumer in consumers:
             label = size + (f" + {consumer}" if consumer != "none" else "")
-            out += run_case(client, label, parse_size(size), npartitions, list(methods),
+            out += run_case(client, label, parse_size(size), npartitions, shuffles,
                             repeat, show_progress, fresh, consumer)
     return out
 

@@ -84,7 +84,8 @@ def test_cli_bench_overhead_json(capsys):
 def test_cli_bench_json_on_restarted_workers(capsys, what, sizes):
     from dask_services.cli import main
 
-    args = ["bench", what, "--sizes", sizes, "--repeat", "1", "--methods", "service,p2p",
+    methods = "service,p2p,noop" if what == "shuffle" else "service,p2p"
+    args = ["bench", what, "--sizes", sizes, "--repeat", "1", "--methods", methods,
             "--partitions", "8", "--local-size", "1MB", "--json"]
     args += ["--consumer", "none,sum" if what == "rechunk" else "none,len"]
     assert main(args) == 0
@@ -102,7 +103,9 @@ def test_cli_bench_json_on_restarted_workers(capsys, what, sizes):
         assert len(cases) == 4 and sum(case.endswith(" +sum") for case in cases) == 2
     for case in cases:
         by_method = {row["method"]: row for row in rows if row["case"] == case}
-        assert set(by_method) == {"service", "p2p"}
+        # ``noop``, a task per partition and no shuffle, only in the many-partition case
+        noop = {"noop"} if case == "8 x 200 rows" else set()
+        assert set(by_method) == {"service", "p2p"} | noop
         assert by_method["p2p"]["ratio_to_p2p"] == 1.0
         for row in by_method.values():
             assert row["median_s"] > 0 and row["peak_worker_memory_MB"] > 0
