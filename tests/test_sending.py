@@ -281,16 +281,20 @@ def test_groups_are_contiguous_runs_of_each_owners_partitions(owner, groups):
 
 @given(rows=st.integers(0, 300), groups=st.integers(1, 5), seed=st.integers(0, 2**16),
        min_group_bytes=st.sampled_from([0, 200, 2**20]), wide_keys=st.booleans(),
-       own=st.sampled_from([None, "a", "b"]))
+       own=st.sampled_from([None, "a", "b"]), all_wanted=st.booleans(),
+       parts_dtype=st.sampled_from(["int64", "int8", "uint16"]))
 def test_split_puts_every_row_in_its_partition_in_order(rows, groups, seed, min_group_bytes,
-                                                         wide_keys, own):
+                                                         wide_keys, own, all_wanted,
+                                                         parts_dtype):
     rng = np.random.default_rng(seed)
-    df = pd.DataFrame({"x": rng.integers(0, 1000, rows), "_p": rng.integers(0, 12, rows)})
+    df = pd.DataFrame({"x": rng.integers(0, 1000, rows),
+                       "_p": rng.integers(0, 10 if all_wanted else 12, rows).astype(parts_dtype)})
     owner = {p: ServiceId("a" if p % 3 else "b") for p in range(10)}  # 10, 11 unwanted
     destination = group_partitions(owner, groups)
     routing = _service.Routing(destination)
     if wide_keys:  # the sort keys of more than 65,536 partitions
         routing.rank_dtype = np.int64
+        routing.every_rank = routing.every_rank.astype(np.int64)
     with mock.patch.object(_service, "MIN_GROUP_BYTES", min_group_bytes), \
             mock.patch.object(_service, "EXACT_SIZE_ROWS", 0):  # sizes measured, not estimated
         out = split_by_destination(df.drop(columns="_p"), df["_p"].to_numpy(), destination,

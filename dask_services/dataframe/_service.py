@@ -68,6 +68,9 @@ class Routing:
         self.rank = np.full(max(destination, default=-1) + 1, -1, dtype=np.int64)
         self.rank[self.part_of_rank] = np.arange(len(ranked))
         self.rank_dtype = np.uint16 if len(ranked) <= 2**16 else np.int64
+        # the sort keys of every partition from 0 on, where all of them are wanted
+        self.every_rank = (self.rank.astype(self.rank_dtype) if (self.rank >= 0).all()
+                           else None)
 
 
 def split_by_destination(
@@ -101,17 +104,25 @@ def split_by_destination(
     if routing is None:
         routing = Routing(destination)
     targets = routing.targets
-    parts = np.asarray(parts, dtype=np.int64)
+    parts = np.asarray(parts)
     width = len(routing.rank)  # more than any wanted partition
-    row_rank = np.full(len(parts), -1, dtype=np.int64)
-    known = (parts < width) & (parts >= 0)
-    row_rank[known] = routing.rank[parts[known]]
-    wanted = np.flatnonzero(row_rank >= 0)
-    if not len(wanted):
-        return {}
-    key = row_rank[wanted].astype(routing.rank_dtype)
-    by_key = np.argsort(key, kind="stable")
-    order, key = wanted[by_key], key[by_key]
+    if (routing.every_rank is not None and parts.dtype.kind in "iu"
+            and parts.min() >= 0 and parts.max() < width):
+        # every row goes to a wanted partition (the common case): no masks, a fifth the time
+        key = routing.every_rank[parts]
+        order = np.argsort(key, kind="stable")
+        key = key[order]
+    else:
+        parts = parts.astype(np.int64, copy=False)
+        row_rank = np.full(len(parts), -1, dtype=np.int64)
+        known = (parts < width) & (parts >= 0)
+        row_rank[known] = routing.rank[parts[known]]
+        wanted = np.flatnonzero(row_rank >= 0)
+        if not len(wanted):
+            return {}
+        key = row_rank[wanted].astype(routing.rank_dtype)
+        by_key = np.argsort(key, kind="stable")
+        order, key = wanted[by_key], key[by_key]
     starts = np.concatenate(([0], np.flatnonzero(key[1:] != key[:-1]) + 1))
     ranks = key[starts].astype(np.int64)
     part_ids = routing.part_of_rank[ranks].tolist()
