@@ -311,10 +311,8 @@ class ServiceHost:
             if key in inst.inputs or not still_wanted():
                 return
             inst.inputs.add(key)
-            if nbytes is None:
-                await inst.service.add_key(key, data)
-                return
-            inst.input_sizes[key] = nbytes
+            if nbytes is not None:
+                inst.input_sizes[key] = nbytes
             try:
                 await inst.service.add_key(key, data)
             finally:
