@@ -124,20 +124,20 @@ def run_many(client: Any, npartitions: int, methods: list[str], repeat: int,
     for r in range(repeat):
         for method in rotated(methods, r):
             if method == NOOP:  # distributed's own cost of one task per partition
-                shuffled = futures_of(df)
+                work = futures_of(df)
             else:
-                shuffled = consumed(df.shuffle("key", shuffle_method=method), consumer)
+                work = consumed(df.shuffle("key", shuffle_method=method), consumer)
             before = cpu_seconds(client)
             since = time.time()
             with get_task_stream(client) as stream, peak_memory(client) as peak:
                 if method == NOOP:
-                    seconds = timed(lambda s=shuffled: wait(client.map(same, s, pure=False)))
+                    seconds = timed(lambda s=work: wait(client.map(same, s, pure=False)))
                 elif consumer == "none":
-                    seconds = timed(lambda s=shuffled: wait(client.persist(s)))
+                    seconds = timed(lambda s=work: wait(client.persist(s)))
                 else:
-                    seconds = timed(lambda s=shuffled: client.compute(s).result())
+                    seconds = timed(lambda s=work: client.compute(s).result())
             after = cpu_seconds(client)
-            del shuffled
+            del work
             settle(client, keep=keep)
             m = results[method]
             m.peak_memory += peak
