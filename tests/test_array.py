@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
 import time
+from unittest import mock
 
 import dask
 import dask.array as da
@@ -80,11 +83,16 @@ def rechunk_cases(draw):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(rechunk_cases(), st.sampled_from([0, 16, "256 KiB"]), st.sampled_from([0, "16 MiB"]))
-def test_property_matches_numpy_and_tasks(case, slice_saving, merge_region_max):
+@given(rechunk_cases(), st.sampled_from([0, 16, "256 KiB"]), st.sampled_from([0, "16 MiB"]),
+       st.booleans())
+def test_property_matches_numpy_and_tasks(case, slice_saving, merge_region_max, in_place):
     """Any chunking; shared input chunks taken through slice tasks always (0), for some
     (16 bytes) or for none (the default, on these small arrays); regions as service tasks
-    (0) or, the default on small arrays of several regions, merged and split by tasks."""
+    (0) or, the default on small arrays of several regions, merged and split by tasks;
+    service tasks writing pieces into their outputs as they arrive, or buffering them (as
+    when the outputs do not fit the buffer budget)."""
+    from dask_services.array import _service
+
     shape, old, new, dtype = case
     a = sample(shape, dtype)
     x = da.from_array(a, chunks=old)
@@ -92,7 +100,9 @@ def test_property_matches_numpy_and_tasks(case, slice_saving, merge_region_max):
                           "dask_services.rechunk.merge-region-max": merge_region_max}):
         ours = x.rechunk(new, method="service")
     assert ours.chunks == x.rechunk(new, method="tasks").chunks
-    result = ours.compute(scheduler="sync")
+    buffered = mock.patch.object(_service, "assembles_in_place", return_value=False)
+    with contextlib.nullcontext() if in_place else buffered:
+        result = ours.compute(scheduler="sync")
     assert result.dtype == a.dtype and result.shape == a.shape
     np.testing.assert_array_equal(result, a)
 
@@ -240,6 +250,46 @@ async def test_outputs_stream_before_the_last_input_is_handed_off(c, s, a, b):
     assert min(outputs) < max(handoffs)
     del result
     await assert_nothing_left(s, [a, b])
+
+
+@pytest.mark.parametrize("fraction", [None, 1e-9])
+@service_cluster(timeout=90)
+async def test_outputs_are_written_in_place_when_they_fit_the_buffer_budget(c, s, a, b,
+                                                                            fraction):
+    """Within the budget no output is assembled after its last piece (each piece was
+    written into it on arrival); past it, pieces are buffered (and spilled), and every
+    output assembled from them once complete.  numpy's result either way."""
+    from dask_services.array import _service
+
+    arr = np.random.default_rng(0).random((96, 96))
+    x = da.from_array(arr, chunks=(8, 96))
+    assembled = []
+    fill = _service.fill
+
+    def counted_fill(out, pieces):
+        assembled.append(out.shape)
+        return fill(out, pieces)
+
+    settings = {} if fraction is None else {"dask_services.rechunk.buffer-fraction": fraction}
+    with dask.config.set(settings), mock.patch.object(_service, "fill", counted_fill):
+        y = x.rechunk((96, 8), method="service")
+        np.testing.assert_array_equal(await c.compute(y), arr)
+    assert assembled == ([] if fraction is None else [(96, 8)] * 12)
+    del y
+    await assert_nothing_left(s, [a, b])
+
+
+def test_outputs_are_written_in_place_only_when_their_shapes_are_known_and_fit():
+    from dask_services.array._service import assembles_in_place
+
+    chunks = ((4, 4), (10,))
+    f8 = np.dtype("f8")
+    assert assembles_in_place(chunks, [(0, 0), (1, 0)], f8, budget=2 * 4 * 10 * 8)
+    assert not assembles_in_place(chunks, [(0, 0), (1, 0)], f8, budget=2 * 4 * 10 * 8 - 1)
+    assert assembles_in_place(chunks, [(1, 0)], f8, budget=4 * 10 * 8)
+    assert assembles_in_place(chunks, [], f8, budget=0)
+    assert not assembles_in_place(((4, 4), (math.nan,)), [(0, 0)], f8, budget=2**62)
+    assert not assembles_in_place(chunks, [(0, 0)], np.dtype(object), budget=2**62)
 
 
 @settings(max_examples=80, deadline=None)

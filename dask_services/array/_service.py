@@ -2,12 +2,16 @@
 
 Every instance slices the chunks handed to it into the pieces each wanted output chunk
 needs and sends them, batched per destination instance, through a byte-bounded window.
-Receivers buffer pieces (spilling to disk past their budget, as the shuffle does) and count
-them: an output chunk is assembled as soon as its last piece has arrived, by writing every
-piece into one preallocated array in a worker thread, and produced at once, before
-``all_inputs_done`` whenever its inputs were handed off early.  Where the old and new
-chunkings leave independent regions, the first outputs are therefore in memory long before
-the last inputs are handed off.
+Receivers count the pieces of each of their output chunks and produce a chunk as soon as
+its last piece has arrived, before ``all_inputs_done`` whenever its inputs were handed off
+early.  Where the old and new chunkings leave independent regions, the first outputs are
+therefore in memory long before the last inputs are handed off.
+
+Where an instance's output chunks fit its buffer budget together, each piece is written
+into its output chunk as it arrives (in place), so that a chunk is ready the moment its last
+piece is, and the copying overlaps the exchange instead of following it.  Otherwise pieces
+are buffered (spilling to disk past the budget, as the shuffle does) and a chunk is
+assembled, one at a time, once complete.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import bisect
 import itertools
 import math
 import mmap
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -258,6 +262,27 @@ def slice_block(block: np.ndarray, index: Index,
     ]
 
 
+def pieces_by_destination(block: np.ndarray, index: Index,
+                          overlaps: list[list[list[tuple[int, slice, int]]]],
+                          owner: dict[Index, ServiceId], here: ServiceId
+                          ) -> dict[ServiceId, list[Piece]]:
+    """The pieces of the input chunk at ``index`` that wanted outputs need, grouped by the
+    instance owning their output.  Pieces for other instances are copied into contiguous
+    arrays here, in a worker thread: a strided view would be copied into the message by
+    pickle on the event loop, and copied out of it again on the receiver's; a contiguous
+    array travels as a frame of its own, received without a copy.  Pieces for ``here`` stay
+    views."""
+    out: dict[ServiceId, list[Piece]] = {}
+    for j, offset, piece in slice_block(block, index, overlaps):
+        sid = owner.get(j)
+        if sid is None:
+            continue
+        if sid != here and not piece.flags.c_contiguous:
+            piece = np.ascontiguousarray(piece)
+        out.setdefault(sid, []).append((j, offset, piece))
+    return out
+
+
 def output_shape(shape: tuple[float, ...], pieces: list[tuple[tuple[int, ...], np.ndarray]]
                  ) -> tuple[int, ...]:
     """The shape of the output chunk made of ``pieces`` (axes of unknown size, NaN in
@@ -270,9 +295,14 @@ def output_shape(shape: tuple[float, ...], pieces: list[tuple[tuple[int, ...], n
 
 def fill(out: np.ndarray, pieces: list[tuple[tuple[int, ...], np.ndarray]]) -> np.ndarray:
     """``out`` with every piece written at its offset."""
-    for offset, piece in pieces:
-        out[tuple(slice(o, o + n) for o, n in zip(offset, piece.shape, strict=True))] = piece
+    write_pieces([(out, offset, piece) for offset, piece in pieces])
     return out
+
+
+def write_pieces(writes: list[tuple[np.ndarray, tuple[int, ...], np.ndarray]]) -> None:
+    """Every piece written at its offset into its output chunk."""
+    for out, offset, piece in writes:
+        out[tuple(slice(o, o + n) for o, n in zip(offset, piece.shape, strict=True))] = piece
 
 
 def new_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -299,6 +329,29 @@ def fresh_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     if nbytes < HUGE_PAGE_ADVICE_FROM or dtype.hasobject:
         return np.empty(shape, dtype=dtype)
     return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=count).reshape(shape)
+
+
+def assembles_in_place(new_chunks: Chunks, outputs: Iterable[Index], dtype: np.dtype,
+                       budget: int) -> bool:
+    """Whether an instance writes pieces straight into its ``outputs`` as they arrive: when
+    their shapes are known and they fit ``budget`` together (partly written chunks cannot be
+    spilled), and not for object arrays, whose size in memory is not their shape's."""
+    if dtype.hasobject:
+        return False
+    total = 0
+    for j in outputs:
+        shape = [new_chunks[d][jd] for d, jd in enumerate(j)]
+        if any(math.isnan(s) for s in shape):
+            return False
+        total += math.prod(int(s) for s in shape) * dtype.itemsize
+        if total > budget:
+            return False
+    return True
+
+
+# a batch of at most this many bytes is written into its outputs on the event loop; a larger
+# one in a worker thread (a thread hand-over costs about as much as copying this much)
+WRITE_ON_LOOP_MAX = 1 << 20
 
 
 def piece_bytes(piece: np.ndarray) -> int:
@@ -343,6 +396,13 @@ class ArrayRechunk(PeerExchange):
         self.one_at_a_time = asyncio.Semaphore(1)
         self.trim = TrimAfter()
         self.open_exchange(concierge)
+        assert self.buffer is not None
+        # in place: the output chunks being written, and their bytes
+        self.outputs: dict[Index, np.ndarray] | None = (
+            {} if assembles_in_place(new_chunks, self.expected, np.dtype(dtype),
+                                     self.buffer.limit) else None
+        )
+        self.outputs_bytes = 0
 
     async def all_started(self) -> None:
         for j, n in self.expected.items():
@@ -357,15 +417,11 @@ class ArrayRechunk(PeerExchange):
                 f"{type(block).__name__}. Use method='tasks' (or 'p2p') for other array types"
             )
         block = np.asarray(block)  # a memmap or other plain subclass: its data
-        pieces = await self.concierge.run_in_executor(
-            slice_block, block, self.index_of[key], self.overlaps
+        by_destination = await self.concierge.run_in_executor(
+            pieces_by_destination, block, self.index_of[key], self.overlaps, self.owner,
+            self.id
         )
         del block
-        by_destination: dict[ServiceId, list[Piece]] = {}
-        for piece in pieces:
-            sid = self.owner.get(piece[0])
-            if sid is not None:
-                by_destination.setdefault(sid, []).append(piece)
         for sid, batch in by_destination.items():
             if sid == self.id:
                 await self.receive(batch)
@@ -383,7 +439,15 @@ class ArrayRechunk(PeerExchange):
             nbytes = piece_bytes(piece)
             self.received_bytes += nbytes
             items.append((j, (offset, piece), nbytes))
-        await self.buffer.add_batch(items)
+        if self.outputs is None:
+            await self.buffer.add_batch(items)
+        else:
+            writes = [(self._output(j), offset, piece) for j, offset, piece in batch]
+            if sum(n for _, _, n in items) <= WRITE_ON_LOOP_MAX:
+                write_pieces(writes)
+            else:
+                await self.concierge.run_in_executor(write_pieces, writes)
+            del writes, items
         for j, _, _ in batch:
             self.received[j] += 1
             if self.received[j] == self.expected[j]:
@@ -399,7 +463,23 @@ class ArrayRechunk(PeerExchange):
         if not task.cancelled() and task.exception() is not None:
             self.concierge.error(task.exception())
 
+    def _output(self, j: Index) -> np.ndarray:
+        """Output chunk ``j`` being written in place (allocated with its first piece)."""
+        assert self.outputs is not None
+        chunk = self.outputs.get(j)
+        if chunk is None:
+            shape = tuple(int(self.new_chunks[d][jd]) for d, jd in enumerate(j))
+            chunk = self.outputs[j] = new_array(shape, self.dtype)
+            self.outputs_bytes += chunk.nbytes
+        return chunk
+
     async def _produce(self, j: Index) -> None:
+        if self.outputs is not None:
+            chunk = self._output(j)  # allocated here if it has no piece (an empty chunk)
+            del self.outputs[j]
+            self.outputs_bytes -= chunk.nbytes
+            await self.concierge.produce_key(self.key_of[j], chunk)
+            return
         async with self.one_at_a_time:
             assert self.buffer is not None
             held = self.buffer.memory_bytes
@@ -431,8 +511,14 @@ class ArrayRechunk(PeerExchange):
                 "all their pieces although every input was handed off"
             )
 
+    def __sizeof__(self) -> int:
+        return super().__sizeof__() + getattr(self, "outputs_bytes", 0)
+
     async def stop(self) -> None:
         for task in list(getattr(self, "assembling", ())):
             task.cancel()
+        if getattr(self, "outputs", None):
+            self.outputs = {}
+            self.outputs_bytes = 0
         await super().stop()
 
