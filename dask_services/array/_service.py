@@ -402,7 +402,8 @@ class ArrayRechunk(PeerExchange):
             {} if assembles_in_place(new_chunks, self.expected, np.dtype(dtype),
                                      self.buffer.limit) else None
         )
-        self.outputs_bytes = 0
+        self.written: dict[Index, int] = {}  # bytes written into each so far
+        self.outputs_bytes = 0  # into all of them
 
     async def all_started(self) -> None:
         for j, n in self.expected.items():
@@ -447,6 +448,9 @@ class ArrayRechunk(PeerExchange):
                 write_pieces(writes)
             else:
                 await self.concierge.run_in_executor(write_pieces, writes)
+            for j, _, nbytes in items:
+                self.written[j] = self.written.get(j, 0) + nbytes
+                self.outputs_bytes += nbytes
             del writes, items
         for j, _, _ in batch:
             self.received[j] += 1
@@ -470,14 +474,13 @@ class ArrayRechunk(PeerExchange):
         if chunk is None:
             shape = tuple(int(self.new_chunks[d][jd]) for d, jd in enumerate(j))
             chunk = self.outputs[j] = new_array(shape, self.dtype)
-            self.outputs_bytes += chunk.nbytes
         return chunk
 
     async def _produce(self, j: Index) -> None:
         if self.outputs is not None:
             chunk = self._output(j)  # allocated here if it has no piece (an empty chunk)
             del self.outputs[j]
-            self.outputs_bytes -= chunk.nbytes
+            self.outputs_bytes -= self.written.pop(j, 0)
             await self.concierge.produce_key(self.key_of[j], chunk)
             return
         async with self.one_at_a_time:
@@ -517,8 +520,7 @@ class ArrayRechunk(PeerExchange):
     async def stop(self) -> None:
         for task in list(getattr(self, "assembling", ())):
             task.cancel()
-        if getattr(self, "outputs", None):
-            self.outputs = {}
-            self.outputs_bytes = 0
+        if getattr(self, "outputs", None) is not None:
+            self.outputs, self.written, self.outputs_bytes = {}, {}, 0
         await super().stop()
 
