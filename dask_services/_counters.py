@@ -8,8 +8,9 @@ count as sent by the caller when it sends them (taken back if the call never rea
 callee's instance) and as received by the callee when the call takes its turn; a result
 other than ``None`` counts as sent by the callee and received by the caller.  So, summed
 over a run's instances, ``bytes_sent`` equals ``bytes_received``: both are the data
-exchanged with peers (only a result whose caller stopped before it arrived is sent and
-never received).
+exchanged with peers.  A call on the wire when its instance stops is waited for (the host's
+``stop``), so it is counted on both sides or on neither; only one whose peer did not answer
+within the grace given is counted by one side alone.
 
 ``Service.counters()`` returns what a service knows beyond that; its values *override*
 the framework's figures of the same name (a service that counts its own data, say before

@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -35,6 +36,9 @@ from dask_services.service import (
 
 logger = logging.getLogger("dask_services")
 T = TypeVar("T")
+
+# How long a stopping instance waits for answers to the peer calls it has on the wire.
+OUTGOING_CALLS_GRACE = 5.0
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,7 @@ class Instance:
     next_seq_in: dict[ServiceId, int] = field(default_factory=dict)
     inbox: asyncio.Condition = field(default_factory=asyncio.Condition)
     traffic: Traffic = field(default_factory=Traffic)  # bytes of its peer calls
+    outgoing: set[asyncio.Future] = field(default_factory=set)  # its peer calls on the wire
 
     def __post_init__(self) -> None:
         self.output_key_set = frozenset(self.spec.output_keys)
@@ -334,6 +339,12 @@ class ServiceHost:
                 await t
         async with inst.inbox:
             inst.inbox.notify_all()
+        if inst.outgoing:
+            # peer calls already sent: answered at once (taken, or refused by an instance
+            # that stops too), unless their peer is gone
+            await asyncio.wait(set(inst.outgoing), timeout=OUTGOING_CALLS_GRACE)
+            for call in list(inst.outgoing):
+                call.cancel()
         try:
             await inst.service.stop()
         except Exception:
@@ -400,8 +411,14 @@ class ServiceHost:
             if result is not None:
                 self._count(self.instances.get(target), source, size_of(result))
             return result
-        return await self.env.send_rpc(address, target, source.spec.id, run_id, seq, method,
-                                       args, kwargs)
+        # A call on the wire runs to its answer even when its caller is cancelled (the
+        # instance stopping): the receiver either took it (and counted its bytes) or refused
+        # it (and the sender takes its count back), never half of it (_counters.py).
+        call = asyncio.ensure_future(self.env.send_rpc(
+            address, target, source.spec.id, run_id, seq, method, args, kwargs))
+        source.outgoing.add(call)
+        call.add_done_callback(functools.partial(_call_answered, source.outgoing))
+        return await asyncio.shield(call)
 
     async def deliver(
         self, target: ServiceId, source: ServiceId, run_id: int, seq: int, method: str,
@@ -489,6 +506,12 @@ def _refusal(cls: type, method: str) -> str:
 
 async def _raise(exc: BaseException) -> Any:
     raise exc
+
+
+def _call_answered(outgoing: set[asyncio.Future], call: asyncio.Future) -> None:
+    outgoing.discard(call)
+    if not call.cancelled():
+        call.exception()  # retrieved: a caller cancelled meanwhile no longer wants it
 
 
 def _safe_sizeof(service: Service) -> int:

@@ -50,6 +50,7 @@ _STREAM_OPS = (
 )
 _RPC_OPS = ("service_rpc", "service_add_key")
 _STALE = "dask-services-stale-run"  # reply of service_rpc for an instance no longer here
+_TAKEN = "dask-services-taken"  # ... and whether the call had taken its turn there
 _RAISED = "dask-services-raised"  # reply of service_rpc for a call that raised
 # Worker task states in which a service task cannot be waiting for its outcome.
 _NOT_RUNNING = frozenset({"cancelled", "released", "forgotten", "memory", "error"})
@@ -128,7 +129,8 @@ class WorkerEnvironment(Environment):
             raise unsent
         if isinstance(response, dict):
             if _STALE in response:
-                traffic.bytes_sent -= nbytes
+                if not response.get(_TAKEN):  # refused: its bytes never reached the callee
+                    traffic.bytes_sent -= nbytes
                 raise StaleRunError(response[_STALE])
             if _RAISED in response:
                 raise loads_exception(response[_RAISED])
@@ -278,11 +280,15 @@ class ServiceWorkerPlugin(WorkerPlugin):
                           method: str, payload: Any, unsent: str | None = None) -> Any:
         call = f"{method}() from {source} to {target}"
 
+        taken = False
+
         async def arguments() -> tuple[tuple, dict]:
+            nonlocal taken
             if unsent is not None:
                 raise PeerCallError(unsent)
             # the call has taken its turn: its bytes are received (_counters.py)
             _traffic(self.host, target).bytes_received += getattr(unwrap(payload), "nbytes", 0)
+            taken = True
             return await unpack(unwrap(payload), f"the arguments of {call}")
 
         try:
@@ -295,8 +301,17 @@ class ServiceWorkerPlugin(WorkerPlugin):
             return to_serialize(packed)
         except StaleRunError as exc:
             # Routine at the end of a run (a peer's last call races the stop): answered, not
-            # logged as a handler failure.
-            return {_STALE: str(exc)}
+            # logged as a handler failure.  Stale before its turn (refused), or in the method
+            # (a peer call of its own to a stopped instance) after its arguments were
+            # counted as received: the caller keeps its count then.
+            return {_STALE: str(exc), _TAKEN: taken}
+        except asyncio.CancelledError:
+            # The instance stopped under the call (which goes unanswered: its connection
+            # is cut): the caller takes its count back, so this side does too.
+            if taken:
+                _traffic(self.host, target).bytes_received -= getattr(
+                    unwrap(payload), "nbytes", 0)
+            raise
         except Exception as exc:
             # The caller's error (a refused method, a payload that cannot be read, an
             # exception in the method): raised there with its type and traceback.
