@@ -280,15 +280,15 @@ class ServiceWorkerPlugin(WorkerPlugin):
                           method: str, payload: Any, unsent: str | None = None) -> Any:
         call = f"{method}() from {source} to {target}"
 
-        taken = False
+        taken: int | None = None  # the bytes counted as received once the call took its turn
 
         async def arguments() -> tuple[tuple, dict]:
             nonlocal taken
             if unsent is not None:
                 raise PeerCallError(unsent)
             # the call has taken its turn: its bytes are received (_counters.py)
-            _traffic(self.host, target).bytes_received += getattr(unwrap(payload), "nbytes", 0)
-            taken = True
+            taken = getattr(unwrap(payload), "nbytes", 0)
+            _traffic(self.host, target).bytes_received += taken
             return await unpack(unwrap(payload), f"the arguments of {call}")
 
         try:
@@ -304,13 +304,12 @@ class ServiceWorkerPlugin(WorkerPlugin):
             # logged as a handler failure.  Stale before its turn (refused), or in the method
             # (a peer call of its own to a stopped instance) after its arguments were
             # counted as received: the caller keeps its count then.
-            return {_STALE: str(exc), _TAKEN: taken}
+            return {_STALE: str(exc), _TAKEN: taken is not None}
         except asyncio.CancelledError:
             # The instance stopped under the call (which goes unanswered: its connection
             # is cut): the caller takes its count back, so this side does too.
-            if taken:
-                _traffic(self.host, target).bytes_received -= getattr(
-                    unwrap(payload), "nbytes", 0)
+            if taken is not None:
+                _traffic(self.host, target).bytes_received -= taken
             raise
         except Exception as exc:
             # The caller's error (a refused method, a payload that cannot be read, an

@@ -397,13 +397,12 @@ class ArrayRechunk(PeerExchange):
         self.trim = TrimAfter()
         self.open_exchange(concierge)
         assert self.buffer is not None
-        # in place: the output chunks being written, and their bytes
+        # in place: the output chunks being written, and the bytes written into each
         self.outputs: dict[Index, np.ndarray] | None = (
             {} if assembles_in_place(new_chunks, self.expected, np.dtype(dtype),
                                      self.buffer.limit) else None
         )
-        self.written: dict[Index, int] = {}  # bytes written into each so far
-        self.outputs_bytes = 0  # into all of them
+        self.written: dict[Index, int] = {}
 
     async def all_started(self) -> None:
         for j, n in self.expected.items():
@@ -450,7 +449,6 @@ class ArrayRechunk(PeerExchange):
                 await self.concierge.run_in_executor(write_pieces, writes)
             for j, _, nbytes in items:
                 self.written[j] = self.written.get(j, 0) + nbytes
-                self.outputs_bytes += nbytes
             del writes, items
         for j, _, _ in batch:
             self.received[j] += 1
@@ -480,7 +478,7 @@ class ArrayRechunk(PeerExchange):
         if self.outputs is not None:
             chunk = self._output(j)  # allocated here if it has no piece (an empty chunk)
             del self.outputs[j]
-            self.outputs_bytes -= self.written.pop(j, 0)
+            self.written.pop(j, None)
             await self.concierge.produce_key(self.key_of[j], chunk)
             return
         async with self.one_at_a_time:
@@ -515,12 +513,12 @@ class ArrayRechunk(PeerExchange):
             )
 
     def __sizeof__(self) -> int:
-        return super().__sizeof__() + getattr(self, "outputs_bytes", 0)
+        return super().__sizeof__() + sum(getattr(self, "written", {}).values())
 
     async def stop(self) -> None:
         for task in list(getattr(self, "assembling", ())):
             task.cancel()
         if getattr(self, "outputs", None) is not None:
-            self.outputs, self.written, self.outputs_bytes = {}, {}, 0
+            self.outputs, self.written = {}, {}
         await super().stop()
 
