@@ -434,22 +434,21 @@ class ArrayRechunk(PeerExchange):
     async def receive(self, batch: list[Piece]) -> None:
         """Peer RPC: pieces of this instance's output chunks."""
         assert self.buffer is not None
-        items = []
-        for j, offset, piece in batch:
-            nbytes = piece_bytes(piece)
-            self.received_bytes += nbytes
-            items.append((j, (offset, piece), nbytes))
+        sizes = [piece_bytes(piece) for _, _, piece in batch]
+        self.received_bytes += sum(sizes)
         if self.outputs is None:
-            await self.buffer.add_batch(items)
+            await self.buffer.add_batch(
+                [(j, (offset, piece), n) for (j, offset, piece), n in zip(batch, sizes,
+                                                                         strict=True)])
         else:
             writes = [(self._output(j), offset, piece) for j, offset, piece in batch]
-            if sum(n for _, _, n in items) <= WRITE_ON_LOOP_MAX:
+            if sum(sizes) <= WRITE_ON_LOOP_MAX:
                 write_pieces(writes)
             else:
                 await self.concierge.run_in_executor(write_pieces, writes)
-            for j, _, nbytes in items:
-                self.written[j] = self.written.get(j, 0) + nbytes
-            del writes, items
+            del writes
+            for (j, _, _), n in zip(batch, sizes, strict=True):
+                self.written[j] = self.written.get(j, 0) + n
         for j, _, _ in batch:
             self.received[j] += 1
             if self.received[j] == self.expected[j]:
