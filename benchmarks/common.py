@@ -23,7 +23,8 @@ class Measurement:
 
     @property
     def median(self) -> float:
-        return statistics.median(self.seconds)
+        """Median over the runs that finished (``nan`` when none did)."""
+        return statistics.median(self.seconds) if self.seconds else float("nan")
 
     @property
     def peak(self) -> float:
@@ -171,6 +172,9 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
+COUNTED_OVER_RUNS = ("failed", "restarts")  # report: summed over the runs, not a median
+
+
 def report(results: list[Measurement], baseline: str, as_json: bool,
            extra_columns: tuple[str, ...] = ()) -> str:
     rows = []
@@ -185,7 +189,9 @@ def report(results: list[Measurement], baseline: str, as_json: bool,
         }
         for name in extra_columns:
             vals = r.extra.get(name)
-            row[name] = statistics.median(vals) if vals else None
+            # counts over all runs; every other figure is a median like the time
+            summed = name in COUNTED_OVER_RUNS
+            row[name] = (sum(vals) if summed else statistics.median(vals)) if vals else None
         rows.append(row)
     if as_json:
         return json.dumps(rows, indent=2)
@@ -252,3 +258,40 @@ def update_graph_durations(client: Any, since: float) -> dict[str, float]:
     """Summed ``update-graph`` and ordering seconds of the graphs the scheduler received
     since ``since`` (its clock: ``time.time()``)."""
     return client.run_on_scheduler(_graph_durations, since=since)
+
+
+def _worker_troubles(dask_scheduler: Any, since: float, until: float) -> dict[str, float]:
+    restarts = sum(
+        1 for stamp, msg in dask_scheduler.get_events("all")
+        if since <= stamp <= until and isinstance(msg, dict)
+        and msg.get("action") == "remove-worker"
+    )
+    paused = 0.0
+    # a worker's own topic is its address; the scheduler drops it when the worker leaves, so
+    # the pauses of a worker that was then restarted are not counted (its restart is)
+    for topic, events in dask_scheduler.get_events().items():
+        if "://" not in str(topic):
+            continue
+        paused_at: float | None = None
+        for stamp, msg in events:
+            if not isinstance(msg, dict) or stamp > until:
+                continue
+            action = msg.get("action")
+            if action == "worker-status-change" and msg.get("status") == "paused":
+                paused_at = stamp
+            elif paused_at is not None and (
+                    action == "remove-worker" or (action == "worker-status-change"
+                                                  and msg.get("prev-status") == "paused")):
+                paused += max(0.0, stamp - max(paused_at, since))
+                paused_at = None
+        if paused_at is not None:
+            paused += max(0.0, until - max(paused_at, since))
+    return {"restarts": float(restarts), "paused_s": paused}
+
+
+def worker_troubles(client: Any, since: float, until: float) -> dict[str, float]:
+    """Between ``since`` and ``until`` (the scheduler's clock, ``time.time()``): how many
+    workers left the cluster (``restarts``: killed by their nanny for memory, or lost) and
+    the seconds workers spent paused (``paused_s``, summed over workers: a worker pauses
+    when its process memory passes the pause threshold), from the scheduler's events."""
+    return client.run_on_scheduler(_worker_troubles, since=since, until=until)

@@ -31,6 +31,7 @@ number of input chunks, from the task stream).
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections import defaultdict
 from typing import Any
@@ -47,6 +48,7 @@ from benchmarks.common import (
     settle,
     task_kind,
     update_graph_durations,
+    worker_troubles,
 )
 
 CHUNKS_PER_SIDE = 64  # all-to-all: row chunks (and column chunks) per array
@@ -130,34 +132,45 @@ def run_case(client: Any, label: str, shape: tuple, old: tuple, new: tuple,
                 tasks = graph_size(y) - graph_size(x)
                 z = y.sum() if consumer == "sum" else y
                 first: list[float] = []
+                failed = False
                 with peak_memory(client, interval=0.05) as peak, \
                         get_task_stream(client) as stream:
                     wall = time.time()
                     start = time.perf_counter()
-                    if consumer == "none":
-                        persisted = client.persist(z)
-                        futures = client.futures_of(persisted)
-                        completed = as_completed(futures)
-                        next(completed)
-                        first.append(time.perf_counter() - start)
-                        wait(futures)
-                        completed.clear()  # it holds the futures (and results) otherwise
-                        del persisted, futures, completed
-                    else:
-                        client.compute(z).result()
+                    try:
+                        if consumer == "none":
+                            persisted = client.persist(z)
+                            futures = client.futures_of(persisted)
+                            completed = as_completed(futures)
+                            next(completed)
+                            first.append(time.perf_counter() - start)
+                            wait(futures)
+                            completed.clear()  # it holds the futures (and results) otherwise
+                            del persisted, futures, completed
+                        else:
+                            client.compute(z).result()
+                    except Exception as exc:  # noqa: BLE001 - reported as a failed run
+                        failed = True
+                        print(f"rechunk {label} with {method} failed: {exc!r}",
+                              file=sys.stderr)
                     seconds = time.perf_counter() - start
+                troubles = worker_troubles(client, wall, time.time())
+                del y, z  # its graph holds x's futures, which new_workers must not see
+                if failed:  # a failed run may leave its tasks behind: start over
+                    x, keep = fresh_input(client, make, previous=x)
                 settle(client, keep=keep)
                 m = results[consumer, method]
-                m.seconds.append(seconds)
-                m.peak_memory.extend(peak)
+                if not failed:
+                    m.seconds.append(seconds)
+                    m.peak_memory.extend(peak)
                 if first:
                     m.extra.setdefault("first_output_s", []).extend(first)
                 m.extra.setdefault("tasks", []).append(tasks)
                 sched = update_graph_durations(client, wall)
                 costs = _task_costs(stream.data, wall, chunks)
-                for name, value in (*sched.items(), *costs.items()):
+                for name, value in (("failed", float(failed)), *troubles.items(),
+                                    *sched.items(), *costs.items()):
                     m.extra.setdefault(name, []).append(value)
-                del y, z  # its graph holds x's futures, which new_workers must not see
                 done += 1
                 progress(done, total, f"rechunk {label}", show_progress)
     del x

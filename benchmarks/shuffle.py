@@ -22,6 +22,7 @@ rows) shows per-call overhead, on warm workers.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,7 @@ from benchmarks.common import (
     cpu_seconds,
     fresh_input,
     held,
+    new_workers,
     parse_size,
     peak_memory,
     persist_input,
@@ -43,6 +45,7 @@ from benchmarks.common import (
     task_kind,
     timed,
     update_graph_durations,
+    worker_troubles,
 )
 
 SMALL_ROWS = 200  # rows per partition of the many-partition cases
@@ -161,26 +164,42 @@ def run_many(client: Any, npartitions: int, methods: list[str], repeat: int,
 
 def run_case(client: Any, label: str, nbytes: int, npartitions: int, methods: list[str],
              repeat: int, show_progress: bool, fresh: bool = True, consumer: str = "none",
-             ) -> list[Measurement]:
+             made: bool = False) -> list[Measurement]:
+    """One sized case.  Its input is persisted first, so that the timings are of the
+    shuffles alone (making the frame costs every method the same, and would only dilute
+    the ratios); with ``made`` it is made inside every measured graph instead and freed as
+    the shuffle consumes it, as in a pipeline over data larger than the workers' memory.
+    A run that fails (a worker killed over and over, ``KilledWorker``) counts as failed
+    and is not timed."""
+    import time
+
     from distributed import wait
 
-    # The input is persisted first, so that the timings are of the shuffles alone (making
-    # the frame costs every method the same, and would only dilute the ratios).
     base = held(client)
 
     def make() -> Any:
         return frame(nbytes, npartitions)
 
-    df, keep = persist_input(client, make)
-    true_bytes = int(client.compute(df.memory_usage(deep=True).sum()).result())
+    if made:
+        df, keep = None, base
+        true_bytes = nbytes
+    else:
+        df, keep = persist_input(client, make)
+        true_bytes = int(client.compute(df.memory_usage(deep=True).sum()).result())
     results = {m: Measurement(label, m, nbytes=true_bytes) for m in methods}
     total, done = repeat * len(methods), 0
     for r in range(repeat):
         for method in rotated(methods, r):  # interleaved, so drift hits every method alike
-            if fresh:
-                df, keep = fresh_input(client, make, previous=df)
+            if made:
+                if fresh:
+                    new_workers(client)
+                source = make()
+            else:
+                if fresh:
+                    df, keep = fresh_input(client, make, previous=df)
+                source = df
             # optimized as df.persist() and df.compute() do (client.persist does not fuse)
-            shuffled = consumed(df.shuffle("key", shuffle_method=method), consumer)
+            shuffled = consumed(source.shuffle("key", shuffle_method=method), consumer)
 
             def once(shuffled: Any = shuffled) -> None:
                 if consumer == "none":
@@ -190,12 +209,27 @@ def run_case(client: Any, label: str, nbytes: int, npartitions: int, methods: li
                 else:
                     client.compute(shuffled).result()
 
+            failed = False
+            since = time.time()
             with peak_memory(client) as peak:
-                seconds = timed(once)
-            del shuffled, once  # they hold df's futures, which new_workers must not see
+                try:
+                    seconds = timed(once)
+                except Exception as exc:  # noqa: BLE001 - reported as a failed run
+                    failed = True
+                    print(f"shuffle {label} with {method} failed: {exc!r}", file=sys.stderr)
+            troubles = worker_troubles(client, since, time.time())
+            del shuffled, once, source  # they hold df's futures, which new_workers must not see
+            if failed:
+                new_workers(client)  # a failed run may leave its tasks behind
+                if not made:
+                    df, keep = persist_input(client, make)
             settle(client, keep=keep)
-            results[method].seconds.append(seconds)
-            results[method].peak_memory.extend(peak)
+            m = results[method]
+            if not failed:
+                m.seconds.append(seconds)
+                m.peak_memory.extend(peak)
+            for name, value in (("failed", float(failed)), *troubles.items()):
+                m.extra.setdefault(name, []).append(value)
             done += 1
             progress(done, total, f"shuffle {label}", show_progress)
     del df
@@ -206,7 +240,7 @@ def run_case(client: Any, label: str, nbytes: int, npartitions: int, methods: li
 def run(client: Any, sizes: list[str], repeat: int, npartitions: int = 128,
         methods: tuple[str, ...] = ("service", "p2p", "tasks"), tiny: bool = True,
         show_progress: bool = True, fresh: bool = True, many: tuple[int, ...] = (),
-        consumers: tuple[str, ...] = ("none",)) -> list[Measurement]:
+        consumers: tuple[str, ...] = ("none",), made: bool = False) -> list[Measurement]:
     import dask_services
 
     dask_services.install(client)
@@ -223,13 +257,13 @@ def run(client: Any, sizes: list[str], repeat: int, npartitions: int = 128,
         for consumer in consumers:
             label = size + (f" + {consumer}" if consumer != "none" else "")
             out += run_case(client, label, parse_size(size), npartitions, shuffles,
-                            repeat, show_progress, fresh, consumer)
+                            repeat, show_progress, fresh, consumer, made)
     return out
 
 
 def columns(results: list[Measurement]) -> tuple[str, ...]:
     """The extra columns any result has: the scheduler's share, then task ms per kind."""
     names = {n for r in results for n in r.extra}
-    first = [n for n in ("per_part_ms", "cpu_s", "scheduler_cpu_s", "update_graph_s",
-                         "order_s") if n in names]
+    first = [n for n in ("failed", "restarts", "paused_s", "per_part_ms", "cpu_s",
+                         "scheduler_cpu_s", "update_graph_s", "order_s") if n in names]
     return (*first, *sorted(n for n in names if n.startswith("task_ms:")))

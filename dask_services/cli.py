@@ -326,7 +326,8 @@ def bench_shuffle(args: argparse.Namespace) -> int:
                               npartitions=args.input_partitions,
                               methods=tuple(args.methods.split(",")),
                               show_progress=show_progress(args), fresh=not args.reuse_workers,
-                              many=many, consumers=consumers, tiny=not args.no_tiny)
+                              many=many, consumers=consumers, tiny=not args.no_tiny,
+                              made=args.input == "made")
         print(report(results, "p2p", args.json, extra_columns=shuffle.columns(results)),
               flush=True)
     return 0
@@ -344,7 +345,8 @@ def bench_rechunk(args: argparse.Namespace) -> int:
                               show_progress=show_progress(args), fresh=not args.reuse_workers,
                               chunks=args.chunks,
                               consumers=tuple(c for c in args.consumer.split(",") if c))
-        columns = ("first_output_s", "tasks", "update_graph_s", "order_s", "first_task_s",
+        columns = ("failed", "restarts", "paused_s", "first_output_s", "tasks",
+                   "update_graph_s", "order_s", "first_task_s",
                    *rechunk.per_chunk_columns(results))
         print(report(results, "p2p", args.json, extra_columns=columns), flush=True)
     return 0
@@ -411,6 +413,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "none)")
     p_bench.add_argument("--input-partitions", type=int, default=128,
                          help="shuffle: partitions of the sized frames (--sizes)")
+    p_bench.add_argument("--input", choices=["persisted", "made"], default="persisted",
+                         help="shuffle: the sized frames (--sizes) are persisted before the "
+                              "timings ('persisted', the default), or made inside every "
+                              "measured graph and freed as the shuffle consumes them "
+                              "('made': a pipeline over data larger than memory, with "
+                              "--memory-limit)")
     p_bench.add_argument("--no-tiny", action="store_true",
                          help="shuffle: skip the tiny case")
     p_bench.add_argument("--chunks", type=int, default=0,

@@ -112,6 +112,54 @@ def test_cli_bench_json_on_restarted_workers(capsys, what, sizes):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_cli_bench_shuffle_of_an_input_made_in_the_measured_graph(capsys):
+    from dask_services.cli import main
+
+    args = ["bench", "shuffle", "--sizes", "2MB", "--input", "made", "--no-tiny",
+            "--consumer", "len", "--repeat", "1", "--methods", "service,p2p", "--json"]
+    assert main(args) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {(row["case"], row["method"]) for row in rows} == {("2MB + len", "service"),
+                                                             ("2MB + len", "p2p")}
+    for row in rows:  # nothing went wrong, and the report says so
+        assert row["median_s"] > 0 and row["peak_worker_memory_MB"] > 0
+        assert (row["failed"], row["restarts"], row["paused_s"]) == (0, 0, 0)
+
+
+class _Events:
+    """A scheduler as ``_worker_troubles`` reads it: only its events."""
+
+    def __init__(self, events: dict):
+        self.events = events
+
+    def get_events(self, topic=None):
+        return self.events if topic is None else self.events.get(topic, ())
+
+
+def test_worker_troubles_counts_restarts_and_paused_seconds_within_the_run():
+    from benchmarks.common import _worker_troubles
+
+    def status(prev, new):
+        return {"action": "worker-status-change", "prev-status": prev, "status": new}
+
+    scheduler = _Events({
+        "all": ((5.0, {"action": "remove-worker", "worker": "tcp://a"}),  # before the run
+                (12.0, {"action": "remove-worker", "worker": "tcp://b"}),
+                (13.0, {"action": "add-worker", "worker": "tcp://c"})),
+        # paused from before the run until 11: counted from the run's start, 10
+        "tcp://a": ((8.0, status("running", "paused")), (11.0, status("paused", "running")),
+                    # and again from 14 to the end of the run, 20
+                    (14.0, status("running", "paused"))),
+        "tcp://c": ((15.0, status("running", "paused")), (16.5, status("paused", "running")),
+                    (25.0, status("running", "paused"))),  # after the run
+        "scheduler": ((12.0, {"action": "update-graph"}),),
+    })
+    troubles = _worker_troubles(scheduler, since=10.0, until=20.0)
+    assert troubles == {"restarts": 1.0, "paused_s": 1.0 + 6.0 + 1.5}
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_cli_bench_queries_checks_every_result_against_tasks(capsys):
     from dask_services.cli import main
