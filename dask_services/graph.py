@@ -161,13 +161,14 @@ class HandOffSpec(Task):
 
     On a worker it is a coroutine, which distributed runs on the worker's event loop: the
     hand-off is mostly the instance's ``add_key`` there, and its CPU work goes to a worker
-    thread through ``concierge.run_in_executor``, so a task thread would only wait.
+    service thread through ``concierge.run_in_executor``, so a task thread would only wait.
 
     It may also be the last step of a fused task (``ShuffleHandOffs``: dask fuses it with
     the blockwise steps that make its input, so no task per partition holds the input
     alone).  The fused task runs in a worker thread under its own key, which the
     scheduler knows as the hand-off; the hand-off is then done through the event loop
-    (:func:`_hand_off_in_thread`) under that key.
+    (:func:`_hand_off_in_thread`) under that key, the task thread waiting for it (the
+    instance's CPU work runs in service threads, never behind it).
     """
 
     @property

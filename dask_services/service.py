@@ -139,7 +139,8 @@ class Concierge(abc.ABC):
 
     @abc.abstractmethod
     async def run_in_executor(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run CPU-heavy ``fn`` in one of the worker's task threads and await its result."""
+        """Run CPU-heavy ``fn`` in one of the worker's service threads (``dask_services.threads``,
+        apart from its task threads) and await its result."""
 
 
 class Service(Deployable, abc.ABC):

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import shutil
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import dask.config
@@ -140,10 +141,27 @@ class WorkerEnvironment(Environment):
         return result
 
     async def run_in_executor(self, fn: Callable[..., T], *args: Any) -> T:
-        executor = self.ext.worker.executors["default"]
         return await asyncio.get_running_loop().run_in_executor(
-            executor, in_current_context(fn), *args
+            self.ext.executor, in_current_context(fn), *args
         )
+
+
+def service_threads(worker: Worker) -> ThreadPoolExecutor:
+    """The threads of the services' CPU work on ``worker`` (``concierge.run_in_executor``):
+    ``dask_services.threads`` of them, by default as many as the worker has task threads.
+
+    Not the worker's task threads: a task thread may wait on a service.  A hand-off fused
+    with the tasks that make its input runs in a task thread, and when the input cannot be
+    taken at once (the hand-off buffer is full, or too many bytes are on their way to
+    peers) that thread waits until the instance has taken it, which is what holds back the
+    making of more inputs.  Were the instance's split, or a peer's writing of what it
+    receives, queued behind that thread, on a one-thread worker nothing would ever run
+    again.  dask.distributed's P2P extensions have threads of their own for the same
+    reason (``distributed.p2p.threads``).
+    """
+    threads = dask.config.get("dask_services.threads", None) or worker.state.nthreads
+    return ThreadPoolExecutor(max_workers=max(1, int(threads)),
+                              thread_name_prefix="dask-services")
 
 
 class ServiceWorkerPlugin(WorkerPlugin):
@@ -171,6 +189,7 @@ class ServiceWorkerPlugin(WorkerPlugin):
         self._background: set[asyncio.Task] = set()
         self.pending_inputs = PendingInputs(parse_bytes(
             dask.config.get("dask_services.hand-off-buffer")))
+        self.executor = service_threads(worker)
         self.counter_reports = CounterReports()
         for op in _STREAM_OPS:
             worker.stream_handlers[op] = self._guarded(getattr(self, "_" + op.replace("-", "_")))
@@ -202,6 +221,8 @@ class ServiceWorkerPlugin(WorkerPlugin):
         worker.metrics.pop("dask_services_managed_bytes", None)
         worker.metrics.pop("dask_services_spilled_bytes", None)
         worker.extensions.pop(EXTENSION, None)
+        # every instance has stopped: nothing is queued; a job still running finishes alone
+        self.executor.shutdown(wait=False, cancel_futures=True)
         shutil.rmtree(self.host.env.local_directory, ignore_errors=True)
 
     # ------------------------------------------------------------- helpers

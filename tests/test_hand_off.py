@@ -6,6 +6,7 @@ import dask
 import numpy as np
 import pytest
 from dask.sizeof import sizeof
+from dask.utils import key_split
 from distributed import wait
 from distributed.utils_test import async_poll_for
 from services import GatedTaker, SizeRecorder
@@ -91,3 +92,39 @@ async def test_add_key_sees_the_size_its_worker_measured(c, s, a, b):
     hosts = [w.extensions["dask_services"].host for w in (a, b)]
     assert not any(inst.input_sizes for h in hosts for inst in h.instances.values())
     del outs, futs
+
+
+def _wide_partition(i: int):
+    import pandas as pd
+
+    rng = np.random.default_rng(i)
+    return pd.DataFrame({"key": rng.integers(0, 1000, 20_000), "value": rng.random(20_000)})
+
+
+@service_cluster(config={"dask_services.hand-off-buffer": "0 B"}, timeout=30)
+async def test_fused_hand_offs_that_wait_on_one_thread_workers_do_not_deadlock(c, s, a, b):
+    """A hand-off fused with the task that makes its input holds the worker's only task
+    thread while it waits for the instance to take an input the hand-off buffer has no
+    room for; the instance splits it (320 kB: in a thread, not on the event loop) in
+    threads of its own, not behind the waiting one."""
+    import dask.dataframe as dd
+    import pandas as pd
+
+    assert a.state.nthreads == b.state.nthreads == 1
+    # made inside the graph: fused hand-offs
+    df = dd.from_map(_wide_partition, range(6), meta=_wide_partition(0).iloc[:0],
+                     enforce_metadata=False)
+    shuffled = df.shuffle("key", shuffle_method="service")
+    # every hand-off is the end of the task that makes its input (as ``compute()`` and
+    # ``persist()`` optimize), which it depends on no more
+    shuffled = shuffled.optimize()
+    graph = dict(shuffled.__dask_graph__())
+    (service_key,) = [k for k in graph if key_split(k) == "shuffle-service"]
+    handoffs = graph[service_key].dependencies
+    assert len(handoffs) == 6 and not any(graph[k].dependencies for k in handoffs)
+    got = await c.compute(shuffled)
+    expected = pd.concat([_wide_partition(i) for i in range(6)])
+    assert sizeof(_wide_partition(0)) > 2**18
+    pd.testing.assert_frame_equal(got.sort_values(["key", "value"]).reset_index(drop=True),
+                                  expected.sort_values(["key", "value"]).reset_index(drop=True))
+    await assert_nothing_left(s, [a, b])
