@@ -159,9 +159,15 @@ def service_threads(worker: Worker) -> ThreadPoolExecutor:
     again.  dask.distributed's P2P extensions have threads of their own for the same
     reason (``distributed.p2p.threads``).
     """
-    threads = dask.config.get("dask_services.threads", None) or worker.state.nthreads
-    return ThreadPoolExecutor(max_workers=max(1, int(threads)),
-                              thread_name_prefix="dask-services")
+    threads = dask.config.get("dask_services.threads", None)
+    if threads is None:
+        threads = worker.state.nthreads
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(
+            f"dask_services.threads must be a number of threads of at least 1, or null for "
+            f"as many as the worker has task threads; got {threads!r}"
+        )
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dask-services")
 
 
 class ServiceWorkerPlugin(WorkerPlugin):

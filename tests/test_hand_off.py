@@ -128,3 +128,20 @@ async def test_fused_hand_offs_that_wait_on_one_thread_workers_do_not_deadlock(c
     pd.testing.assert_frame_equal(got.sort_values(["key", "value"]).reset_index(drop=True),
                                   expected.sort_values(["key", "value"]).reset_index(drop=True))
     await assert_nothing_left(s, [a, b])
+
+
+def test_service_threads_are_as_many_as_task_threads_unless_configured():
+    from types import SimpleNamespace
+
+    from dask_services.worker import service_threads
+
+    worker = SimpleNamespace(state=SimpleNamespace(nthreads=3))
+    for config, expected in ((None, 3), (1, 1), (5, 5)):
+        with dask.config.set({"dask_services.threads": config}):
+            pool = service_threads(worker)
+            assert pool._max_workers == expected
+            pool.shutdown()
+    for bad in (0, -2, "four", 1.5):
+        with dask.config.set({"dask_services.threads": bad}), \
+                pytest.raises(ValueError, match="dask_services.threads must be"):
+            service_threads(worker)
