@@ -219,10 +219,11 @@ def run_case(client: Any, label: str, nbytes: int, npartitions: int, methods: li
                     print(f"shuffle {label} with {method} failed: {exc!r}", file=sys.stderr)
             troubles = worker_troubles(client, since, time.time())
             del shuffled, once, source  # they hold df's futures, which new_workers must not see
-            if failed:
-                new_workers(client)  # a failed run may leave its tasks behind
-                if not made:
-                    df, keep = persist_input(client, make)
+            if failed:  # a failed run may leave its tasks behind: start over
+                if made:
+                    new_workers(client)
+                else:
+                    df, keep = fresh_input(client, make, previous=df)
             settle(client, keep=keep)
             m = results[method]
             if not failed:

@@ -127,6 +127,36 @@ def test_cli_bench_shuffle_of_an_input_made_in_the_measured_graph(capsys):
         assert (row["failed"], row["restarts"], row["paused_s"]) == (0, 0, 0)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_cli_bench_reports_a_run_that_fails_and_goes_on(capsys, monkeypatch):
+    import pandas as pd
+
+    from benchmarks import shuffle
+    from dask_services.cli import main
+
+    def frame(nbytes, npartitions):
+        import dask.dataframe as dd
+
+        def explode(i):  # pickled by value: the workers cannot import this module
+            raise ValueError(f"partition {i} cannot be made")
+
+        meta = pd.DataFrame({"key": pd.Series([], dtype="int64")})
+        return dd.from_map(explode, range(npartitions), meta=meta, enforce_metadata=False)
+
+    monkeypatch.setattr(shuffle, "frame", frame)
+    args = ["bench", "shuffle", "--sizes", "1MB", "--input", "made", "--input-partitions",
+            "4", "--no-tiny", "--consumer", "len", "--repeat", "1", "--methods",
+            "service,p2p", "--json"]
+    assert main(args) == 0  # both methods fail, and the command still reports them
+    captured = capsys.readouterr()
+    rows = json.loads(captured.out)
+    assert {row["method"] for row in rows} == {"service", "p2p"}
+    for row in rows:
+        assert row["failed"] == 1 and math.isnan(row["median_s"])
+    assert "cannot be made" in captured.err
+
+
 class _Events:
     """A scheduler as ``_worker_troubles`` reads it: only its events."""
 
