@@ -160,17 +160,17 @@ def run_case(client: Any, label: str, shape: tuple, old: tuple, new: tuple,
                     x, keep = fresh_input(client, make, previous=x)
                 settle(client, keep=keep)
                 m = results[consumer, method]
-                if not failed:
+                m.extra.setdefault("tasks", []).append(tasks)
+                for name, value in (("failed", float(failed)), *troubles.items()):
+                    m.extra.setdefault(name, []).append(value)
+                if not failed:  # what a failed run took is no figure of the method's
                     m.seconds.append(seconds)
                     m.peak_memory.extend(peak)
-                if first:
                     m.extra.setdefault("first_output_s", []).extend(first)
-                m.extra.setdefault("tasks", []).append(tasks)
-                sched = update_graph_durations(client, wall)
-                costs = _task_costs(stream.data, wall, chunks)
-                for name, value in (("failed", float(failed)), *troubles.items(),
-                                    *sched.items(), *costs.items()):
-                    m.extra.setdefault(name, []).append(value)
+                    sched = update_graph_durations(client, wall)
+                    costs = _task_costs(stream.data, wall, chunks)
+                    for name, value in (*sched.items(), *costs.items()):
+                        m.extra.setdefault(name, []).append(value)
                 done += 1
                 progress(done, total, f"rechunk {label}", show_progress)
     del x

@@ -111,6 +111,7 @@ async def test_fused_hand_offs_that_wait_on_one_thread_workers_do_not_deadlock(c
     import pandas as pd
 
     assert a.state.nthreads == b.state.nthreads == 1
+    assert sizeof(_wide_partition(0)) > 2**18  # split in a thread, not on the event loop
     # made inside the graph: fused hand-offs
     df = dd.from_map(_wide_partition, range(6), meta=_wide_partition(0).iloc[:0],
                      enforce_metadata=False)
@@ -124,7 +125,6 @@ async def test_fused_hand_offs_that_wait_on_one_thread_workers_do_not_deadlock(c
     assert len(handoffs) == 6 and not any(graph[k].dependencies for k in handoffs)
     got = await c.compute(shuffled)
     expected = pd.concat([_wide_partition(i) for i in range(6)])
-    assert sizeof(_wide_partition(0)) > 2**18
     pd.testing.assert_frame_equal(got.sort_values(["key", "value"]).reset_index(drop=True),
                                   expected.sort_values(["key", "value"]).reset_index(drop=True))
     await assert_nothing_left(s, [a, b])
