@@ -10,7 +10,11 @@ microsecond for a numpy column) instead of the frames.  Shares that cannot take 
 (frames whose dtypes or columns differ from the meta's, categoricals, a ``MultiIndex``)
 are sliced and concatenated by pandas, as before.
 
-A share written to disk (``_spill.py`` pickles it) takes only its own rows with it.
+A share written to disk (``_spill.py`` pickles it) takes only its own rows with it, as
+bare arrays where its frame takes the column way: a share read back is then its columns'
+and index's values, with no frame to build or take apart (for 2,600-row shares, writing
+and reading back took half the time of a pickled frame, and finding a read-back frame's
+columns and dtypes again cost another ~0.5 ms each).
 """
 
 from __future__ import annotations
@@ -23,26 +27,72 @@ from pandas.api.extensions import ExtensionArray
 
 
 class RowSource:
-    """A received frame, and its columns as arrays once an assembly asks for them."""
+    """A received frame, and its columns and index as arrays once an assembly asks for them.
 
-    __slots__ = ("frame", "_columns", "_column_way")
+    A source read back from disk has no frame, only its columns' and index's values
+    (:meth:`of_arrays`), which is all :func:`concat_rows` needs; its frame is built only
+    if a pandas concatenation asks for it (:meth:`frame_like`).
+    """
+
+    __slots__ = ("_frame", "_columns", "_index", "_index_name", "_column_way")
 
     def __init__(self, frame: pd.DataFrame) -> None:
-        self.frame = frame
+        self._frame: pd.DataFrame | None = frame
         self._columns: list[Any] | None = None
+        self._index: Any = None
+        self._index_name: Any = None
         self._column_way: bool | None = None
+
+    @classmethod
+    def of_arrays(cls, columns: list[Any], index: Any, index_name: Any) -> RowSource:
+        """The source of a frame that takes the column way, from its columns' values and
+        its index's values and name."""
+        source = cls.__new__(cls)
+        source._frame = None
+        source._columns = columns
+        source._index = index
+        source._index_name = index_name
+        source._column_way = True
+        return source
 
     def takes_column_way(self, meta: pd.DataFrame) -> bool:
         """:func:`takes_column_way` of the frame (found once)."""
         if self._column_way is None:
-            self._column_way = takes_column_way(self.frame, meta)
+            assert self._frame is not None
+            self._column_way = takes_column_way(self._frame, meta)
         return self._column_way
 
     def columns(self) -> list[Any]:
         """Each column's values: a numpy array, or the extension array itself."""
         if self._columns is None:
-            self._columns = [_values(self.frame.iloc[:, j]) for j in range(self.frame.shape[1])]
+            assert self._frame is not None
+            frame = self._frame
+            self._columns = [_values(frame.iloc[:, j]) for j in range(frame.shape[1])]
         return self._columns
+
+    def index(self) -> tuple[Any, Any]:
+        """The index's values (as :meth:`columns` gives a column's) and its name."""
+        if self._index is None:
+            assert self._frame is not None
+            self._index = _values(self._frame.index)
+            self._index_name = self._frame.index.name
+        return self._index, self._index_name
+
+    def index_slice(self, start: int, stop: int) -> pd.Index:
+        """Rows ``start:stop`` of the index."""
+        if self._frame is not None:
+            return self._frame.index[start:stop]
+        values, name = self.index()
+        return pd.Index(values[start:stop], dtype=values.dtype, name=name, copy=False)
+
+    def frame_like(self, meta: pd.DataFrame) -> pd.DataFrame:
+        """The frame; one read back from disk is rebuilt with the meta's column labels
+        (a source that takes the column way has the meta's columns)."""
+        if self._frame is None:
+            values, name = self.index()
+            index = pd.Index(values, dtype=values.dtype, name=name, copy=False)
+            self._frame = _frame_of(self.columns(), index, meta)
+        return self._frame
 
 
 class FrameRows:
@@ -58,20 +108,30 @@ class FrameRows:
     def __len__(self) -> int:
         return self.stop - self.start
 
-    def frame(self) -> pd.DataFrame:
+    def frame(self, meta: pd.DataFrame) -> pd.DataFrame:
         """These rows as a pandas slice."""
-        return self.source.frame.iloc[self.start:self.stop]
+        return self.source.frame_like(meta).iloc[self.start:self.stop]
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # pickled (spilled): these rows only, not the whole frame they are part of
-        return (_rows_of, (self.frame(),))
+        # pickled (spilled): these rows only, not the whole frame they are part of; as
+        # bare arrays where the frame takes the column way
+        source, a, b = self.source, self.start, self.stop
+        if source._column_way:
+            values, name = source.index()
+            return (_rows_of_arrays, ([c[a:b] for c in source.columns()], values[a:b], name))
+        assert source._frame is not None
+        return (_rows_of, (source._frame.iloc[a:b],))
 
 
 def _rows_of(frame: pd.DataFrame) -> FrameRows:
     return FrameRows(RowSource(frame), 0, len(frame))
 
 
-def _values(column: pd.Series) -> Any:
+def _rows_of_arrays(columns: list[Any], index: Any, index_name: Any) -> FrameRows:
+    return FrameRows(RowSource.of_arrays(columns, index, index_name), 0, len(index))
+
+
+def _values(column: pd.Series | pd.Index) -> Any:
     values = column.array
     if type(values) is pd.arrays.NumpyExtensionArray:  # not its subclasses (StringArray)
         return values.to_numpy()  # no copy
@@ -97,19 +157,25 @@ def concat_rows(pieces: list[FrameRows], meta: pd.DataFrame,
                 ignore_index: bool) -> pd.DataFrame:
     """The rows of ``pieces``, in order, as one frame: what ``pd.concat`` of their slices
     gives, for pieces whose frames take the column way (:func:`takes_column_way`)."""
-    columns = []
-    for j in range(meta.shape[1]):
-        parts = [piece.source.columns()[j][piece.start:piece.stop] for piece in pieces]
-        if isinstance(parts[0], np.ndarray):
-            columns.append(np.concatenate(parts))
-        else:
-            extension: type[ExtensionArray] = type(parts[0])
-            columns.append(extension._concat_same_type(parts))
+    columns = [_concat_values([piece.source.columns()[j][piece.start:piece.stop]
+                               for piece in pieces])
+               for j in range(meta.shape[1])]
     if ignore_index:
         index: pd.Index = pd.RangeIndex(sum(len(p) for p in pieces))
     else:
-        indexes = [piece.source.frame.index[piece.start:piece.stop] for piece in pieces]
+        indexes = [piece.source.index_slice(piece.start, piece.stop) for piece in pieces]
         index = indexes[0].append(indexes[1:]) if len(indexes) > 1 else indexes[0]
+    return _frame_of(columns, index, meta)
+
+
+def _concat_values(parts: list[Any]) -> Any:
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts)  # a copy even of one part: never a view into a frame
+    extension: type[ExtensionArray] = type(parts[0])
+    return extension._concat_same_type(parts)
+
+
+def _frame_of(columns: list[Any], index: pd.Index, meta: pd.DataFrame) -> pd.DataFrame:
     # as Series of their own dtype: a frame made from bare arrays would infer another
     # dtype for object columns (strings, datetimes)
     out = pd.DataFrame({j: pd.Series(values, index=index, dtype=values.dtype, copy=False)

@@ -307,7 +307,7 @@ def assemble(pieces: list[tuple[int, pd.DataFrame | FrameRows]], meta: pd.DataFr
             for _, piece in pieces]
     if all(r.source.takes_column_way(meta) for r in rows):
         return concat_rows(rows, meta, ignore_index)
-    frames = [r.frame() for r in rows]
+    frames = [r.frame(meta) for r in rows]
     result = _concat(frames, ignore_index=ignore_index)
     if ignore_index:
         result = result.reset_index(drop=True)
@@ -387,6 +387,7 @@ class DataFrameShuffle(PeerExchange):
             if len(frame) >= SMALL_PIECE_ROWS * len(partitions):
                 rows = max(len(frame), 1)
                 source = RowSource(frame)
+                source.takes_column_way(self.meta)  # found now: a spilled share needs it
                 items += [(p, (index, FrameRows(source, bounds[j], bounds[j + 1])),
                            nbytes * (bounds[j + 1] - bounds[j]) // rows)
                           for j, p in enumerate(partitions)]
