@@ -34,13 +34,14 @@ class RowSource:
     if a pandas concatenation asks for it (:meth:`frame_like`).
     """
 
-    __slots__ = ("_frame", "_columns", "_index", "_index_name", "_column_way")
+    __slots__ = ("_frame", "_columns", "_index", "_column_way")
 
     def __init__(self, frame: pd.DataFrame) -> None:
         self._frame: pd.DataFrame | None = frame
         self._columns: list[Any] | None = None
-        self._index: Any = None
-        self._index_name: Any = None
+        # (values, name), set at once: the spill thread may read it while an assembly
+        # in a service thread finds it
+        self._index: tuple[Any, Any] | None = None
         self._column_way: bool | None = None
 
     @classmethod
@@ -50,8 +51,7 @@ class RowSource:
         source = cls.__new__(cls)
         source._frame = None
         source._columns = columns
-        source._index = index
-        source._index_name = index_name
+        source._index = (index, index_name)
         source._column_way = True
         return source
 
@@ -74,9 +74,8 @@ class RowSource:
         """The index's values (as :meth:`columns` gives a column's) and its name."""
         if self._index is None:
             assert self._frame is not None
-            self._index = _values(self._frame.index)
-            self._index_name = self._frame.index.name
-        return self._index, self._index_name
+            self._index = (_values(self._frame.index), self._frame.index.name)
+        return self._index
 
     def index_slice(self, start: int, stop: int) -> pd.Index:
         """Rows ``start:stop`` of the index."""
