@@ -31,6 +31,10 @@ COLUMNS = {
     "F": lambda rng, n: pd.array(np.where(rng.random(n) < 0.3, None, rng.random(n)),
                                  dtype="Float64"),
     "cs": lambda rng, n: pd.Categorical(np.array(["a", "b", "c"])[rng.integers(0, 3, n)]),
+    # every bit pattern of a float that pandas hashes alike: NaNs, -0.0 and 0.0
+    "z": lambda rng, n: np.array([0.0, -0.0, np.nan, -np.nan, np.inf, -1.5, 2**60])[
+        rng.integers(0, 7, n)],
+    "u8": lambda rng, n: rng.integers(0, 2**63, n, dtype=np.uint64) * np.uint64(2),
 }
 
 
