@@ -166,6 +166,29 @@ def progress(i: int, total: int, label: str, enabled: bool = True) -> None:
           file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def cancelled_if_failed(client: Any) -> Iterator[list]:
+    """A list for the futures of a measured run; if the run raises, they are cancelled
+    before the error goes on.  Without it the client's erred future still wants its key,
+    and the cluster keeps the failed graph (``settle`` then waited out its timeout, 30 s
+    a failed run)."""
+    futures: list = []
+    try:
+        yield futures
+    except BaseException:
+        client.cancel(futures)
+        raise
+    finally:
+        futures.clear()
+
+
+def raise_first_error(futures: list) -> None:
+    """``wait(futures)`` returns whatever state they end in: raise the first one's error."""
+    for future in futures:
+        if future.status == "error":
+            future.result()
+
+
 def timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()

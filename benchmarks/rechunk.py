@@ -38,12 +38,14 @@ from typing import Any
 
 from benchmarks.common import (
     Measurement,
+    cancelled_if_failed,
     fresh_input,
     held,
     parse_size,
     peak_memory,
     persist_input,
     progress,
+    raise_first_error,
     rotated,
     settle,
     task_kind,
@@ -138,17 +140,20 @@ def run_case(client: Any, label: str, shape: tuple, old: tuple, new: tuple,
                     wall = time.time()
                     start = time.perf_counter()
                     try:
-                        if consumer == "none":
-                            persisted = client.persist(z)
-                            futures = client.futures_of(persisted)
-                            completed = as_completed(futures)
-                            next(completed)
-                            first.append(time.perf_counter() - start)
-                            wait(futures)
-                            completed.clear()  # it holds the futures (and results) otherwise
-                            del persisted, futures, completed
-                        else:
-                            client.compute(z).result()
+                        with cancelled_if_failed(client) as running:
+                            if consumer == "none":
+                                persisted = client.persist(z)
+                                running += client.futures_of(persisted)
+                                completed = as_completed(running)
+                                next(completed)
+                                first.append(time.perf_counter() - start)
+                                wait(running)
+                                completed.clear()  # it holds the futures (and results)
+                                raise_first_error(running)
+                                del persisted, completed
+                            else:
+                                running.append(client.compute(z))
+                                running[0].result()
                     except Exception as exc:  # noqa: BLE001 - reported as a failed run
                         failed = True
                         print(f"rechunk {label} with {method} failed: {exc!r}",

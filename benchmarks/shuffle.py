@@ -32,6 +32,7 @@ import pyarrow.compute as pc
 
 from benchmarks.common import (
     Measurement,
+    cancelled_if_failed,
     cpu_seconds,
     fresh_input,
     held,
@@ -40,6 +41,7 @@ from benchmarks.common import (
     peak_memory,
     persist_input,
     progress,
+    raise_first_error,
     rotated,
     settle,
     task_kind,
@@ -202,12 +204,16 @@ def run_case(client: Any, label: str, nbytes: int, npartitions: int, methods: li
             shuffled = consumed(source.shuffle("key", shuffle_method=method), consumer)
 
             def once(shuffled: Any = shuffled) -> None:
-                if consumer == "none":
-                    persisted = client.persist(shuffled)
-                    wait(persisted)
-                    del persisted
-                else:
-                    client.compute(shuffled).result()
+                with cancelled_if_failed(client) as running:
+                    if consumer == "none":
+                        persisted = client.persist(shuffled)
+                        running += client.futures_of(persisted)
+                        wait(persisted)
+                        raise_first_error(running)
+                        del persisted
+                    else:
+                        running.append(client.compute(shuffled))
+                        running[0].result()
 
             failed = False
             since = time.time()

@@ -36,13 +36,14 @@ class RowSource:
 
     __slots__ = ("_frame", "_columns", "_index", "_column_way")
 
-    def __init__(self, frame: pd.DataFrame) -> None:
+    def __init__(self, frame: pd.DataFrame, column_way: bool | None = None) -> None:
+        """``column_way``: :func:`takes_column_way` of ``frame``, if known."""
         self._frame: pd.DataFrame | None = frame
         self._columns: list[Any] | None = None
         # (values, name), set at once: the spill thread may read it while an assembly
         # in a service thread finds it
         self._index: tuple[Any, Any] | None = None
-        self._column_way: bool | None = None
+        self._column_way = column_way
 
     @classmethod
     def of_arrays(cls, columns: list[Any], index: Any, index_name: Any) -> RowSource:

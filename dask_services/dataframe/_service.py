@@ -382,18 +382,26 @@ class DataFrameShuffle(PeerExchange):
         assert self.buffer is not None
         items: list[tuple[Any, Any, int]] = []
         group_of = self.destination
+        # the frames of a batch are cut from one input partition (``split_by_destination``),
+        # so they share its columns and dtypes: whether they take the column way, or have
+        # the meta's dtypes, is found once per batch (~0.35 ms a frame, on the event loop)
+        column_way: bool | None = None
+        uniform: bool | None = None
         for frame, partitions, bounds, nbytes in batch:
             self.received_bytes += nbytes
             if len(frame) >= SMALL_PIECE_ROWS * len(partitions):
                 rows = max(len(frame), 1)
-                source = RowSource(frame)
-                source.takes_column_way(self.meta)  # found now: a spilled share needs it
+                # found now, not at assembly: a spilled share needs it
+                source = RowSource(frame, column_way=column_way)
+                column_way = source.takes_column_way(self.meta)
                 items += [(p, (index, FrameRows(source, bounds[j], bounds[j + 1])),
                            nbytes * (bounds[j + 1] - bounds[j]) // rows)
                           for j, p in enumerate(partitions)]
                 continue
             first, last = group_of[partitions[0]][1], group_of[partitions[-1]][1]
-            if not frame_is_uniform(frame, self.meta):
+            if uniform is None:
+                uniform = frame_is_uniform(frame, self.meta)
+            if not uniform:
                 self.mixed_groups.update(range(first, last + 1))
             items.append((("group", first), (index, frame, partitions, bounds), nbytes))
         await self.buffer.add_batch(items)
