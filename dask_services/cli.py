@@ -356,9 +356,14 @@ def bench_queries(args: argparse.Namespace) -> int:
     _benchmarks()
     from benchmarks import queries
 
+    names = tuple(args.queries.split(",")) if args.queries else tuple(queries.QUERIES)
+    unknown = sorted(set(names) - set(queries.QUERIES))
+    if unknown:
+        raise SystemExit(f"unknown queries {unknown}: choose from "
+                         f"{', '.join(queries.QUERIES)} (--queries q3,q5)")
     with _bench_client(args) as client:
         results = queries.run(client, args.scale, args.repeat,
-                              methods=tuple(args.methods.split(",")),
+                              methods=tuple(args.methods.split(",")), queries=names,
                               show_progress=show_progress(args))
         print(queries.report(results, args.json), flush=True)
     return 0
@@ -436,6 +441,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_bench.add_argument("--scale", type=float, default=1.0,
                          help="queries: size of the generated tables (1: 2,000,000 "
                               "lineitem rows in 40 partitions)")
+    p_bench.add_argument("--queries", default="",
+                         help="queries: the queries to run, comma-separated (default: all)")
     p_bench.add_argument("--methods", default="service,p2p,tasks")
     p_bench.add_argument("--repeat", type=int, default=3)
     p_bench.add_argument("--calls", type=int, default=1000,
