@@ -89,8 +89,7 @@ class RowSource:
         """The frame; one read back from disk is rebuilt with the meta's column labels
         (a source that takes the column way has the meta's columns)."""
         if self._frame is None:
-            values, name = self.index()
-            index = pd.Index(values, dtype=values.dtype, name=name, copy=False)
+            index = self.index_slice(0, len(self.index()[0]))
             self._frame = _frame_of(self.columns(), index, meta)
         return self._frame
 
