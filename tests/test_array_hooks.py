@@ -49,3 +49,25 @@ def test_numpys_huge_page_switch_is_where_output_chunks_find_it():
         "numpy._core.multiarray._set_madvise_hugepage is gone: without_huge_page_advice "
         "no longer turns numpy's huge-page advice off")
     assert isinstance(_memory._get_madvise_hugepage(), bool)
+
+
+def test_fusion_hook_where_array_optimization_finds_it():
+    """``array/_fusion`` wraps ``fuse_linear_task_spec`` where dask.array's ``optimize`` looks
+    it up, and reads what ``Task.fuse`` and dask's fusion make: a task running a subgraph
+    (the dict of its tasks first) and an ``Alias`` of it under the chain's last key."""
+    from dask._task_spec import Alias, Task, TaskRef, _execute_subgraph
+
+    import dask_services  # noqa: F401
+    from dask_services.array import _fusion
+
+    optimization = importlib.import_module("dask.array.optimization")
+    assert getattr(optimization.fuse_linear_task_spec, "keeps_consumer_keys", False)
+    assert "fuse_linear_task_spec(dsk, keys=keys)" in inspect.getsource(optimization.optimize)
+    first = Task(("a", 0), abs, -1)
+    second = Task(("b", 0), abs, TaskRef(("a", 0)))
+    fused = Task.fuse(first, second, key=("a-b", 0))
+    assert fused.func is _execute_subgraph and fused.has_subgraph()
+    assert fused.args[0] == {("a", 0): first, ("b", 0): second}
+    assert fused.substitute({}, key=("b", 0)).key == ("b", 0)
+    assert Alias(("b", 0), target=("a-b", 0)).target == ("a-b", 0)
+    assert _fusion.fuses_a_copy(fused, frozenset({abs}))

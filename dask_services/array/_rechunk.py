@@ -323,7 +323,11 @@ _rechunk.__wrapped__ = _dask_rechunk  # type: ignore[attr-defined]
 
 
 def register() -> None:
-    """Make ``"service"`` a rechunk method of dask.array (idempotent)."""
+    """Make ``"service"`` a rechunk method of dask.array, and its copies fuse with their
+    consumers under the consumers' keys (``_fusion``) (idempotent)."""
+    from dask_services.array import _fusion
+
+    _fusion.install()
     if _module.rechunk is not _rechunk:
         _module.rechunk = _rechunk
     if da.rechunk is not _rechunk:

@@ -1,0 +1,77 @@
+"""A rechunk's copies fused with their consumers keep the consumers' keys.
+
+dask.array's low-level optimization (``fuse_linear_task_spec``) fuses a chain of tasks, such
+as the copy that makes an output chunk of a local rechunk and the ``.sum()`` of that chunk,
+into one task under a new name (``rechunk-service-sum-<token>``), and leaves the chain's last
+key (``sum-<token>``) as an :class:`~dask._task_spec.Alias` of it.  In distributed an alias
+is a task of its own: a scheduler round trip and the workers' state machines, ~2 ms on a
+two-core machine, where the copy itself is a fraction of that.  The local rechunk of 1 GB
+then ``.sum()`` ran 834 such aliases among its 3,335 tasks.
+
+Where a fused chain contains one of the service rechunk's copies, the fused task here takes
+the chain's last key itself and the alias is dropped: every task that named the last key
+still does, and it is the fused task.  Chains without a copy of ours are left as dask made
+them.  ``install()`` wraps the function where ``dask.array.optimization.optimize`` looks it
+up; ``tests/test_array_hooks.py`` fails loudly if an upgrade moves it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from dask._task_spec import Alias, Task
+
+_optimization = importlib.import_module("dask.array.optimization")
+
+
+def _copies() -> frozenset[Callable]:
+    from dask_services.array._service import copy_part, copy_pieces
+
+    return frozenset((copy_pieces, copy_part))
+
+
+def fuses_a_copy(node: Any, copies: frozenset[Callable]) -> bool:
+    """Whether ``node`` is a fused task (``Task.fuse``) of which a copy is a part."""
+    if not (isinstance(node, Task) and node.has_subgraph()):
+        return False
+    inner = node.args[0] if node.args else None
+    return isinstance(inner, dict) and any(
+        isinstance(t, Task) and t.func in copies for t in inner.values()
+    )
+
+
+def without_copy_aliases(dsk: dict) -> dict:
+    """``dsk`` (a fused graph) where every alias of a fused task containing a copy is
+    replaced by that task, under the alias's key."""
+    copies = _copies()
+    renamed = {
+        key: node.target for key, node in dsk.items()
+        if isinstance(node, Alias) and fuses_a_copy(dsk.get(node.target), copies)
+    }
+    if not renamed:
+        return dsk
+    targets = set(renamed.values())
+    out = {key: node for key, node in dsk.items() if key not in targets}
+    for key, target in renamed.items():
+        out[key] = dsk[target].substitute({}, key=key)
+    return out
+
+
+def _fuse_keeping_consumer_keys(fuse: Callable) -> Callable:
+    @functools.wraps(fuse)
+    def fuse_linear_task_spec(dsk: Any, keys: Iterable) -> dict:
+        return without_copy_aliases(fuse(dsk, keys))
+
+    fuse_linear_task_spec.keeps_consumer_keys = True  # type: ignore[attr-defined]
+    return fuse_linear_task_spec
+
+
+def install() -> None:
+    """Make dask.array's optimization fuse the rechunk's copies under their consumers'
+    keys (idempotent)."""
+    current = _optimization.fuse_linear_task_spec
+    if not getattr(current, "keeps_consumer_keys", False):
+        _optimization.fuse_linear_task_spec = _fuse_keeping_consumer_keys(current)
