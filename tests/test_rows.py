@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import pickle
+from unittest import mock
 
 import numpy as np
 import pandas as pd
@@ -140,3 +142,83 @@ def test_spilled_rows_are_their_arrays_only():
     other = pd.DataFrame({"x": [0.5], "s": ["z"]}, index=pd.Index([-1], name="idx"))
     out = assemble([(0, back), (1, other)], meta, False)
     pd.testing.assert_frame_equal(out, pd.concat([frame.iloc[10:30], other]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**16),
+       columns=st.lists(st.sampled_from(sorted(COLUMNS)), min_size=1, max_size=3, unique=True),
+       index=st.sampled_from(sorted(INDEXES)),
+       sizes=st.lists(st.integers(0, 25), min_size=1, max_size=5),
+       nparts=st.integers(1, 7), groups=st.integers(1, 3), last=st.integers(-1, 3),
+       ways=st.lists(st.sampled_from(["arrays", "arrays-sent", "frame", "frame-sent"]),
+                     min_size=5, max_size=5),
+       assign=st.booleans(), small=st.booleans(), ignore_index=st.booleans())
+def test_small_inputs_split_as_arrays_assemble_as_pandas_does(
+        seed, columns, index, sizes, nparts, groups, last, ways, assign, small, ignore_index):
+    """Small inputs that take the column way are split as arrays (``ColumnWay``), their
+    groups travel pickled as arrays (``-sent``) or stay in memory, and mixed with inputs
+    split as frames they assemble, both ways and cut at a window's edge, into what pandas
+    gives each partition: its rows by input, then in their order."""
+    from dask_services.dataframe import _service
+    from dask_services.dataframe._service import cut_at, group_partitions, split_input
+    from dask_services.service import ServiceId
+
+    rng = np.random.default_rng(seed)
+    inputs = frames(seed, columns, index, sizes)
+    targets = [rng.integers(0, nparts, len(f)) for f in inputs]
+    meta = inputs[0].iloc[:0]
+    way = _service.ColumnWay(meta)
+    destination = group_partitions({p: ServiceId("a") for p in range(nparts)}, groups)
+    received = []
+    for i in rng.permutation(len(inputs)).tolist():  # arrival order is not input order
+        how = ways[i]
+        if assign:  # the targets come from dask's partitioning step (mocked: these)
+            df, column = inputs[i], None
+            patch = mock.patch.object(_service, "target_partitions",
+                                      return_value=targets[i])
+        else:
+            df, column = inputs[i].assign(_p=targets[i]), "_p"
+            patch = contextlib.nullcontext()
+        with patch:
+            batches = split_input(df, ("unused",) if assign else None, column, destination,
+                                  nbytes=100, own=ServiceId("a"),
+                                  column_way=way if how.startswith("arrays") else None)
+        for frame, parts, bounds, _ in batches.get(ServiceId("a"), []):
+            assert isinstance(frame, FrameRows) == (how.startswith("arrays") and len(df) > 0)
+            if how.endswith("sent"):
+                frame = pickle.loads(pickle.dumps(frame, protocol=5))
+            received.append((i, frame, parts, bounds))
+    now, later = cut_at(received, last, destination)
+    windows = [([p for p in range(nparts) if destination[p][1] <= last], now),
+               ([p for p in range(nparts) if destination[p][1] > last], later)]
+    for window, items in windows:
+        with mock.patch.object(_service, "SMALL_PIECE_ROWS", 10**9 if small else 0):
+            out = _service.assemble_group(items, window, meta, ignore_index)
+        for p, got in zip(window, out, strict=True):
+            pieces = [f[t == p] for f, t in zip(inputs, targets, strict=True)]
+            pieces = [f for f in pieces if len(f)]
+            expected = pd.concat(pieces) if pieces else meta
+            if ignore_index:
+                expected = expected.reset_index(drop=True)
+            pd.testing.assert_frame_equal(got, expected, check_index_type="equiv")
+
+
+def test_column_way_of_a_frame_is_found_from_its_columns():
+    from dask_services.dataframe._rows import ColumnWay
+
+    frame = pd.DataFrame({"x": [1, 2], "_p": [0, 1], "s": pd.array(["a", None], dtype="str")},
+                         index=pd.Index([5, 6], name="i"))
+    meta = frame.drop(columns="_p").iloc[:0]
+    values, index, name = ColumnWay(meta).values_of(frame, "_p", dropping=True)
+    assert [list(v) for v in values][0] == [1, 2] and values[1].dtype == meta.s.dtype
+    assert list(index) == [5, 6] and name == "i"
+    assert ColumnWay(meta).values_of(frame) is None  # "_p" is not one of the meta's
+    assert ColumnWay(frame.iloc[:0]).values_of(frame.astype({"x": "float64"})) is None
+    assert ColumnWay(meta).values_of(frame.drop(columns="_p")[["s", "x"]]) is None
+    assert ColumnWay(meta).values_of(frame.drop(columns="_p").set_index("s", append=True)) \
+        is None
+    assert ColumnWay(meta).values_of(frame.drop(columns="_p").reset_index(drop=True)
+                                     .set_axis(["a", "b"])) is None  # another index dtype
+    categorical = frame.astype({"s": "category"})
+    assert not ColumnWay(categorical.iloc[:0]).possible
+    assert ColumnWay(categorical.iloc[:0]).values_of(categorical) is None

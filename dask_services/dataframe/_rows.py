@@ -122,12 +122,67 @@ class FrameRows:
         return (_rows_of, (source._frame.iloc[a:b],))
 
 
+class ColumnWay:
+    """Whether frames take the column way for one meta (:func:`takes_column_way`), found
+    for a small frame for the price of reading its columns: the meta's side is found once.
+    """
+
+    def __init__(self, meta: pd.DataFrame) -> None:
+        self.possible = (
+            meta.ndim == 2 and not isinstance(meta.index, pd.MultiIndex)
+            and not isinstance(meta.index.dtype, pd.CategoricalDtype)
+            and not any(isinstance(d, pd.CategoricalDtype) for d in meta.dtypes.tolist())
+        )
+        self.labels = meta.columns.tolist() if meta.ndim == 2 else []
+        self.dtypes = meta.dtypes.tolist() if meta.ndim == 2 else []
+        self.index_dtype = meta.index.dtype
+
+    def values_of(self, frame: pd.DataFrame, drop: Any = None, dropping: bool = False
+                  ) -> tuple[list[Any], Any, Any] | None:
+        """``frame``'s columns' values in order (without the columns labelled ``drop``
+        when ``dropping``), its index's values and its index's name, if ``frame`` so
+        takes the column way; else None."""
+        if (not self.possible or isinstance(frame.index, pd.MultiIndex)
+                or frame.index.dtype != self.index_dtype):
+            return None
+        labels = frame.columns.tolist()
+        positions = [j for j, label in enumerate(labels) if not (dropping and label == drop)]
+        if [labels[j] for j in positions] != self.labels:
+            return None
+        values = [_values(frame.iloc[:, j]) for j in positions]
+        if [v.dtype for v in values] != self.dtypes:
+            return None
+        return values, _values(frame.index), frame.index.name
+
+
+def rows_of_arrays(columns: list[Any], index: Any, index_name: Any) -> FrameRows:
+    """All rows of a frame that takes the column way, given as its columns' values and
+    its index's values and name (as a spilled share is read back)."""
+    return FrameRows(RowSource.of_arrays(columns, index, index_name), 0, len(index))
+
+
+def take_rows(pieces: list[FrameRows], order: np.ndarray, meta: pd.DataFrame,
+              ignore_index: bool) -> pd.DataFrame:
+    """Rows ``order`` of the concatenation of ``pieces`` (whose sources take the column
+    way), as one frame: what ``pd.concat`` of their slices, then ``take(order)``, gives."""
+    columns = [_concat_values([p.source.columns()[j][p.start:p.stop] for p in pieces])
+               .take(order) for j in range(meta.shape[1])]
+    if ignore_index:
+        index: pd.Index = pd.RangeIndex(len(order))
+    else:
+        names = {p.source.index()[1] for p in pieces}
+        values = _concat_values([p.source.index()[0][p.start:p.stop] for p in pieces])
+        index = pd.Index(values.take(order), dtype=values.dtype,
+                         name=names.pop() if len(names) == 1 else None, copy=False)
+    return _frame_of(columns, index, meta)
+
+
 def _rows_of(frame: pd.DataFrame) -> FrameRows:
     return FrameRows(RowSource(frame), 0, len(frame))
 
 
 def _rows_of_arrays(columns: list[Any], index: Any, index_name: Any) -> FrameRows:
-    return FrameRows(RowSource.of_arrays(columns, index, index_name), 0, len(index))
+    return rows_of_arrays(columns, index, index_name)
 
 
 def _values(column: pd.Series | pd.Index) -> Any:

@@ -28,13 +28,22 @@ from dask.sizeof import sizeof
 from dask_services._exchange import PeerExchange
 from dask_services._memory import TrimAfter, release_freed_memory
 from dask_services.dataframe._partitioning import Assign, target_partitions
-from dask_services.dataframe._rows import FrameRows, RowSource, concat_rows
+from dask_services.dataframe._rows import (
+    ColumnWay,
+    FrameRows,
+    RowSource,
+    concat_rows,
+    rows_of_arrays,
+    take_rows,
+)
 from dask_services.service import ServiceId, rpc
 
 Key = Hashable
 
 
-Batch = list[tuple[pd.DataFrame, list[int], list[int], int]]
+# (frame, partitions, bounds, bytes) per group; the frame a DataFrame, or all rows of a
+# FrameRows whose source takes the column way (a small input's group)
+Batch = list[tuple[pd.DataFrame | FrameRows, list[int], list[int], int]]
 MIN_GROUP_BYTES = 2**19  # smaller groups of one input partition are sent together
 
 
@@ -76,6 +85,7 @@ class Routing:
 def split_by_destination(
     data: pd.DataFrame, parts: np.ndarray, destination: dict[int, tuple[ServiceId, int]],
     nbytes: int, routing: Routing | None = None, own: ServiceId | None = None,
+    arrays: tuple[list[Any], Any, Any] | None = None,
 ) -> dict[ServiceId, Batch]:
     """Rows of ``data`` grouped per destination instance, then per group of partitions.
 
@@ -95,6 +105,14 @@ def split_by_destination(
     than one per group).  An input smaller than ``MIN_GROUP_BYTES`` is taken in one copy
     for every instance.  Consecutive groups smaller than ``MIN_GROUP_BYTES`` (as estimated
     from ``nbytes``) are merged.  Rows for unwanted partitions are dropped.
+
+    ``arrays``: ``data``'s columns' values, index values and index name where ``data``
+    takes the column way (``ColumnWay.values_of``).  A small input is then taken column by
+    column and its groups (the caller's own too: views of that one copy of a small input)
+    are :class:`FrameRows` of those arrays: no frame is built, and
+    a group sent to a peer is pickled as its arrays (a pandas ``take``, a slice per group
+    and a copy of the own group cost ~0.5 ms for a 200-row frame; pickling a frame and
+    reading it back twice what its arrays cost).
 
     The work per input is a few numpy calls and one ``take`` per group sent, whatever the
     number of output partitions its rows go to.
@@ -139,16 +157,22 @@ def split_by_destination(
         sid = targets[int(part_codes[code_starts[c]])][0]
         run = rows_of.setdefault(sid, [row_starts[code_starts[c]], 0])
         run[1] = row_starts[code_starts[c + 1]]
-    taken: dict[ServiceId | None, pd.DataFrame] = {}
+    taken: dict[ServiceId | None, Any] = {}
     # a small input is taken once, in order, and sliced per group (a ``take`` costs ~0.2 ms
     # whatever the rows, a slice a fifth of it); the caller's own groups are copies, so
     # that they hold only their rows while they wait to be assembled
     small = nbytes < MIN_GROUP_BYTES
 
     def take(sid: ServiceId, i0: int, i1: int
-             ) -> tuple[pd.DataFrame, list[int], list[int], int]:
+             ) -> tuple[pd.DataFrame | FrameRows, list[int], list[int], int]:
         a, b = row_starts[i0], row_starts[i1]
-        if small:
+        if small and arrays is not None:
+            if None not in taken:
+                columns, index, name = arrays
+                taken[None] = ([c.take(order) for c in columns], index.take(order), name)
+            columns, index, name = taken[None]
+            frame = rows_of_arrays([c[a:b] for c in columns], index[a:b], name)
+        elif small:
             if None not in taken:
                 taken[None] = data.take(order)
             frame = taken[None].iloc[a:b]
@@ -162,7 +186,8 @@ def split_by_destination(
                 taken[sid] = data.take(order[first:last])
             frame = taken[sid].iloc[a - first:b - first]
         bounds = [r - a for r in row_starts[i0:i1 + 1]]
-        size = sizeof(frame) if b - a > EXACT_SIZE_ROWS else int((b - a) * per_row)
+        size = (sizeof(frame) if b - a > EXACT_SIZE_ROWS and arrays is None
+                else int((b - a) * per_row))
         return frame, part_ids[i0:i1], bounds, size
 
     for c in range(len(code_starts) - 1):
@@ -188,16 +213,24 @@ def split_input(
     df: pd.DataFrame | pd.Series, assign: Assign | None, column: Any,
     destination: dict[int, tuple[ServiceId, int]], nbytes: int,
     routing: Routing | None = None, own: ServiceId | None = None,
+    column_way: ColumnWay | None = None,
 ) -> dict[ServiceId, Batch]:
     """:func:`split_by_destination` of one input partition.  Its rows' output partitions
     are in ``column``, or, with ``assign`` (the shuffle took dask's partitioning step in),
-    computed here as dask computes them, so rows go where ``tasks`` sends them."""
+    computed here as dask computes them, so rows go where ``tasks`` sends them.
+    ``column_way`` (of the outputs' meta): a small input that takes the column way is split
+    as arrays."""
+    frame = df.to_frame() if df.ndim == 1 else df
+    arrays = None
+    if column_way is not None and nbytes < MIN_GROUP_BYTES:
+        arrays = column_way.values_of(frame, column, dropping=assign is None)
     if assign is None:
-        return split_by_destination(df.drop(columns=[column]), df[column].to_numpy(),
-                                    destination, nbytes, routing, own)
-    parts = target_partitions(df, assign)
-    return split_by_destination(df.to_frame() if df.ndim == 1 else df, parts, destination,
-                                nbytes, routing, own)
+        parts = df[column].to_numpy()
+        if arrays is None:
+            frame = df.drop(columns=[column])
+    else:
+        parts = target_partitions(df, assign)
+    return split_by_destination(frame, parts, destination, nbytes, routing, own, arrays)
 
 
 def size_batches(items: list[Any], size: Callable[[Any], int], limit: int) -> list[list[Any]]:
@@ -244,7 +277,8 @@ def assemble_group(received: list[Received], window: list[int], meta: pd.DataFra
     pairs = sum(len(parts) for _, _, parts, _ in received)
     rows = sum(bounds[-1] - bounds[0] for _, _, _, bounds in received)
     if uniform is None:
-        uniform = all(frame_is_uniform(frame, meta) for _, frame, _, _ in received)
+        uniform = all(isinstance(frame, FrameRows) or frame_is_uniform(frame, meta)
+                      for _, frame, _, _ in received)
     if rows >= SMALL_PIECE_ROWS * pairs or not uniform:
         by_partition = pieces_by_partition(received)
         return [assemble(by_partition.get(p, []), meta, ignore_index) for p in window]
@@ -255,7 +289,6 @@ def assemble_group(received: list[Received], window: list[int], meta: pd.DataFra
     ])
     order = np.argsort(part, kind="stable")  # frames are in input order: rows keep it
     part = part[order]
-    frame = pd.concat([f for _, f, _, _ in received])
     if any(bounds[0] or bounds[-1] != len(f) for _, f, _, bounds in received):
         # frames cut at a window's edge (:func:`cut_at`): only their rows in bounds
         starts = np.cumsum([0] + [len(f) for _, f, _, _ in received[:-1]]).tolist()
@@ -263,7 +296,12 @@ def assemble_group(received: list[Received], window: list[int], meta: pd.DataFra
             np.arange(start + bounds[0], start + bounds[-1])
             for start, (_, _, _, bounds) in zip(starts, received, strict=True)])
         order = rows_in[order]
-    frame = frame.take(order)
+    frames = [f for _, f, _, _ in received]
+    if all(isinstance(f, FrameRows) for f in frames):  # small inputs' groups, as arrays
+        frame = take_rows(frames, order, meta, ignore_index)
+    else:
+        frame = pd.concat([f.frame(meta) if isinstance(f, FrameRows) else f
+                           for f in frames]).take(order)
     cuts = np.searchsorted(part, np.asarray(window, dtype=np.int64), side="left").tolist()
     cuts.append(len(part))
     out = []
@@ -334,6 +372,7 @@ class DataFrameShuffle(PeerExchange):
             int(dask.config.get("dask_services.shuffle.groups")),
         )
         self.routing = Routing(self.destination)
+        self.column_way = ColumnWay(meta)
         self.mixed_groups: set[int] = set()  # groups with frames of other dtypes than meta's
         self.open_exchange(concierge)
 
@@ -344,7 +383,7 @@ class DataFrameShuffle(PeerExchange):
         if nbytes is None:
             nbytes = sizeof(data)
         args = (data, self.assign, self.column, self.destination, nbytes, self.routing,
-                self.id)
+                self.id, self.column_way)
         if nbytes < INLINE_SPLIT_BYTES:
             batches = split_input(*args)  # less than handing it to a thread costs
         else:
@@ -391,16 +430,20 @@ class DataFrameShuffle(PeerExchange):
             self.received_bytes += nbytes
             if len(frame) >= SMALL_PIECE_ROWS * len(partitions):
                 rows = max(len(frame), 1)
-                # found now, not at assembly: a spilled share needs it
-                source = RowSource(frame, column_way=column_way)
-                column_way = source.takes_column_way(self.meta)
+                if isinstance(frame, FrameRows):  # all its source's rows, column way
+                    source = frame.source
+                else:
+                    # found now, not at assembly: a spilled share needs it
+                    source = RowSource(frame, column_way=column_way)
+                    column_way = source.takes_column_way(self.meta)
                 items += [(p, (index, FrameRows(source, bounds[j], bounds[j + 1])),
                            nbytes * (bounds[j + 1] - bounds[j]) // rows)
                           for j, p in enumerate(partitions)]
                 continue
             first, last = group_of[partitions[0]][1], group_of[partitions[-1]][1]
             if uniform is None:
-                uniform = frame_is_uniform(frame, self.meta)
+                uniform = (isinstance(frame, FrameRows)
+                           or frame_is_uniform(frame, self.meta))
             if not uniform:
                 self.mixed_groups.update(range(first, last + 1))
             items.append((("group", first), (index, frame, partitions, bounds), nbytes))
@@ -506,7 +549,8 @@ def pieces_by_partition(received: list[Received]) -> dict[int, list[tuple[int, F
     """``(input index, rows)`` pieces of each partition of received frames."""
     out: dict[int, list[tuple[int, FrameRows]]] = {}
     for index, frame, parts, bounds in received:
-        source = RowSource(frame)
+        # a FrameRows here holds all its source's rows (``Batch``)
+        source = frame.source if isinstance(frame, FrameRows) else RowSource(frame)
         for j, p in enumerate(parts):
             out.setdefault(p, []).append((index, FrameRows(source, bounds[j], bounds[j + 1])))
     return out
