@@ -68,7 +68,7 @@ class RowSource:
         if self._columns is None:
             assert self._frame is not None
             frame = self._frame
-            self._columns = [_values(frame.iloc[:, j]) for j in range(frame.shape[1])]
+            self._columns = [_values(column) for _, column in frame.items()]
         return self._columns
 
     def index(self) -> tuple[Any, Any]:
@@ -146,10 +146,12 @@ class ColumnWay:
                 or frame.index.dtype != self.index_dtype):
             return None
         labels = frame.columns.tolist()
-        positions = [j for j, label in enumerate(labels) if not (dropping and label == drop)]
-        if [labels[j] for j in positions] != self.labels:
+        kept = [not (dropping and label == drop) for label in labels]
+        if [label for label, keep in zip(labels, kept, strict=True) if keep] != self.labels:
             return None
-        values = [_values(frame.iloc[:, j]) for j in positions]
+        # ``items`` (a Series per column by position): half of ``iloc[:, j]``'s cost
+        values = [_values(column) for (_, column), keep
+                  in zip(frame.items(), kept, strict=True) if keep]
         if [v.dtype for v in values] != self.dtypes:
             return None
         return values, _values(frame.index), frame.index.name
