@@ -282,13 +282,21 @@ def test_groups_are_contiguous_runs_of_each_owners_partitions(owner, groups):
 @given(rows=st.integers(0, 300), groups=st.integers(1, 5), seed=st.integers(0, 2**16),
        min_group_bytes=st.sampled_from([0, 200, 2**20]), wide_keys=st.booleans(),
        own=st.sampled_from([None, "a", "b"]), all_wanted=st.booleans(),
-       parts_dtype=st.sampled_from(["int64", "int8", "uint16"]))
+       parts_dtype=st.sampled_from(["int64", "int8", "uint16"]), as_arrays=st.booleans())
 def test_split_puts_every_row_in_its_partition_in_order(rows, groups, seed, min_group_bytes,
                                                          wide_keys, own, all_wanted,
-                                                         parts_dtype):
+                                                         parts_dtype, as_arrays):
+    """Every row in its partition's group, in order; the caller's own groups share no
+    memory with each other or with the groups sent, also where a small input is split as
+    arrays (``as_arrays``, the column way)."""
+    from dask_services.dataframe._rows import ColumnWay, FrameRows
+
     rng = np.random.default_rng(seed)
     df = pd.DataFrame({"x": rng.integers(0, 1000, rows),
                        "_p": rng.integers(0, 10 if all_wanted else 12, rows).astype(parts_dtype)})
+    arrays = (ColumnWay(df.drop(columns="_p").iloc[:0]).values_of(df, "_p", dropping=True)
+              if as_arrays else None)
+    small = rows * 16 < min_group_bytes
     owner = {p: ServiceId("a" if p % 3 else "b") for p in range(10)}  # 10, 11 unwanted
     destination = group_partitions(owner, groups)
     routing = _service.Routing(destination)
@@ -299,13 +307,21 @@ def test_split_puts_every_row_in_its_partition_in_order(rows, groups, seed, min_
             mock.patch.object(_service, "EXACT_SIZE_ROWS", 0):  # sizes measured, not estimated
         out = split_by_destination(df.drop(columns="_p"), df["_p"].to_numpy(), destination,
                                    nbytes=rows * 16, routing=routing,
-                                   own=None if own is None else ServiceId(own))
+                                   own=None if own is None else ServiceId(own),
+                                   arrays=arrays)
     seen = {}
     for sid, batch in out.items():
         if min_group_bytes == 0:
             assert len(batch) == len({destination[p][1] for p in batch_partitions(batch)})
-        for frame, partitions, bounds, nbytes in batch:
-            assert nbytes == sizeof(frame)
+        for k, (frame, partitions, bounds, nbytes) in enumerate(batch):
+            assert isinstance(frame, FrameRows) == (as_arrays and small)
+            if isinstance(frame, FrameRows):
+                if own is not None and sid == ServiceId(own):  # its own rows' arrays only
+                    assert all(c.base is None for c in frame.source.columns())
+                frame = frame.frame(df.drop(columns="_p").iloc[:0])
+                batch[k] = (frame, partitions, bounds, nbytes)
+            else:
+                assert nbytes == sizeof(frame)
             for j, p in enumerate(partitions):
                 assert owner[p] == sid
                 seen[p] = frame.iloc[bounds[j]:bounds[j + 1]]

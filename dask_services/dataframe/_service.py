@@ -108,8 +108,8 @@ def split_by_destination(
 
     ``arrays``: ``data``'s columns' values, index values and index name where ``data``
     takes the column way (``ColumnWay.values_of``).  A small input is then taken column by
-    column and its groups (the caller's own too: views of that one copy of a small input)
-    are :class:`FrameRows` of those arrays: no frame is built, and
+    column and its groups are :class:`FrameRows` of those arrays (slices of one take for
+    the groups sent, a take of its own for each of the caller's): no frame is built, and
     a group sent to a peer is pickled as its arrays (a pandas ``take``, a slice per group
     and a copy of the own group cost ~0.5 ms for a 200-row frame; pickling a frame and
     reading it back twice what its arrays cost).
@@ -167,11 +167,16 @@ def split_by_destination(
              ) -> tuple[pd.DataFrame | FrameRows, list[int], list[int], int]:
         a, b = row_starts[i0], row_starts[i1]
         if small and arrays is not None:
-            if None not in taken:
-                columns, index, name = arrays
-                taken[None] = ([c.take(order) for c in columns], index.take(order), name)
-            columns, index, name = taken[None]
-            frame = rows_of_arrays([c[a:b] for c in columns], index[a:b], name)
+            columns, index, name = arrays
+            if sid == own:  # a take of its own: it holds only its rows while buffered
+                rows = order[a:b]
+                frame = rows_of_arrays([c.take(rows) for c in columns], index.take(rows),
+                                       name)
+            else:  # pickled when sent: a slice writes only its rows
+                if None not in taken:
+                    taken[None] = ([c.take(order) for c in columns], index.take(order))
+                columns, index = taken[None]
+                frame = rows_of_arrays([c[a:b] for c in columns], index[a:b], name)
         elif small:
             if None not in taken:
                 taken[None] = data.take(order)
@@ -186,7 +191,7 @@ def split_by_destination(
                 taken[sid] = data.take(order[first:last])
             frame = taken[sid].iloc[a - first:b - first]
         bounds = [r - a for r in row_starts[i0:i1 + 1]]
-        size = (sizeof(frame) if b - a > EXACT_SIZE_ROWS and arrays is None
+        size = (sizeof(frame) if b - a > EXACT_SIZE_ROWS and not isinstance(frame, FrameRows)
                 else int((b - a) * per_row))
         return frame, part_ids[i0:i1], bounds, size
 
