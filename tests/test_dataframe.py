@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import decimal
 from collections import Counter
+from unittest import mock
 
 import dask
 import dask.dataframe as dd
@@ -301,6 +302,35 @@ async def test_on_a_cluster_and_merge_alignment(c, s, a, b, w3):
     assert any(len(v) == 6 for k, v in plugin.placements.items() if k.endswith("-6"))
     del ours, res
     await assert_nothing_left(s, [a, b, w3])
+
+
+@service_cluster(nthreads=[("127.0.0.1", 1)] * 2)
+async def test_small_inputs_travel_as_arrays_with_every_dtype(c, s, a, b):
+    """Small inputs that take the column way (no categorical) are split, sent and
+    assembled as arrays between real workers: every dtype, the index and the rows' order
+    as pandas gives them."""
+    from dask_services.dataframe import _service
+
+    pdf = mixed_frame(120).drop(columns="cat")
+    pdf.index = pd.Index(np.arange(120) * 3, name="idx")
+    with dask.config.set({"dataframe.convert-string": False}):  # keep the mixed object column
+        ddf = dd.from_pandas(pdf, npartitions=6)
+    made = []
+
+    def counted(*args):
+        made.append(args)
+        return rows_of_arrays(*args)
+
+    rows_of_arrays = _service.rows_of_arrays
+    with mock.patch.object(_service, "rows_of_arrays", counted):
+        ours = await c.compute(ddf.shuffle("k", npartitions=4, shuffle_method="service"))
+    assert made  # the arrays path was taken
+    assert dict(ours.dtypes) == dict(pdf.dtypes)
+    pd.testing.assert_frame_equal(ours.sort_index(), pdf)
+    expected = ddf.shuffle("k", npartitions=4, shuffle_method="tasks").compute(scheduler="sync")
+    pd.testing.assert_frame_equal(ours, expected)  # same partitions, same order
+    del ours
+    await assert_nothing_left(s, [a, b])
 
 
 def test_service_method_name_is_registered():
