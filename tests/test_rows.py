@@ -219,6 +219,9 @@ def test_column_way_of_a_frame_is_found_from_its_columns():
         is None
     assert ColumnWay(meta).values_of(frame.drop(columns="_p").reset_index(drop=True)
                                      .set_axis(["a", "b"])) is None  # another index dtype
+    odd = pd.DataFrame({"a": [1, 2], "k": [0, 1]}).set_axis(pd.Index([pd.NA, "k"], dtype=object),
+                                                            axis=1)
+    assert ColumnWay(odd.iloc[:, :1].iloc[:0]).values_of(odd, "k", dropping=True) is None
     categorical = frame.astype({"s": "category"})
     assert not ColumnWay(categorical.iloc[:0]).possible
     assert ColumnWay(categorical.iloc[:0]).values_of(categorical) is None

@@ -146,8 +146,11 @@ class ColumnWay:
                 or frame.index.dtype != self.index_dtype):
             return None
         labels = frame.columns.tolist()
-        kept = [not (dropping and label == drop) for label in labels]
-        if [label for label, keep in zip(labels, kept, strict=True) if keep] != self.labels:
+        try:
+            kept = [not (dropping and (label is drop or label == drop)) for label in labels]
+            if [label for label, keep in zip(labels, kept, strict=True) if keep] != self.labels:
+                return None
+        except (TypeError, ValueError):  # labels that do not compare (``pd.NA``): pandas' way
             return None
         # ``items`` (a Series per column by position): half of ``iloc[:, j]``'s cost
         values = [_values(column) for (_, column), keep
