@@ -624,6 +624,9 @@ class ServiceTaskMachine:
         return []
 
     def _fail(self, run: Run | None, error: BaseException) -> list[Action]:
+        # the attempt is over (the service task errs): a retry of the task starts with
+        # its own count of restarts
+        self.restarts = 0
         actions: list[Action] = []
         if run is not None:
             run.phase = Phase.FAILED

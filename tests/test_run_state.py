@@ -110,6 +110,25 @@ def test_restarts_then_too_many():
     assert kinds(m.handle(rs.ServiceTaskProcessing(WORKERS[0]))) == ["NotifyServiceTask"]
 
 
+def test_a_retry_after_too_many_restarts_counts_its_own():
+    """After a run failed with too many restarts (the service task errs), a new run (a
+    retried task) may restart as often as a first one: one attempt's restarts end with it."""
+    m = machine(max_restarts=1)
+    need(m)
+    m.handle(rs.RestartRequested(1, "first"))
+    need(m, run_id=2)
+    m.handle(rs.RestartRequested(2, "second"))
+    assert isinstance(m.pending_outcome[0], TooManyRestarts) and m.restarts == 0
+    assert kinds(m.handle(rs.ServiceTaskProcessing(WORKERS[0]))) == ["NotifyServiceTask"]
+    need(m, run_id=3)
+    assert kinds(m.handle(rs.RestartRequested(3, "third"))) == [
+        "StopInstances", "Log", "RescheduleServiceTask"]  # restarted, not failed
+    need(m, run_id=4)
+    assert kinds(m.handle(rs.RestartRequested(4, "fourth"))) == ["StopInstances", "Log",
+                                                                  "NotifyServiceTask"]
+    m.validate()
+
+
 def test_wanted_grew_restarts_without_counting():
     m = machine(max_restarts=0)
     need(m, wanted=["o0"])
