@@ -13,6 +13,7 @@ import pytest
 from dask.dataframe.core import _concat
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from utils import assembled_in_two_windows
 
 from dask_services.dataframe._rows import FrameRows, RowSource, concat_rows, takes_column_way
 from dask_services.dataframe._service import assemble
@@ -160,7 +161,7 @@ def test_small_inputs_split_as_arrays_assemble_as_pandas_does(
     split as frames they assemble, both ways and cut at a window's edge, into what pandas
     gives each partition: its rows by input, then in their order."""
     from dask_services.dataframe import _service
-    from dask_services.dataframe._service import cut_at, group_partitions, split_input
+    from dask_services.dataframe._service import group_partitions, split_input
     from dask_services.service import ServiceId
 
     rng = np.random.default_rng(seed)
@@ -188,19 +189,14 @@ def test_small_inputs_split_as_arrays_assemble_as_pandas_does(
             if how.endswith("sent"):
                 frame = pickle.loads(pickle.dumps(frame, protocol=5))
             received.append((i, frame, parts, bounds))
-    now, later = cut_at(received, last, destination)
-    windows = [([p for p in range(nparts) if destination[p][1] <= last], now),
-               ([p for p in range(nparts) if destination[p][1] > last], later)]
-    for window, items in windows:
-        with mock.patch.object(_service, "SMALL_PIECE_ROWS", 10**9 if small else 0):
-            out = _service.assemble_group(items, window, meta, ignore_index)
-        for p, got in zip(window, out, strict=True):
-            pieces = [f[t == p] for f, t in zip(inputs, targets, strict=True)]
-            pieces = [f for f in pieces if len(f)]
-            expected = pd.concat(pieces) if pieces else meta
-            if ignore_index:
-                expected = expected.reset_index(drop=True)
-            pd.testing.assert_frame_equal(got, expected, check_index_type="equiv")
+    for p, got in assembled_in_two_windows(received, destination, nparts, last, meta,
+                                           ignore_index, small):
+        pieces = [f[t == p] for f, t in zip(inputs, targets, strict=True)]
+        pieces = [f for f in pieces if len(f)]
+        expected = pd.concat(pieces) if pieces else meta
+        if ignore_index:
+            expected = expected.reset_index(drop=True)
+        pd.testing.assert_frame_equal(got, expected, check_index_type="equiv")
 
 
 def test_column_way_of_a_frame_is_found_from_its_columns():

@@ -11,7 +11,7 @@ import pytest
 from dask.sizeof import sizeof
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from utils import suspended_in, until
+from utils import assembled_in_two_windows, suspended_in, until
 
 from dask_services._sending import PeerStream, SendWindow
 from dask_services.dataframe import _service
@@ -386,19 +386,14 @@ def test_assemble_group_gives_each_partition_its_rows_in_input_order(
                                              destination, nbytes=rows * 16).items():
             received += [(i, frame, parts, bounds) for frame, parts, bounds, _ in batch]
     meta = frames[0].drop(columns="_p").iloc[:0]
-    now, later = _service.cut_at(received, last, destination)
-    windows = [([p for p in range(nparts) if destination[p][1] <= last], now),
-               ([p for p in range(nparts) if destination[p][1] > last], later)]
-    for window, items in windows:
-        with mock.patch.object(_service, "SMALL_PIECE_ROWS", 10**9 if small else 0):
-            out = _service.assemble_group(items, window, meta, ignore_index)
-        for p, got in zip(window, out, strict=True):
-            pieces = [f[f._p == p].drop(columns="_p") for f in frames]
-            expected = (pd.concat([f for f in pieces if len(f)]) if any(map(len, pieces))
-                        else meta)
-            if ignore_index:
-                expected = expected.reset_index(drop=True)
-            pd.testing.assert_frame_equal(got, expected)
+    for p, got in assembled_in_two_windows(received, destination, nparts, last, meta,
+                                           ignore_index, small):
+        pieces = [f[f._p == p].drop(columns="_p") for f in frames]
+        expected = (pd.concat([f for f in pieces if len(f)]) if any(map(len, pieces))
+                    else meta)
+        if ignore_index:
+            expected = expected.reset_index(drop=True)
+        pd.testing.assert_frame_equal(got, expected)
 
 
 @given(rows=st.integers(1, 60), nparts=st.integers(1, 12), groups=st.integers(1, 5),

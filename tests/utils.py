@@ -282,3 +282,24 @@ def samples(text: str, name: str) -> dict[str, float]:
     """``{labels: value}`` of one metric in Prometheus text format."""
     found = re.findall(rf"^{name}\{{(.*?)\}} (\S+)$", text, flags=re.M)
     return {labels: float(value) for labels, value in found}
+
+
+def assembled_in_two_windows(received, destination, nparts: int, last: int, meta,
+                             ignore_index: bool, small: bool) -> list:
+    """``(partition, frame)`` of every partition, assembled by ``assemble_group`` from the
+    frames ``received`` cut at the group ``last`` (``cut_at``): the groups up to it in one
+    window, the rest in another; each window's small pieces concatenated once (``small``)
+    or per partition."""
+    from unittest import mock
+
+    from dask_services.dataframe import _service
+
+    now, later = _service.cut_at(received, last, destination)
+    windows = [([p for p in range(nparts) if destination[p][1] <= last], now),
+               ([p for p in range(nparts) if destination[p][1] > last], later)]
+    out = []
+    for window, items in windows:
+        with mock.patch.object(_service, "SMALL_PIECE_ROWS", 10**9 if small else 0):
+            frames = _service.assemble_group(items, window, meta, ignore_index)
+        out += list(zip(window, frames, strict=True))
+    return out
