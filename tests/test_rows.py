@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from dask.dataframe.core import _concat
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from utils import assembled_in_two_windows
 
@@ -145,21 +145,26 @@ def test_spilled_rows_are_their_arrays_only():
     pd.testing.assert_frame_equal(out, pd.concat([frame.iloc[10:30], other]))
 
 
+# all inputs as arrays, some sent, a named index, the small pieces concatenated once
+@example(seed=0, columns=["int", "str"], index="ints", sizes=[10, 12, 7], nparts=3,
+         groups=1, last=-1, split="arrays", sent=[True, False, True, False, True],
+         assign=False, small=True, ignore_index=False)
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**16),
        columns=st.lists(st.sampled_from(sorted(COLUMNS)), min_size=1, max_size=3, unique=True),
        index=st.sampled_from(sorted(INDEXES)),
        sizes=st.lists(st.integers(0, 25), min_size=1, max_size=5),
        nparts=st.integers(1, 7), groups=st.integers(1, 3), last=st.integers(-1, 3),
-       ways=st.lists(st.sampled_from(["arrays", "arrays-sent", "frame", "frame-sent"]),
-                     min_size=5, max_size=5),
+       split=st.sampled_from(["arrays", "frames", "mixed"]),
+       sent=st.lists(st.booleans(), min_size=5, max_size=5),
        assign=st.booleans(), small=st.booleans(), ignore_index=st.booleans())
 def test_small_inputs_split_as_arrays_assemble_as_pandas_does(
-        seed, columns, index, sizes, nparts, groups, last, ways, assign, small, ignore_index):
+        seed, columns, index, sizes, nparts, groups, last, split, sent, assign, small,
+        ignore_index):
     """Small inputs that take the column way are split as arrays (``ColumnWay``), their
-    groups travel pickled as arrays (``-sent``) or stay in memory, and mixed with inputs
-    split as frames they assemble, both ways and cut at a window's edge, into what pandas
-    gives each partition: its rows by input, then in their order."""
+    groups travel pickled (``sent``) or stay in memory, and, all split as arrays, all as
+    frames or mixed, they assemble, both ways and cut at a window's edge, into what
+    pandas gives each partition: its rows by input, then in their order."""
     from dask_services.dataframe import _service
     from dask_services.dataframe._service import group_partitions, split_input
     from dask_services.service import ServiceId
@@ -172,7 +177,7 @@ def test_small_inputs_split_as_arrays_assemble_as_pandas_does(
     destination = group_partitions({p: ServiceId("a") for p in range(nparts)}, groups)
     received = []
     for i in rng.permutation(len(inputs)).tolist():  # arrival order is not input order
-        how = ways[i]
+        as_arrays = split == "arrays" or (split == "mixed" and i % 2 == 0)
         if assign:  # the targets come from dask's partitioning step (mocked: these)
             df, column = inputs[i], None
             patch = mock.patch.object(_service, "target_partitions",
@@ -183,10 +188,10 @@ def test_small_inputs_split_as_arrays_assemble_as_pandas_does(
         with patch:
             batches = split_input(df, ("unused",) if assign else None, column, destination,
                                   nbytes=100, own=ServiceId("a"),
-                                  column_way=way if how.startswith("arrays") else None)
+                                  column_way=way if as_arrays else None)
         for frame, parts, bounds, _ in batches.get(ServiceId("a"), []):
-            assert isinstance(frame, FrameRows) == (how.startswith("arrays") and len(df) > 0)
-            if how.endswith("sent"):
+            assert isinstance(frame, FrameRows) == (as_arrays and len(df) > 0)
+            if sent[i]:
                 frame = pickle.loads(pickle.dumps(frame, protocol=5))
             received.append((i, frame, parts, bounds))
     for p, got in assembled_in_two_windows(received, destination, nparts, last, meta,
