@@ -128,11 +128,7 @@ class ColumnWay:
     """
 
     def __init__(self, meta: pd.DataFrame) -> None:
-        self.possible = (
-            meta.ndim == 2 and not isinstance(meta.index, pd.MultiIndex)
-            and not isinstance(meta.index.dtype, pd.CategoricalDtype)
-            and not any(isinstance(d, pd.CategoricalDtype) for d in meta.dtypes.tolist())
-        )
+        self.possible = meta_allows_column_way(meta)
         self.labels = meta.columns.tolist() if meta.ndim == 2 else []
         self.dtypes = meta.dtypes.tolist() if meta.ndim == 2 else []
         self.index_dtype = meta.index.dtype
@@ -197,17 +193,21 @@ def _values(column: pd.Series | pd.Index) -> Any:
     return values
 
 
+def meta_allows_column_way(meta: pd.DataFrame) -> bool:
+    """Whether frames of ``meta`` may take the column way at all: a frame (not a series),
+    a flat index, nothing categorical."""
+    return (meta.ndim == 2 and not isinstance(meta.index, pd.MultiIndex)
+            and not isinstance(meta.index.dtype, pd.CategoricalDtype)
+            and not any(isinstance(d, pd.CategoricalDtype) for d in meta.dtypes.tolist()))
+
+
 def takes_column_way(frame: pd.DataFrame, meta: pd.DataFrame) -> bool:
     """Whether the rows of ``frame`` can be concatenated by :func:`concat_rows`: the same
     columns and dtypes as ``meta``, nothing categorical, a flat index of the meta's type."""
-    if meta.ndim != 2 or isinstance(meta.index, pd.MultiIndex):
+    if not meta_allows_column_way(meta):
         return False
-    if isinstance(meta.index.dtype, pd.CategoricalDtype):
-        return False
-    dtypes = meta.dtypes.tolist()
-    if any(isinstance(d, pd.CategoricalDtype) for d in dtypes):
-        return False
-    return (frame.dtypes.tolist() == dtypes and frame.columns.equals(meta.columns)
+    return (frame.dtypes.tolist() == meta.dtypes.tolist()
+            and frame.columns.equals(meta.columns)
             and frame.index.dtype == meta.index.dtype
             and not isinstance(frame.index, pd.MultiIndex))
 
