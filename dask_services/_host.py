@@ -23,6 +23,7 @@ import dask.config
 from dask.typing import Key
 
 from dask_services._counters import Traffic, size_of
+from dask_services._known_sizes import checked_nbytes, remember
 from dask_services._payload import known_arguments_nbytes
 from dask_services.service import (
     Concierge,
@@ -148,7 +149,9 @@ class InstanceConcierge(Concierge):
                 f"{self._instance.spec.service_key!r}"
             ) from None
 
-    async def produce_key(self, key: Key, value: Any) -> bool:
+    async def produce_key(self, key: Key, value: Any, *, nbytes: int | None = None) -> bool:
+        if nbytes is not None:
+            nbytes = checked_nbytes(nbytes)
         inst = self._instance
         if inst.stopping:
             raise StaleRunError(
@@ -170,6 +173,8 @@ class InstanceConcierge(Concierge):
         if key in inst.produced:
             raise ProduceKeyError(f"output {key!r} was already produced by {inst.spec.id}")
         inst.produced.add(key)
+        if nbytes is not None:
+            remember(value, nbytes)
         self._host.env.produced(inst.spec, key, value)
         await self._host.env.memory_backpressure()
         return True

@@ -97,6 +97,24 @@ def test_worker_internals_we_use():
     assert "set_thread_state" in inspect.getsource(_run_task)  # thread_state.key is set
 
 
+def test_workers_measure_results_with_dask_sizeof_dispatch():
+    """``produce_key(nbytes=)`` reaches the worker through dask's ``sizeof`` dispatch
+    (``_known_sizes.py``): the worker and its spill buffer must measure with it."""
+    import dask.sizeof
+    import distributed.sizeof
+    import distributed.spill
+    import distributed.worker
+    from distributed.worker import _run_task_async
+
+    assert distributed.sizeof.sizeof is dask.sizeof.sizeof
+    assert "return sizeof(obj)" in inspect.getsource(distributed.sizeof.safe_sizeof)
+    assert distributed.worker.sizeof is distributed.sizeof.safe_sizeof
+    assert '"nbytes": sizeof(result)' in inspect.getsource(_run_task_async)
+    assert distributed.spill.safe_sizeof is distributed.sizeof.safe_sizeof
+    assert "return safe_sizeof(value)" in inspect.getsource(distributed.spill)
+    assert callable(dask.sizeof.sizeof.dispatch) and callable(dask.sizeof.sizeof.register)
+
+
 def test_task_spec_fusion_hook():
     from dask._task_spec import GraphNode, Task
 

@@ -499,11 +499,12 @@ class DataFrameShuffle(PeerExchange):
         if not any(large.values()):
             uniform = not self.mixed_groups.intersection(window)
             frames = await self.concierge.run_in_executor(
-                assemble_group, small, partitions, self.meta, self.ignore_index, uniform)
+                measured, assemble_group, small, partitions, self.meta, self.ignore_index,
+                uniform)
             del small
             await self._trim(trim, held)
-            for p, frame in zip(partitions, frames, strict=True):
-                await self.concierge.produce_key(key_of[p], frame)
+            for p, (frame, nbytes) in zip(partitions, frames, strict=True):
+                await self.concierge.produce_key(key_of[p], frame, nbytes=nbytes)
             return
         # large pieces: a few outputs at a time, each from its own pieces (and the small
         # frames' rows for it, if any)
@@ -513,11 +514,11 @@ class DataFrameShuffle(PeerExchange):
             held = self.buffer.memory_bytes
             pieces = [await self.buffer.take(p) + rest.pop(p, []) for p in batch]
             frames = await self.concierge.run_in_executor(
-                assemble_many, pieces, self.meta, self.ignore_index)
+                measured, assemble_many, pieces, self.meta, self.ignore_index)
             del pieces
             await self._trim(trim, held)
-            for p, frame in zip(batch, frames, strict=True):
-                await self.concierge.produce_key(key_of[p], frame)
+            for p, (frame, nbytes) in zip(batch, frames, strict=True):
+                await self.concierge.produce_key(key_of[p], frame, nbytes=nbytes)
             del frames
 
     async def _trim(self, trim: TrimAfter, held: int) -> None:
@@ -525,6 +526,14 @@ class DataFrameShuffle(PeerExchange):
         assert self.buffer is not None
         if trim.freed_bytes(held - self.buffer.memory_bytes):
             await self.concierge.run_in_executor(release_freed_memory)
+
+
+def measured(assemble: Callable[..., list[pd.DataFrame]], *args: Any
+             ) -> list[tuple[pd.DataFrame, int]]:
+    """The frames ``assemble(*args)`` makes, each with its size (dask's ``sizeof``),
+    measured in the service thread that made them: the worker then takes the size from
+    ``produce_key`` instead of measuring each output twice on its event loop."""
+    return [(frame, sizeof(frame)) for frame in assemble(*args)]
 
 
 def cut_at(received: list[Received], last_group: int,
