@@ -287,7 +287,7 @@ def test_split_puts_every_row_in_its_partition_in_order(rows, groups, seed, min_
                                                          wide_keys, own, all_wanted,
                                                          parts_dtype, as_arrays):
     """Every row in its partition's group, in order; the caller's own groups share no
-    memory with each other or with the groups sent, also where a small input is split as
+    memory with each other or with the groups sent, also where an input is split as
     arrays (``as_arrays``, the column way)."""
     from dask_services.dataframe._rows import ColumnWay, FrameRows
 
@@ -296,7 +296,6 @@ def test_split_puts_every_row_in_its_partition_in_order(rows, groups, seed, min_
                        "_p": rng.integers(0, 10 if all_wanted else 12, rows).astype(parts_dtype)})
     arrays = (ColumnWay(df.drop(columns="_p").iloc[:0]).values_of(df, "_p", dropping=True)
               if as_arrays else None)
-    small = rows * 16 < min_group_bytes
     owner = {p: ServiceId("a" if p % 3 else "b") for p in range(10)}  # 10, 11 unwanted
     destination = group_partitions(owner, groups)
     routing = _service.Routing(destination)
@@ -314,12 +313,14 @@ def test_split_puts_every_row_in_its_partition_in_order(rows, groups, seed, min_
         if min_group_bytes == 0:
             assert len(batch) == len({destination[p][1] for p in batch_partitions(batch)})
         for k, (frame, partitions, bounds, nbytes) in enumerate(batch):
-            assert isinstance(frame, FrameRows) == (as_arrays and small)
+            assert isinstance(frame, FrameRows) == as_arrays
             if isinstance(frame, FrameRows):
                 if own is not None and sid == ServiceId(own):  # its own rows' arrays only
                     assert all(c.base is None for c in frame.source.columns())
                 frame = frame.frame(df.drop(columns="_p").iloc[:0])
                 batch[k] = (frame, partitions, bounds, nbytes)
+                # measured from its arrays: its columns' and its (taken) index's bytes
+                assert nbytes == frame.memory_usage(index=True, deep=True).sum()
             else:
                 assert nbytes == sizeof(frame)
             for j, p in enumerate(partitions):

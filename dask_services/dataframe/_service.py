@@ -33,6 +33,7 @@ from dask_services.dataframe._rows import (
     FrameRows,
     RowSource,
     concat_rows,
+    rows_nbytes,
     rows_of_arrays,
     take_rows,
 )
@@ -166,18 +167,25 @@ def split_by_destination(
     def take(sid: ServiceId, i0: int, i1: int
              ) -> tuple[pd.DataFrame | FrameRows, list[int], list[int], int]:
         a, b = row_starts[i0], row_starts[i1]
-        if small and arrays is not None:
+        if arrays is not None:
             columns, index, name = arrays
             if sid == own:  # a take of its own: it holds only its rows while buffered
                 rows = order[a:b]
                 frame = rows_of_arrays([c.take(rows) for c in columns], index.take(rows),
                                        name)
             else:  # pickled when sent: a slice writes only its rows
-                if None not in taken:
-                    taken[None] = ([c.take(order) for c in columns], index.take(order))
-                columns, index = taken[None]
-                frame = rows_of_arrays([c[a:b] for c in columns], index[a:b], name)
-        elif small:
+                whose = None if small else sid
+                first = 0 if small else rows_of[sid][0]
+                if whose not in taken:
+                    rows = order if small else order[first:rows_of[sid][1]]
+                    taken[whose] = ([c.take(rows) for c in columns], index.take(rows))
+                columns, index = taken[whose]
+                frame = rows_of_arrays([c[a - first:b - first] for c in columns],
+                                       index[a - first:b - first], name)
+            size = (rows_nbytes(frame) if b - a > EXACT_SIZE_ROWS
+                    else int((b - a) * per_row))
+            return frame, part_ids[i0:i1], bounds_of(i0, i1), size
+        if small:
             if None not in taken:
                 taken[None] = data.take(order)
             frame = taken[None].iloc[a:b]
@@ -190,10 +198,11 @@ def split_by_destination(
             if sid not in taken:
                 taken[sid] = data.take(order[first:last])
             frame = taken[sid].iloc[a - first:b - first]
-        bounds = [r - a for r in row_starts[i0:i1 + 1]]
-        size = (sizeof(frame) if b - a > EXACT_SIZE_ROWS and not isinstance(frame, FrameRows)
-                else int((b - a) * per_row))
-        return frame, part_ids[i0:i1], bounds, size
+        size = sizeof(frame) if b - a > EXACT_SIZE_ROWS else int((b - a) * per_row)
+        return frame, part_ids[i0:i1], bounds_of(i0, i1), size
+
+    def bounds_of(i0: int, i1: int) -> list[int]:
+        return [r - row_starts[i0] for r in row_starts[i0:i1 + 1]]
 
     for c in range(len(code_starts) - 1):
         i0, i1 = code_starts[c], code_starts[c + 1]
@@ -227,7 +236,7 @@ def split_input(
     as arrays."""
     frame = df.to_frame() if df.ndim == 1 else df
     arrays = None
-    if column_way is not None and nbytes < MIN_GROUP_BYTES:
+    if column_way is not None:
         arrays = column_way.values_of(frame, column, dropping=assign is None)
     if assign is None:
         parts = df[column].to_numpy()
