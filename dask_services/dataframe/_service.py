@@ -43,7 +43,7 @@ Key = Hashable
 
 
 # (frame, partitions, bounds, bytes) per group; the frame a DataFrame, or all rows of a
-# FrameRows whose source takes the column way (a small input's group)
+# FrameRows whose source takes the column way (the group of an input split as arrays)
 Batch = list[tuple[pd.DataFrame | FrameRows, list[int], list[int], int]]
 MIN_GROUP_BYTES = 2**19  # smaller groups of one input partition are sent together
 
@@ -108,12 +108,14 @@ def split_by_destination(
     from ``nbytes``) are merged.  Rows for unwanted partitions are dropped.
 
     ``arrays``: ``data``'s columns' values, index values and index name where ``data``
-    takes the column way (``ColumnWay.values_of``).  A small input is then taken column by
-    column and its groups are :class:`FrameRows` of those arrays (slices of one take for
-    the groups sent, a take of its own for each of the caller's): no frame is built, and
-    a group sent to a peer is pickled as its arrays (a pandas ``take``, a slice per group
-    and a copy of the own group cost ~0.5 ms for a 200-row frame; pickling a frame and
-    reading it back twice what its arrays cost).
+    takes the column way (``ColumnWay.values_of``).  The input is then taken column by
+    column and its groups are :class:`FrameRows` of those arrays (slices of one take per
+    instance, or of one take in all for a small input, for the groups sent; a take of its
+    own for each of the caller's): no frame is built, a group sent to a peer is pickled as
+    its arrays, and a large group is measured from its arrays (a pandas ``take``, a slice
+    per group and a copy of the own group cost ~0.5 ms for a 200-row frame, and pickling a
+    frame and reading it back twice what its arrays cost; for an 8 MB frame
+    ``DataFrame.take`` costs 3-4x its columns' own takes, and ``sizeof`` of a group 0.5 ms).
 
     The work per input is a few numpy calls and one ``take`` per group sent, whatever the
     number of output partitions its rows go to.
@@ -232,8 +234,8 @@ def split_input(
     """:func:`split_by_destination` of one input partition.  Its rows' output partitions
     are in ``column``, or, with ``assign`` (the shuffle took dask's partitioning step in),
     computed here as dask computes them, so rows go where ``tasks`` sends them.
-    ``column_way`` (of the outputs' meta): a small input that takes the column way is split
-    as arrays."""
+    ``column_way`` (of the outputs' meta): an input that takes the column way is split as
+    arrays."""
     frame = df.to_frame() if df.ndim == 1 else df
     arrays = None
     if column_way is not None:
