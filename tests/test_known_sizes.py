@@ -62,7 +62,7 @@ def test_a_subclass_is_wrapped_on_its_own():
     plain = np.zeros(10)
     assert remember(tagged, 1)
     assert sizeof(tagged) == 1
-    assert sizeof(plain) == plain.nbytes + sizeof(np.zeros(0)) - np.zeros(0).nbytes
+    assert remembered(plain) is None and sizeof(plain) == measured_by_dask(plain)
     assert sizeof(np.zeros(10).view(Tagged)) == sizeof(plain)  # measured as before
 
 
@@ -99,11 +99,13 @@ def test_numpy_integers_are_sizes():
 
 
 class ProducesSized(Service):
-    """Produces ``np.arange(10)`` for every output it owns, with ``nbytes=given``."""
+    """Produces ``np.arange(10)`` (or, with ``as_int``, the int 7) for every output it
+    owns, with ``nbytes=given``."""
 
     async def start(self, id, key, peers, input_keys, output_keys, concierge, leader,
-                    given=None, **kwargs) -> None:
+                    given=None, as_int=False, **kwargs) -> None:
         self.given = given
+        self.as_int = as_int
 
     async def add_key(self, key, data) -> None:
         pass
@@ -111,7 +113,8 @@ class ProducesSized(Service):
     async def all_inputs_done(self) -> None:
         for out in self.concierge.wanted_outputs:
             if self.concierge.owner(out) == self.id:
-                await self.concierge.produce_key(out, np.arange(10), nbytes=self.given)
+                value = 7 if self.as_int else np.arange(10)
+                await self.concierge.produce_key(out, value, nbytes=self.given)
 
 
 @service_cluster()
@@ -132,6 +135,16 @@ async def test_the_worker_and_scheduler_take_the_size_given(c, s, a, b):
     await assert_nothing_left(s, [a, b])
     gc.collect()
     assert remembered_count() == before
+
+
+@service_cluster()
+async def test_a_value_without_weak_references_is_measured_by_the_worker(c, s, a, b):
+    outs = c.compute(dask_services.service_task(ProducesSized, [], outputs=2, given=12345,
+                                                as_int=True))
+    assert await c.gather(outs) == [7, 7]
+    assert [s.tasks[o.key].nbytes for o in outs] == [sizeof(7)] * 2
+    del outs
+    await assert_nothing_left(s, [a, b])
 
 
 @service_cluster()
