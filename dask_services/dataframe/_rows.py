@@ -162,6 +162,16 @@ def rows_of_arrays(columns: list[Any], index: Any, index_name: Any) -> FrameRows
     return FrameRows(RowSource.of_arrays(columns, index, index_name), 0, len(index))
 
 
+def sliced(rows: pd.DataFrame | FrameRows, start: int, stop: int) -> pd.DataFrame | FrameRows:
+    """Rows ``start:stop`` of a frame (a pandas slice), or of all rows of a frame taken as
+    arrays (a :class:`FrameRows` of slices of its arrays)."""
+    if not isinstance(rows, FrameRows):
+        return rows.iloc[start:stop]
+    source = rows.source
+    index, name = source.index()
+    return rows_of_arrays([c[start:stop] for c in source.columns()], index[start:stop], name)
+
+
 def rows_nbytes(rows: FrameRows) -> int:
     """The bytes of the rows of a :class:`FrameRows` whose source takes the column way, as
     dask's ``sizeof`` of their frame counts its columns and index (without its fixed
@@ -180,7 +190,7 @@ def _values_nbytes(values: Any) -> int:
         from dask.sizeof import sizeof
 
         series = pd.Series(values, dtype=dtype, copy=False)
-        return sizeof(series) - sizeof(series.index) - 1200
+        return sizeof(series) - sizeof(series.iloc[:0])
     return int(values.nbytes)
 
 

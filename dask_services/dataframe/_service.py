@@ -35,6 +35,7 @@ from dask_services.dataframe._rows import (
     concat_rows,
     rows_nbytes,
     rows_of_arrays,
+    sliced,
     take_rows,
 )
 from dask_services.service import ServiceId, rpc
@@ -104,7 +105,7 @@ def split_by_destination(
     assembled; the rows for every other instance are taken in one copy and its groups are
     slices of it (serializing a slice writes only its rows, and one ``take`` costs less
     than one per group).  An input smaller than ``MIN_GROUP_BYTES`` is taken in one copy
-    for every instance.  Consecutive groups smaller than ``MIN_GROUP_BYTES`` (as estimated
+    for every other instance.  Consecutive groups smaller than ``MIN_GROUP_BYTES`` (as estimated
     from ``nbytes``) are merged.  Rows for unwanted partitions are dropped.
 
     ``arrays``: ``data``'s columns' values, index values and index name where ``data``
@@ -161,46 +162,33 @@ def split_by_destination(
         run = rows_of.setdefault(sid, [row_starts[code_starts[c]], 0])
         run[1] = row_starts[code_starts[c + 1]]
     taken: dict[ServiceId | None, Any] = {}
-    # a small input is taken once, in order, and sliced per group (a ``take`` costs ~0.2 ms
-    # whatever the rows, a slice a fifth of it); the caller's own groups are copies, so
-    # that they hold only their rows while they wait to be assembled
+    # the rows for other instances are taken once per instance, or once in all for a small
+    # input (a ``take`` costs ~0.2 ms whatever the rows, a slice a fifth of it), and sliced
+    # per group; the caller's own groups are takes of their own, so that they hold only
+    # their rows while they wait to be assembled
     small = nbytes < MIN_GROUP_BYTES
+
+    def take_of(rows: np.ndarray) -> pd.DataFrame | FrameRows:
+        if arrays is None:
+            return data.take(rows)
+        columns, index, name = arrays
+        return rows_of_arrays([c.take(rows) for c in columns], index.take(rows), name)
 
     def take(sid: ServiceId, i0: int, i1: int
              ) -> tuple[pd.DataFrame | FrameRows, list[int], list[int], int]:
         a, b = row_starts[i0], row_starts[i1]
-        if arrays is not None:
-            columns, index, name = arrays
-            if sid == own:  # a take of its own: it holds only its rows while buffered
-                rows = order[a:b]
-                frame = rows_of_arrays([c.take(rows) for c in columns], index.take(rows),
-                                       name)
-            else:  # pickled when sent: a slice writes only its rows
-                whose = None if small else sid
-                first = 0 if small else rows_of[sid][0]
-                if whose not in taken:
-                    rows = order if small else order[first:rows_of[sid][1]]
-                    taken[whose] = ([c.take(rows) for c in columns], index.take(rows))
-                columns, index = taken[whose]
-                frame = rows_of_arrays([c[a - first:b - first] for c in columns],
-                                       index[a - first:b - first], name)
-            size = (rows_nbytes(frame) if b - a > EXACT_SIZE_ROWS
-                    else int((b - a) * per_row))
-            return frame, part_ids[i0:i1], bounds_of(i0, i1), size
-        if small:
-            if None not in taken:
-                taken[None] = data.take(order)
-            frame = taken[None].iloc[a:b]
-            if sid == own:
-                frame = frame.copy()
-        elif sid == own:
-            frame = data.take(order[a:b])
+        if sid == own:
+            frame = take_of(order[a:b])
+        else:  # pickled when sent: a slice writes only its rows
+            whose = None if small else sid
+            first = 0 if small else rows_of[sid][0]
+            if whose not in taken:
+                taken[whose] = take_of(order if small else order[first:rows_of[sid][1]])
+            frame = sliced(taken[whose], a - first, b - first)
+        if b - a <= EXACT_SIZE_ROWS:
+            size = int((b - a) * per_row)
         else:
-            first, last = rows_of[sid]
-            if sid not in taken:
-                taken[sid] = data.take(order[first:last])
-            frame = taken[sid].iloc[a - first:b - first]
-        size = sizeof(frame) if b - a > EXACT_SIZE_ROWS else int((b - a) * per_row)
+            size = rows_nbytes(frame) if isinstance(frame, FrameRows) else sizeof(frame)
         return frame, part_ids[i0:i1], bounds_of(i0, i1), size
 
     def bounds_of(i0: int, i1: int) -> list[int]:
