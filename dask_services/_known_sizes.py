@@ -79,11 +79,8 @@ def _wrap(cls: type) -> None:
         measure = sizeof.dispatch(cls)
 
         def sizeof_remembered(value: Any) -> int:
-            entry = _sizes.get(id(value))
-            if entry is not None and entry[0]() is value:
-                return entry[1]
-            return measure(value)
+            size = remembered(value)
+            return measure(value) if size is None else size
 
-        sizeof_remembered.__wrapped__ = measure  # type: ignore[attr-defined]
         _wrapped[cls] = measure
         sizeof.register(cls)(sizeof_remembered)
