@@ -279,6 +279,45 @@ async def test_outputs_are_written_in_place_when_they_fit_the_buffer_budget(c, s
     await assert_nothing_left(s, [a, b])
 
 
+@service_cluster(timeout=90)
+async def test_pieces_for_a_peer_wait_for_its_call_in_flight_and_go_together(c, s, a, b):
+    """While a call to a peer is in flight, the pieces of later inputs for it wait, and go
+    as one call once it is answered: each instance makes two calls to its peer here, not
+    one per input (the first call is held until every input has been handed off)."""
+    import asyncio
+
+    from dask_services.array import _service
+    from dask_services.service import rpc
+
+    arr = np.random.default_rng(1).random((96, 96))
+    x = da.from_array(arr, chunks=(4, 96))  # 24 inputs, each with pieces for both
+    y = x.rechunk((96, 4), method="service")
+    release = asyncio.Event()
+    batches_per_call: list[int] = []
+    receive_many = _service.ArrayRechunk.receive_many
+
+    @rpc
+    async def held(self, batches):
+        batches_per_call.append(len(batches))
+        await release.wait()
+        await receive_many(self, batches)
+
+    def handed_off() -> int:
+        runs = [m.live_run for m in s.extensions["dask_services"].machines.values()]
+        return max((len(r.handed_off) for r in runs if r is not None), default=0)
+
+    with mock.patch.object(_service.ArrayRechunk, "receive_many", held):
+        result = c.compute(y)
+        while handed_off() < 24:
+            await asyncio.sleep(0.01)
+        release.set()
+        np.testing.assert_array_equal(await result, arr)
+    assert len(batches_per_call) == 4, batches_per_call
+    assert sum(batches_per_call) == 24, batches_per_call  # each input's pieces for the peer
+    del result, y
+    await assert_nothing_left(s, [a, b])
+
+
 def test_outputs_are_written_in_place_only_when_their_shapes_are_known_and_fit():
     from dask_services.array._service import assembles_in_place
 

@@ -428,11 +428,18 @@ class ArrayRechunk(PeerExchange):
                 continue
             nbytes = sum(piece_bytes(p[2]) for p in batch)
             self.sent_bytes += nbytes
-            await self.stream.send(sid, nbytes, "receive", batch)
+            await self.stream.send_batched(sid, nbytes, "receive_many", batch)
 
     @rpc
+    async def receive_many(self, batches: list[list[Piece]]) -> None:
+        """Peer RPC: the pieces of several input chunks for this instance.  Pieces for one
+        peer go together while an earlier call to it is in flight (``send_batched``): with
+        many workers or small chunks, an input's share for each peer is small, and a call
+        per input and peer cost more than the pieces it carried."""
+        await self.receive([piece for batch in batches for piece in batch])
+
     async def receive(self, batch: list[Piece]) -> None:
-        """Peer RPC: pieces of this instance's output chunks."""
+        """Pieces of this instance's output chunks."""
         assert self.buffer is not None
         sizes = [piece_bytes(piece) for _, _, piece in batch]
         self.received_bytes += sum(sizes)
