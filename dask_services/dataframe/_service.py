@@ -181,9 +181,9 @@ def split_by_destination(
             frame = take_of(order[a:b])
         else:  # pickled when sent: a slice writes only its rows
             whose = None if small else sid
-            first = 0 if small else rows_of[sid][0]
+            first, last = (0, len(order)) if small else rows_of[sid]
             if whose not in taken:
-                taken[whose] = take_of(order if small else order[first:rows_of[sid][1]])
+                taken[whose] = take_of(order[first:last])
             frame = sliced(taken[whose], a - first, b - first)
         if b - a <= EXACT_SIZE_ROWS:
             size = int((b - a) * per_row)
