@@ -134,16 +134,6 @@ class PeerStream:
     def _others(self) -> list[ServiceId]:
         return [sid for sid in self.service.peers if sid != self.service.id]
 
-    async def send(self, sid: ServiceId, nbytes: int, method: str, *args: Any) -> None:
-        """Call ``method(*args)`` on peer ``sid`` in the background, within the window."""
-        call = getattr(self.service.peers[sid], method)
-
-        async def deliver() -> None:
-            with arguments_of_size(nbytes):
-                await call(*args)
-
-        await self.window.send(nbytes, deliver)
-
     async def send_batched(self, sid: ServiceId, nbytes: int, method: str, item: Any) -> None:
         """Deliver ``item`` to peer ``sid``'s ``method``, which takes a list of items: at
         once if no batch to ``sid`` is in flight, else with the next batch (see the module
