@@ -144,9 +144,11 @@ PAGE_STATE = """
 
 
 def part(i: int) -> pd.DataFrame:
-    """Input partition ``i`` of the shuffle; the last two wait for ``GATE``, so the
-    shuffle stays in progress while the page is open."""
-    if i >= 6:
+    """Input partition ``i`` of the shuffle; the last one waits for ``GATE``, so the
+    shuffle stays in progress while the page is open.  One only: it holds a task thread
+    while it waits, and two of them on one worker (of two threads) kept that worker's other
+    hand-offs from running."""
+    if i == 7:
         GATE.wait(60)
     rng = np.random.default_rng(i)
     n = 20_000
@@ -184,11 +186,15 @@ def test_the_services_page_renders_plots_and_tables_in_chromium(chromium, tmp_pa
         df = dd.from_map(part, range(8), meta=part(0).iloc[:0], enforce_metadata=False)
         shuffled = client.persist(df.shuffle("key", shuffle_method="service"))
 
-        def handed_off() -> bool:
+        # Opened once the run's figures are reported: in headless Chromium the page's tables
+        # keep their first rendering (the plots redraw), so bytes reported later would
+        # never show in the cells read below.
+        def reported() -> bool:
             rows = dask_services.status(client).to_dict("records")
-            return bool(rows) and rows[0]["inputs_handed_off"] >= 6
+            return bool(rows) and rows[0]["inputs_handed_off"] >= 6 \
+                and rows[0]["bytes_sent"] > 0
         deadline = time.monotonic() + 30
-        while not handed_off():
+        while not reported():
             assert time.monotonic() < deadline, dask_services.status(client)
             time.sleep(0.1)
 
