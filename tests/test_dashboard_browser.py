@@ -146,8 +146,8 @@ PAGE_STATE = """
 def part(i: int) -> pd.DataFrame:
     """Input partition ``i`` of the shuffle; the last one waits for ``GATE``, so the
     shuffle stays in progress while the page is open.  One only: it holds a task thread
-    while it waits, and two of them on one worker (of two threads) kept that worker's other
-    hand-offs from running."""
+    while it waits, and two of them on one worker (of two threads) could keep that worker's
+    other hand-offs from running."""
     if i == 7:
         GATE.wait(60)
     rng = np.random.default_rng(i)
