@@ -168,3 +168,59 @@ def test_streams_on_worker_processes_from_sync_code_and_tasks(tmp_path):
         assert all(r["in_flight"] == 0 and r["queued"] == 0 for r in rows)
         assert [svc.add.route(i).result() for i in range(4)] == [1, 2, 3, 4]
         svc.shutdown()
+
+
+@pytest.mark.parametrize("method, last, errors", [("fine", "done", 0), ("fails", "error", 1)])
+def test_a_stream_is_counted_before_its_last_message_goes_out(method, last, errors):
+    """A caller that has read a stream's end (or its error) and then asks for
+    ``svc.metrics()`` finds the call counted: the replica counts it before writing that
+    message, not once the caller has hung up."""
+    from types import SimpleNamespace
+
+    from dask_services.replicated import _streaming
+    from dask_services.replicated._metrics import ReplicaMetrics
+    from dask_services.replicated._queue import CallGate
+
+    class Generators:
+        async def fine(self, n):
+            for i in range(n):
+                yield i
+
+        async def fails(self, n):
+            yield n
+            raise ValueError("failed")
+
+    class Comm:
+        def __init__(self, metrics):
+            self.metrics = metrics
+            self.written = []
+            self.finished = asyncio.Event()
+            self.credit_sent = False
+
+        async def read(self):
+            if not self.credit_sent:
+                self.credit_sent = True
+                return {"op": "credit", "n": 10}
+            await self.finished.wait()
+            return {"op": "end"}
+
+        async def write(self, msg):
+            self.written.append((msg["status"], self.metrics.calls, self.metrics.errors))
+            if msg["status"] in ("done", "error"):
+                self.finished.set()
+
+        def abort(self):
+            pass
+
+    async def main():
+        metrics = ReplicaMetrics()
+        rep = SimpleNamespace(gate=CallGate(1, 0), metrics=metrics, running=set(),
+                              service=Generators(), executor=None, cancelled=False)
+        comm = Comm(metrics)
+        await _streaming.serve(rep, comm, method, (2,), {}, window=10)
+        assert comm.written[-1] == (last, 1, errors), comm.written
+        assert all(calls == 0 for status, calls, _ in comm.written[:-1])
+        assert (metrics.calls, metrics.errors) == (1, errors)  # counted once
+        assert rep.gate.in_flight == 0 and not rep.running
+
+    asyncio.run(main())

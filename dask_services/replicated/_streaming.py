@@ -106,6 +106,16 @@ async def serve(rep: HostedReplica, comm: Any, method: str, args: tuple, kwargs:
     gen: Any = None
     step: asyncio.Future | None = None
     error = True
+    recorded = False
+
+    def record(failed: bool) -> None:
+        """Count the call in the replica's metrics, once: before its last message goes out,
+        so that the caller, having read it, finds the call counted."""
+        nonlocal recorded
+        if not recorded:
+            recorded = True
+            rep.metrics.record(time.perf_counter() - arrived, failed)
+
     try:
         gen = fn(*args, **kwargs)
         while True:
@@ -127,13 +137,15 @@ async def serve(rep: HostedReplica, comm: Any, method: str, args: tuple, kwargs:
             except StopAsyncIteration:
                 item = _END
             except Exception as e:
+                record(True)
                 await comm.write({"status": "error", "exception": dumps_exception(e)})
                 break
             finally:
                 step = None
             if item is _END:
-                await comm.write({"status": "done"})
                 error = False
+                record(False)
+                await comm.write({"status": "done"})
                 break
             credit[0] -= 1
             await comm.write({"status": "item", **pack(item, "item")})
@@ -142,6 +154,7 @@ async def serve(rep: HostedReplica, comm: Any, method: str, args: tuple, kwargs:
             error = False
             await _close(gen, step, is_async, rep, loop)
             gen = None
+            record(False)
             await comm.write({"status": "cancelled"})
     except asyncio.CancelledError:  # the replica stops (shutdown timeout)
         comm.abort()
@@ -152,7 +165,7 @@ async def serve(rep: HostedReplica, comm: Any, method: str, args: tuple, kwargs:
     finally:
         reader.cancel()
         await _close(gen, step, is_async, rep, loop)
-        rep.metrics.record(time.perf_counter() - arrived, error)
+        record(error)
         if task is not None:
             rep.running.discard(task)
         rep.gate.release()
