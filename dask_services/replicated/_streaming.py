@@ -105,7 +105,7 @@ async def serve(rep: HostedReplica, comm: Any, method: str, args: tuple, kwargs:
     is_async = inspect.isasyncgenfunction(fn)
     gen: Any = None
     step: asyncio.Future | None = None
-    error = True
+    error = True  # for the ``finally``: a stream that ended no other way failed
     recorded = False
 
     def record(failed: bool) -> None:
@@ -143,7 +143,6 @@ async def serve(rep: HostedReplica, comm: Any, method: str, args: tuple, kwargs:
             finally:
                 step = None
             if item is _END:
-                error = False
                 record(False)
                 await comm.write({"status": "done"})
                 break
