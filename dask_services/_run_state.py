@@ -314,7 +314,8 @@ class ServiceTaskReleased:
 
     ``still_wanted``: its outputs are still wanted, so it left because the worker running it
     died (``worker_gone``) or because a hand-off receipt it needed was lost with a worker;
-    a live run is then restarted.  Otherwise nobody wants the outputs any more: cancelled.
+    a live run is then restarted, and after a finished run the hand-offs run again.
+    Otherwise nobody wants the outputs any more: cancelled.
     """
 
     worker_gone: bool = False
@@ -851,11 +852,20 @@ class ServiceTaskMachine:
         if run is not None and ev.still_wanted:
             return self._restart(run, "an input it had received was lost with its worker")
         if run is None:
-            if self.run is not None and self.run.phase is Phase.FINISHED:
-                # Finished but the task was released before reaching memory (e.g. it was
-                # cancelled): a later run will produce whatever is still missing.
-                self.run = None
+            finished = self.run is not None and self.run.phase is Phase.FINISHED
             self.pending_outcome = None
+            if not finished:
+                return []
+            # Finished but the task was released before reaching memory: a later run
+            # produces whatever is still missing.
+            self.run = None
+            if ev.still_wanted:
+                # It runs again (its worker died with outputs the client still wants):
+                # the hand-offs that survived gave their inputs to the finished run, so
+                # they run again too, or the next run waits for them for ever.
+                return [RescheduleServiceTask(
+                    "the service task was lost before it reached memory, after its run "
+                    "had finished")]
             return []
         return self._cancel(run, "")
 

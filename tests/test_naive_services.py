@@ -10,7 +10,7 @@ from typing import Any
 
 import dask
 import pytest
-from distributed import Client, LocalCluster, get_worker, wait
+from distributed import Client, LocalCluster, futures_of, get_worker, wait
 from distributed.utils_test import async_poll_for, gen_cluster, poll_for
 from utils import assert_errs, assert_nothing_left, kill, service_cluster
 
@@ -286,6 +286,62 @@ def test_recomputing_an_output_lost_with_its_worker_tolerates_unneeded_outputs()
                   if e["action"] == "started"]
         assert len(starts) >= 2, "no new run recomputed the lost outputs"
         assert any(survivor in ws for ws in client.who_has(futures).values())
+        client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.validate_state())
+        poll_for(lambda: len(client.scheduler_info()["workers"]) == 2, timeout=30)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_service_task_lost_after_its_run_finished_runs_again_with_every_input():
+    """The run finished and every output landed, but the worker running the service task
+    died before the task reached memory: the new run needs every input again, including
+    those whose hand-offs survived on the other worker (they gave them to the old run)."""
+    validation = {"distributed.scheduler.validate": True, "distributed.worker.validate": True}
+    with dask.config.set(validation), LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+    ) as cluster, Client(cluster) as client:
+        dask_services.install(client)
+        workers = sorted(client.scheduler_info()["workers"])
+        inputs = [client.persist(dask.delayed(inc)(i), workers=[workers[i % 2]],
+                                 allow_other_workers=True) for i in range(6)]
+        wait(futures_of(inputs))
+        plugin = cluster.scheduler.extensions["dask_services"]
+        held: list[str] = []
+        deliver = plugin._notify
+
+        def hold_the_first_outcome(service_key, worker, error, stimulus_id):
+            # the service task stays processing on ``worker`` after its run finished
+            if held:
+                deliver(service_key, worker, error, stimulus_id)
+            else:
+                held.append(worker)
+
+        plugin._notify = hold_the_first_outcome
+        outs = dask_services.service_task(ProducesEverything, inputs, outputs=4)
+        futures = client.compute(outs)
+        wait(futures)
+        poll_for(lambda: held, timeout=10)
+        victim = held[0]
+        survivor = next(w for w in workers if w != victim)
+
+        def state(dask_scheduler, keys=None):
+            tasks = dask_scheduler.tasks
+            if keys is None:  # the hand-offs
+                keys = [k for k in tasks if str(k).startswith("('handoff-")]
+            return {str(k): (tasks[k].state, [ws.address for ws in tasks[k].who_has or ()])
+                    for k in keys if k in tasks}
+
+        assert any(survivor in holders for _, holders in
+                   client.run_on_scheduler(state).values()), \
+            "no hand-off survives the kill: the case is not set up"
+        kill(client, victim)
+        poll_for(lambda: client.run_on_scheduler(
+            lambda dask_scheduler: victim not in dask_scheduler.workers), timeout=30)
+        out_keys = [f.key for f in futures]
+        poll_for(lambda: all(st == "memory" for st, _ in
+                             client.run_on_scheduler(state, keys=out_keys).values()),
+                 timeout=60)
+        assert client.gather(futures) == [(i, 21) for i in range(4)]
         client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.validate_state())
         poll_for(lambda: len(client.scheduler_info()["workers"]) == 2, timeout=30)
 

@@ -310,3 +310,36 @@ def test_stories_are_bounded():
     assert list(m.stories) == [3, 4]
     assert all(len(s.milestones) <= 3 and len(s.routine) <= 3 for s in m.stories.values())
     m.validate()
+
+
+def test_a_finished_run_whose_task_is_lost_before_memory_hands_off_again():
+    """The run finished and its outputs landed, but the worker running the service task
+    died before the task reached memory: a new run will need every input, so the hand-offs
+    that survived (their inputs went to the finished run) must run again."""
+    m = machine()
+    need(m)
+    start_all(m)
+    for k in INPUTS:
+        m.handle(rs.InputHandedOff(1, k))
+    m.handle(rs.OutputProduced(1, "o0", WORKERS[0]))
+    m.handle(rs.OutputProduced(1, "o1", WORKERS[1]))
+    m.handle(rs.OutputLanded("o0"))
+    m.handle(rs.OutputLanded("o1"))
+    assert kinds(m.handle(rs.ServiceTaskProcessing(WORKERS[0]))) == ["NotifyServiceTask"]
+    assert m.handle(rs.WorkerLost(WORKERS[0])) == []  # the run is over already
+    actions = m.handle(rs.ServiceTaskReleased(worker_gone=True, still_wanted=True))
+    assert kinds(actions) == ["RescheduleServiceTask"]
+    assert m.run is None and m.restarts == 0
+    assert kinds(need(m, run_id=2, wanted=["o0"])) == ["StartInstances", "Log"]
+
+
+def test_a_finished_run_whose_task_is_cancelled_before_memory_does_nothing_more():
+    m = machine()
+    need(m)
+    start_all(m)
+    for k in INPUTS:
+        m.handle(rs.InputHandedOff(1, k))
+    m.handle(rs.OutputProduced(1, "o0", WORKERS[0]))
+    m.handle(rs.OutputProduced(1, "o1", WORKERS[1]))
+    assert m.handle(rs.ServiceTaskReleased()) == []
+    assert m.run is None
