@@ -270,6 +270,50 @@ async def _claim_output_async(produced: dict | None, key: Key) -> Any:
     return _claim_output(produced, key)
 
 
+class Consumer:
+    """The only consumer of an output, run by the output's claim (``_claim_fusion``).
+
+    A plain class, not a graph node: dask must not see the consumer's reference to the
+    output as a dependency of the claim, which is that output itself.
+    """
+
+    __slots__ = ("task",)
+
+    def __init__(self, task: Task) -> None:
+        self.task = task
+
+    def __call__(self, output_key: Key, value: Any) -> Any:
+        (dependency,) = self.task.dependencies
+        return self.task({dependency: value})
+
+    def __reduce__(self) -> tuple:
+        return (Consumer, (self.task,))
+
+    def __repr__(self) -> str:
+        return f"Consumer({self.task.key!r})"
+
+
+def _claim_and_consume(produced: dict | None, key: Key, consumer: Consumer) -> Any:
+    return consumer(key, _claim_output(produced, key))
+
+
+class ConsumingClaimSpec(OutputClaimSpec):
+    """An output claim that also runs the output's only consumer: ``args`` are the service
+    task's ref, the output key and a :class:`Consumer`.  The task keeps the output's key
+    and returns what the consumer returns; the consumer's dependents name the output key
+    instead of the consumer's.  It runs in a task thread, as the consumer did: a consumer
+    may be any function, which must not hold up the worker's event loop."""
+
+    @property
+    def is_coro(self) -> bool:
+        return False
+
+    def __call__(self, values: Any = ()) -> Any:
+        service_key = self.service_key
+        produced = values[service_key] if service_key in values else None
+        return self.func(produced, *self.args[1:])
+
+
 def build_service_graph(
     definition: ServiceDefinition, service_key: Key, input_keys: Sequence[Key],
     handoffs_given: bool = False,

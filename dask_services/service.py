@@ -172,6 +172,11 @@ class Service(Deployable, abc.ABC):
     from :class:`~dask_services._deployable.Deployable` (``dask_services/replicated/``).
     """
 
+    # True for a service that tells its outputs apart by their position in
+    # ``output_keys``, never by the keys' names: the graph may then give an output the key
+    # of its lone consumer and run that consumer in the output's claim (``_claim_fusion``).
+    outputs_by_position: bool = False
+
     id: ServiceId
     key: Key
     peers: Mapping[ServiceId, PeerHandle]

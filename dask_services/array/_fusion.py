@@ -63,7 +63,9 @@ def without_copy_aliases(dsk: dict) -> dict:
 def _fuse_keeping_consumer_keys(fuse: Callable) -> Callable:
     @functools.wraps(fuse)
     def fuse_linear_task_spec(dsk: Any, keys: Iterable) -> dict:
-        return without_copy_aliases(fuse(dsk, keys))
+        from dask_services._claim_fusion import fuse_consumers
+
+        return fuse_consumers(without_copy_aliases(fuse(dsk, keys)), keys)
 
     fuse_linear_task_spec.keeps_consumer_keys = True  # type: ignore[attr-defined]
     return fuse_linear_task_spec

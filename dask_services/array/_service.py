@@ -362,6 +362,8 @@ class ArrayRechunk(PeerExchange):
     """Peer-to-peer rechunk of a numpy-backed dask array; see module docstring."""
 
     config_section = "rechunk"
+    # output_keys come in the order of their chunk indices (C order); the names are not read
+    outputs_by_position = True
     # the pieces sent are views into input chunks, which stay in memory until their
     # hand-off returns: trimming after sends would give back little, at a cost
     trim_after_sends = False
@@ -370,23 +372,22 @@ class ArrayRechunk(PeerExchange):
                     old_chunks: Chunks, new_chunks: Chunks, dtype: np.dtype,
                     old_offset: Index | None = None, new_offset: Index | None = None,
                     **kwargs: Any) -> None:
-        # the chunks of this service task's region of the array, whose first input and
-        # output chunks have the indices ``old_offset`` and ``new_offset``
+        # the chunks of this service task's region of the array, whose first input chunk
+        # has the index ``old_offset``; ``output_keys`` are its output chunks in C order
+        # (``new_offset``, the first one's index in the array, is not needed here)
         self.new_chunks = new_chunks
         self.dtype = dtype
         self.overlaps = [axis_overlaps(o, n) for o, n in zip(old_chunks, new_chunks,
                                                              strict=True)]
         counts = pieces_per_output(self.overlaps, new_chunks)
-        zero = (0,) * len(new_chunks)
-        old_offset, new_offset = old_offset or zero, new_offset or zero
-
-        def local(key: Any, offset: Index) -> Index:
-            return tuple(a - o for a, o in zip(key[1:], offset, strict=True))
-
-        self.index_of = {k: local(k, old_offset) for k in input_keys}
-        self.key_of = {local(k, new_offset): k for k in output_keys}
-        self.owner = {local(k, new_offset): concierge.owner(k)
-                      for k in concierge.wanted_outputs}
+        offset = old_offset or (0,) * len(new_chunks)
+        self.index_of = {k: tuple(a - o for a, o in zip(k[1:], offset, strict=True))
+                         for k in input_keys}
+        # by position: an output fused with its consumer has the consumer's key
+        output_index = dict(zip(output_keys, itertools.product(*map(range, map(
+            len, new_chunks))), strict=True))
+        self.key_of = {j: k for k, j in output_index.items()}
+        self.owner = {output_index[k]: concierge.owner(k) for k in concierge.wanted_outputs}
         self.expected = {j: math.prod(counts[d][jd] for d, jd in enumerate(j))
                          for j, sid in self.owner.items() if sid == id}
         self.received: dict[Index, int] = dict.fromkeys(self.expected, 0)

@@ -1,0 +1,250 @@
+"""An output's lone consumer runs in the output's claim (``_claim_fusion``): one task per
+output, the same results as numpy, and nothing fused that must stay a task of its own."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from dask._task_spec import Task
+from distributed import Event, Variable
+from distributed.utils_test import poll_for
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from utils import (
+    assert_errs,
+    assert_nothing_left,
+    kill,
+    service_cluster,
+    service_events,
+    validate_scheduler,
+)
+
+import dask_services  # noqa: F401
+from dask_services.graph import ConsumingClaimSpec, OutputClaimSpec, ServiceTaskSpec
+
+pytestmark = pytest.mark.timeout(120)
+
+A = np.arange(400 * 300.0).reshape(400, 300)
+
+
+def all_to_all(a: np.ndarray = A) -> da.Array:
+    """Row chunks to column chunks: one service task, every output needs every input."""
+    return da.from_array(a, chunks=(50, a.shape[1])).rechunk((a.shape[0], 50),
+                                                              method="service")
+
+
+def graph_of(*collections) -> dict:
+    """The graph dask.array's optimization makes of ``collections``, computed together."""
+    keys = [c.__dask_keys__() for c in collections]
+    merged: dict = {}
+    for c in collections:
+        merged.update(c.__dask_graph__())
+    return dict(collections[0].__dask_optimize__(merged, keys))
+
+
+def claims(graph: dict) -> Counter:
+    return Counter(type(v).__name__ for v in graph.values()
+                   if isinstance(v, OutputClaimSpec))
+
+
+def service_tasks(graph: dict) -> list[ServiceTaskSpec]:
+    return [v for v in graph.values() if isinstance(v, ServiceTaskSpec)]
+
+
+def test_the_sum_of_every_output_runs_in_its_claim():
+    y = all_to_all()
+    total = y.sum()
+    graph = graph_of(total)
+    assert claims(graph) == {"ConsumingClaimSpec": 6}
+    with dask.config.set({"dask_services.fuse-consumers": False}):
+        unfused = graph_of(total)
+    assert claims(unfused) == {"OutputClaimSpec": 6}
+    assert len(unfused) == len(graph) + 6  # a chunk sum per output
+    # the claims took the chunk sums' keys, which the partial sums name as before
+    chunk_sums = [k for k, v in unfused.items()
+                  if type(v) is Task and v.dependencies <= set(y.__dask_keys__()[0])]
+    (service,) = service_tasks(graph)
+    assert service.definition.output_keys == tuple(sorted(chunk_sums))
+    assert set(chunk_sums) <= set(graph)
+    assert all(isinstance(graph[k], ConsumingClaimSpec) for k in chunk_sums)
+    # a new service task (and hand-offs) of its own: the outputs are other values
+    (plain,) = service_tasks(unfused)
+    assert service.key != plain.key
+    assert not set(service.definition.handoff_keys) & set(plain.definition.handoff_keys)
+    assert dask.compute(total, scheduler="sync")[0] == A.sum()
+
+
+def _plus_one(b):
+    return b + 1
+
+
+@pytest.mark.parametrize("case", [
+    "output asked for", "setting off", "dask's fusion off",
+])
+def test_what_is_not_fused(case):
+    y = all_to_all()
+    collection, expected = (y, A) if case == "output asked for" else (y.sum(), A.sum())
+    setting = {"setting off": {"dask_services.fuse-consumers": False},
+               "dask's fusion off": {"optimization.fuse.active": False}}.get(case, {})
+    with dask.config.set(setting):
+        graph = graph_of(collection)
+        result = dask.compute(collection, scheduler="sync")[0]
+    assert claims(graph) == {"OutputClaimSpec": 6}, claims(graph)
+    np.testing.assert_array_equal(result, expected)
+
+
+@pytest.mark.parametrize("case", ["two consumers", "consumer of two keys"])
+def test_outputs_with_other_consumers_stay_claims(case):
+    y = all_to_all()
+    if case == "two consumers":
+        collection, expected = y.sum(axis=0) + y.max(axis=0), A.sum(0) + A.max(0)
+    else:
+        other = da.from_array(A, chunks=(400, 50))
+        collection, expected = (y * other).sum(), (A * A).sum()
+    graph = graph_of(collection)
+    assert claims(graph) == {"OutputClaimSpec": 6}, claims(graph)
+    np.testing.assert_array_equal(dask.compute(collection, scheduler="sync")[0], expected)
+
+
+def test_a_consumer_asked_for_is_fused_under_its_own_key():
+    z = all_to_all().map_blocks(_plus_one)
+    graph = graph_of(z)
+    assert claims(graph) == {"ConsumingClaimSpec": 6}
+    assert set(graph) >= set(z.__dask_keys__()[0])
+    np.testing.assert_array_equal(dask.compute(z, scheduler="sync")[0], A + 1)
+
+
+def test_some_outputs_fused_and_others_not():
+    """The first column block also feeds a max: it stays a claim (renamed with its service
+    task, its max naming the new key); the other five take their sums in."""
+    y = all_to_all()
+    z = da.concatenate([y.sum(axis=0), y[:, :50].max(axis=0)])
+    graph = graph_of(z)
+    assert claims(graph) == {"ConsumingClaimSpec": 5, "OutputClaimSpec": 1}
+    (plain,) = [k for k, v in graph.items() if type(v) is OutputClaimSpec]
+    assert plain not in y.__dask_graph__()
+    expected = np.concatenate([A.sum(axis=0), A[:, :50].max(axis=0)])
+    np.testing.assert_array_equal(dask.compute(z, scheduler="sync")[0], expected)
+
+
+def test_a_chain_of_blockwise_steps_is_one_consumer():
+    graph = graph_of((all_to_all() + 1).sum())
+    assert claims(graph) == {"ConsumingClaimSpec": 6}
+    assert dask.compute((all_to_all() + 1).sum(), scheduler="sync")[0] == (A + 1).sum()
+
+
+def _fails_on_the_third_column_block(b, block_info=None):
+    if block_info[None]["chunk-location"] == (0, 2):
+        raise ValueError("no negative numbers here: column block 2")
+    return b.sum(keepdims=True)
+
+
+def test_a_consumers_error_is_the_outputs_error():
+    z = all_to_all().map_blocks(_fails_on_the_third_column_block, chunks=(1, 1),
+                                dtype=float).sum()
+    assert claims(graph_of(z)) == {"ConsumingClaimSpec": 6}
+    with pytest.raises(ValueError, match="column block 2"):
+        dask.compute(z, scheduler="sync")
+
+
+@st.composite
+def cases(draw):
+    rows = draw(st.integers(2, 60))
+    cols = draw(st.integers(2, 60))
+    row_chunks = draw(st.integers(1, rows))
+    col_chunks = draw(st.integers(1, cols))
+    consumer = draw(st.sampled_from(["sum", "sum1", "plus-max", "slice", "mean"]))
+    return rows, cols, row_chunks, col_chunks, consumer
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_property_fused_consumers_give_numpys_results(case):
+    rows, cols, row_chunks, col_chunks, consumer = case
+    a = np.random.default_rng(rows * cols).standard_normal((rows, cols))
+    y = da.from_array(a, chunks=(row_chunks, cols)).rechunk((rows, col_chunks),
+                                                             method="service")
+    z, expected = {
+        "sum": (y.sum(), a.sum()),
+        "sum1": (y.sum(axis=1), a.sum(axis=1)),
+        "plus-max": ((y + 1).max(axis=0), (a + 1).max(axis=0)),
+        "slice": (y[::2, 1:].sum(axis=0), a[::2, 1:].sum(axis=0)),
+        "mean": (y.mean(axis=0), a.mean(axis=0)),
+    }[consumer]
+    np.testing.assert_allclose(dask.compute(z, scheduler="sync")[0], expected)
+
+
+@service_cluster(timeout=90)
+async def test_on_a_cluster_the_claims_run_the_sums(c, s, a, b):
+    arr = np.arange(600 * 400.0).reshape(600, 400)
+    x = c.persist(da.from_array(arr, chunks=(50, 400)))
+    y = x.rechunk((600, 50), method="service")
+    z = c.compute(y.sum(axis=0))
+    np.testing.assert_array_equal(await z, arr.sum(axis=0))
+    s.validate_state()
+    kinds = Counter(type(ts.run_spec).__name__ for ts in s.tasks.values())
+    assert kinds["ConsumingClaimSpec"] == 8 and not kinds["OutputClaimSpec"], kinds
+    del z
+    # an error of a consumer is its output's, and the run leaves nothing behind
+    bad = c.compute(y.map_blocks(_fails_on_the_third_column_block, chunks=(1, 1),
+                                 dtype=float).sum())
+    await assert_errs(bad, ValueError, "column block 2")
+    del bad, x, y
+    await assert_nothing_left(s, [a, b])
+
+
+@service_cluster(timeout=90)
+async def test_one_rechunk_consumed_three_ways_at_once(c, s, a, b):
+    """Its sums, its maxima and the rechunked array itself, asked for at the same time:
+    three service tasks (two fused, one not), no key with two meanings, numpy's results."""
+    arr = np.arange(600 * 400.0).reshape(600, 400)
+    x = c.persist(da.from_array(arr, chunks=(50, 400)))
+    y = x.rechunk((600, 50), method="service")
+    sums, maxima = c.compute(y.sum(axis=0)), c.compute(y.max(axis=0))
+    held = c.persist(y)
+    mixed = c.compute(da.concatenate([y.sum(axis=0), y[:, :50].max(axis=0)]))
+    np.testing.assert_array_equal(await sums, arr.sum(axis=0))
+    np.testing.assert_array_equal(await maxima, arr.max(axis=0))
+    np.testing.assert_array_equal(await c.compute(held), arr)
+    np.testing.assert_array_equal(
+        await mixed, np.concatenate([arr.sum(axis=0), arr[:, :50].max(axis=0)]))
+    services = {k for k, ts in s.tasks.items() if isinstance(ts.run_spec, ServiceTaskSpec)}
+    assert len(services) == 4, services
+    s.validate_state()
+    del sums, maxima, held, mixed, x, y
+    await assert_nothing_left(s, [a, b])
+
+
+def _gated_sum(b, block_info=None):
+    if block_info[None]["chunk-location"] == (0, 0):
+        Variable("gated-consumer-worker").set(__import__("distributed").get_worker().address)
+        Event("gated-consumer-open").wait(120)
+    return b.sum(keepdims=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_claim_lost_while_its_consumer_runs_is_produced_and_consumed_again(small_cluster):
+    """The worker running a consuming claim dies while the consumer runs (its output's value
+    already taken): a new run produces that output again, the consumer runs again, and the
+    total is numpy's."""
+    _, client, _ = small_cluster
+    x = da.random.RandomState(3).random_sample((2000, 1600), chunks=(100, 1600))
+    z = x.rechunk((2000, 100), method="service").map_blocks(_gated_sum, chunks=(1, 1),
+                                                            dtype=float).sum()
+    gate = Event("gated-consumer-open", client=client)
+    where = Variable("gated-consumer-worker", client=client)
+    future = client.compute(z)
+    victim = where.get(timeout=60)
+    kill(client, victim)
+    poll_for(lambda: victim not in client.scheduler_info()["workers"], timeout=60)
+    gate.set()
+    assert future.result(timeout=120) == pytest.approx(x.compute().sum())
+    validate_scheduler(client)
+    # the output lost with the worker came from a run after the kill
+    starts = [e for e in service_events(client) if e["action"] == "started"]
+    assert len(starts) >= 2, service_events(client)
