@@ -317,14 +317,28 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                 del self.cut[key]
                 self._event(service_key, rs.OutputLanded(key, stimulus_id=stimulus_id))
             elif finish == "no-worker":
-                # The producing worker died before the output landed; told after the
-                # transitions under way (the worker's loss comes first).
-                self._later(self._event, service_key,
-                            rs.OutputLost(key, stimulus_id=stimulus_id))
+                # The producing worker died before the output landed, or it is paused (for
+                # lack of memory): checked after the transitions under way (a worker's
+                # loss comes first).
+                self._later(self._claim_without_worker, service_key, key, stimulus_id)
         elif finish in ("processing", "no-worker"):
             self._event(service_key, rs.OutputUnproduced(key, stimulus_id=stimulus_id))
         elif finish == "waiting":
             self._event(service_key, rs.OutputWaiting(key, stimulus_id=stimulus_id))
+
+    def _claim_without_worker(self, service_key: Key, key: Key, stimulus_id: str) -> None:
+        """A produced output's claim found no worker to run on.  While the producing
+        worker is still in the cluster (paused, or closing) the claim waits for it: the
+        scheduler runs it once the worker runs tasks again, and a worker that leaves
+        instead restarts the run (``WorkerLost``).  Only a worker that is gone lost it."""
+        worker = self.cut.get(key)
+        if worker is None:
+            return  # landed, or forgotten, meanwhile
+        if worker in self.scheduler.workers:
+            logger.debug("dask_services: output %r waits for worker %s, which runs no "
+                         "tasks now", key, worker)
+            return
+        self._event(service_key, rs.OutputLost(key, stimulus_id=stimulus_id))
 
     def _forget(self, key: Key, stimulus_id: str) -> None:
         if key in self.output_of and key in self.produced_at:

@@ -109,3 +109,31 @@ async def test_output_produced_by_two_instances_fails_the_task(c, s, a, b):
     await assert_errs(outs[1], dask_services.ProduceKeyError, "produced twice")
     del outs
     await assert_nothing_left(s, [a, b])
+
+
+# paused by the test: the memory monitor must not resume them
+@service_cluster(timeout=60, config={"distributed.worker.memory.pause": False})
+async def test_an_output_produced_on_a_paused_worker_waits_for_it(c, s, a, b):
+    """A worker paused for lack of memory runs no task, so the claim of an output it
+    produced has no worker to run on (``no-worker``) until it resumes: that is no loss,
+    and no run starts again."""
+    from distributed.core import Status
+
+    xs = [dask.delayed(inc)(i) for i in range(4)]
+    outs = c.compute(dask_services.service_task(Recorder, xs, outputs=2, gate="paused"))
+    await async_poll_for(lambda: len(events_of("all_inputs_done")) == 2, timeout=20)
+    for w in (a, b):
+        w.status = Status.paused
+    await async_poll_for(lambda: all(ws.status == Status.paused
+                                     for ws in s.workers.values()), timeout=10)
+    Recorder.gates["paused"].set()
+    keys = [f.key for f in outs]
+    await async_poll_for(lambda: all(s.tasks[k].state == "no-worker" for k in keys),
+                         timeout=10)
+    for w in (a, b):
+        w.status = Status.running
+    assert await c.gather(outs) == [10, 10]
+    actions = [e["action"] for _, e in s.get_events("dask_services")]
+    assert "restarted" not in actions, actions
+    del outs
+    await assert_nothing_left(s, [a, b])
