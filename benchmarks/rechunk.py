@@ -1,6 +1,7 @@
 """Array rechunk: the "service" method against dask.distributed's "p2p" and "tasks".
 
     dask-services bench rechunk [--sizes 0.5GB,2GB] [--local-size 0.5GB] [--chunks 40000]
+                                [--pieces 1000]
                                 [--consumer none,sum] [--repeat 3] [--reuse-workers]
                                 [--memory-limit 0.5GB]
 
@@ -13,7 +14,10 @@ alternating:
   inputs; the work falls apart into independent regions, where streaming matters);
 * many chunks (``--chunks N``): a square float32 array in N chunks of 100 x 100, to 125 x 80
   chunks (each output needs at most 4 inputs) and to 2,000 x 5 chunks (each output needs 20
-  inputs, each input feeds 20 outputs).
+  inputs, each input feeds 20 outputs);
+* many pieces (``--pieces N``): an all-to-all of a square float32 array from N chunks of 10
+  rows to N chunks of 10 columns, N x N pieces of 400 bytes (N = 1,000: a million pieces,
+  400 MB), where the cost is per piece, not per byte.
 
 Every case runs with each consumer of ``--consumer``: ``none`` persists the rechunked
 array, ``sum`` computes ``rechunked.sum()`` (a pipeline: the consumer of each output runs
@@ -78,6 +82,15 @@ def many(chunks: int) -> list[tuple[str, tuple[int, int], tuple, tuple]]:
         (f"{per_side ** 2} chunks 100x100->125x80", (n, n), old, (125, 80)),
         (f"{per_side ** 2} chunks 100x100->2000x5", (n, n), old, (20 * MANY_CHUNK, 5)),
     ]
+
+
+PIECE_SIDE = 10  # many pieces: chunks of 10 rows to chunks of 10 columns
+
+
+def many_pieces(per_side: int) -> tuple[str, tuple[int, int], tuple, tuple]:
+    """The many-pieces case: ``(label, shape, old chunks, new chunks)``."""
+    n = per_side * PIECE_SIDE
+    return (f"{per_side ** 2:,} pieces of 400 B", (n, n), (PIECE_SIDE, n), (n, PIECE_SIDE))
 
 
 def graph_size(array: Any) -> int:
@@ -186,7 +199,7 @@ def run_case(client: Any, label: str, shape: tuple, old: tuple, new: tuple,
 def run(client: Any, sizes: list[str], local_size: str | None, repeat: int,
         methods: tuple[str, ...] = ("service", "p2p", "tasks"),
         show_progress: bool = True, fresh: bool = True, chunks: int = 0,
-        consumers: tuple[str, ...] = ("none", "sum")) -> list[Measurement]:
+        consumers: tuple[str, ...] = ("none", "sum"), pieces: int = 0) -> list[Measurement]:
     import dask_services
 
     dask_services.install(client)
@@ -204,6 +217,10 @@ def run(client: Any, sizes: list[str], local_size: str | None, repeat: int,
         for label, shape, old, new in many(chunks):
             out += run_case(client, label, shape, old, new, list(methods), repeat,
                             dtype="float32", **common)
+    if pieces:
+        label, shape, old, new = many_pieces(pieces)
+        out += run_case(client, label, shape, old, new, list(methods), repeat,
+                        dtype="float32", **common)
     return out
 
 

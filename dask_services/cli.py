@@ -343,7 +343,7 @@ def bench_rechunk(args: argparse.Namespace) -> int:
         results = rechunk.run(client, sizes, args.local_size or None, args.repeat,
                               methods=tuple(args.methods.split(",")),
                               show_progress=show_progress(args), fresh=not args.reuse_workers,
-                              chunks=args.chunks,
+                              chunks=args.chunks, pieces=args.pieces,
                               consumers=tuple(c for c in args.consumer.split(",") if c))
         columns = ("failed", "restarts", "paused_s", "first_output_s", "tasks",
                    "update_graph_s", "order_s", "first_task_s",
@@ -430,6 +430,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="rechunk: also the many-chunk cases, a float32 array in about "
                               "this many 100 x 100 chunks to 125 x 80 and to 2000 x 5 chunks "
                               "(e.g. 40000; default 0: skipped)")
+    p_bench.add_argument("--pieces", type=int, default=0,
+                         help="rechunk: also the many-pieces case, a float32 all-to-all from "
+                              "this many 10-row chunks to as many 10-column chunks (pieces "
+                              "of 400 bytes; e.g. 1000; default 0: skipped)")
     p_bench.add_argument("--consumer", default="none,sum",
                          help="rechunk: what follows each rechunk, comma-separated: 'none' "
                               "(outputs persisted), 'sum' (rechunked.sum() computed); "

@@ -89,6 +89,7 @@ def test_cli_bench_json_on_restarted_workers(capsys, what, sizes):
     args = ["bench", what, "--sizes", sizes, "--repeat", "1", "--methods", methods,
             "--partitions", "8", "--local-size", "1MB", "--json"]
     args += ["--consumer", "none,sum" if what == "rechunk" else "none,len"]
+    args += ["--pieces", "8"] if what == "rechunk" else []
     assert main(args) == 0
     rows = json.loads(capsys.readouterr().out)
     cases = {row["case"] for row in rows}
@@ -100,8 +101,9 @@ def test_cli_bench_json_on_restarted_workers(capsys, what, sizes):
             if row["case"].startswith("8 x"):  # the cost per partition, the scheduler's share
                 assert row["per_part_ms"] > 0 and row["cpu_s"] > 0
                 assert row["update_graph_s"] > 0
-    else:  # all-to-all and local, each with its outputs persisted and followed by .sum()
-        assert len(cases) == 4 and sum(case.endswith(" +sum") for case in cases) == 2
+    else:  # all-to-all, local and many pieces, each persisted and followed by .sum()
+        assert len(cases) == 6 and sum(case.endswith(" +sum") for case in cases) == 3
+        assert {"64 pieces of 400 B", "64 pieces of 400 B +sum"} <= cases
     for case in cases:
         by_method = {row["method"]: row for row in rows if row["case"] == case}
         # ``noop``, a task per partition and no shuffle, only in the many-partition case
