@@ -21,6 +21,7 @@ import bisect
 import itertools
 import math
 import mmap
+import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -255,11 +256,11 @@ def slice_block(block: np.ndarray, index: Index,
                 overlaps: list[list[list[tuple[int, slice, int]]]]) -> list[Piece]:
     """The pieces of the input chunk at ``index``: one per output chunk it overlaps."""
     per_axis = [overlaps[d][i] for d, i in enumerate(index)]
-    return [
-        (tuple(j for j, _, _ in combo), tuple(off for _, _, off in combo),
-         block[tuple(s for _, s, _ in combo)])
-        for combo in itertools.product(*per_axis)
-    ]
+    pieces = []
+    for combo in itertools.product(*per_axis):
+        j, slices, offset = zip(*combo, strict=True)
+        pieces.append((j, offset, block[slices]))
+    return pieces
 
 
 # pieces for a peer smaller than this travel copied into one buffer per input and peer
@@ -289,15 +290,15 @@ class PackedPieces:
     @classmethod
     def of(cls, pieces: list[Piece]) -> PackedPieces:
         dtype = pieces[0][2].dtype
-        sizes = [piece.nbytes for _, _, piece in pieces]
-        buffer = np.empty(sum(sizes), np.uint8)
+        typed = np.empty(sum(piece.size for _, _, piece in pieces), dtype)
         index = []
         start = 0
-        for (j, offset, piece), n in zip(pieces, sizes, strict=True):
-            buffer[start:start + n].view(dtype).reshape(piece.shape)[...] = piece
+        for j, offset, piece in pieces:
+            end = start + piece.size
+            typed[start:end].reshape(piece.shape)[...] = piece
             index.append((j, offset, piece.shape))
-            start += n
-        return cls(dtype, index, buffer)
+            start = end
+        return cls(dtype, index, typed.view(np.uint8))
 
     @property
     def nbytes(self) -> int:
@@ -309,12 +310,12 @@ class PackedPieces:
     def pieces(self, copy: bool) -> list[Piece]:
         out = []
         start = 0
-        itemsize = self.dtype.itemsize
+        typed = self.buffer.view(self.dtype)
         for j, offset, shape in self.index:
-            n = math.prod(shape) * itemsize
-            piece = self.buffer[start:start + n].view(self.dtype).reshape(shape)
+            end = start + math.prod(shape)
+            piece = typed[start:end].reshape(shape)
             out.append((j, offset, piece.copy() if copy else piece))
-            start += n
+            start = end
         return out
 
     def __reduce__(self) -> tuple:
@@ -388,8 +389,7 @@ def write_into(outputs: dict[Index, np.ndarray], batches: list[list[Piece | Pack
     each piece's output index and bytes."""
     written = []
     for j, offset, piece in unpacked(batches, copy=False):
-        outputs[j][tuple(slice(o, o + n)
-                         for o, n in zip(offset, piece.shape, strict=True))] = piece
+        outputs[j][tuple(map(slice, offset, map(operator.add, offset, piece.shape)))] = piece
         written.append((j, piece_bytes(piece)))
     return written
 
@@ -413,7 +413,7 @@ def fill(out: np.ndarray, pieces: list[tuple[tuple[int, ...], np.ndarray]]) -> n
 def write_pieces(writes: list[tuple[np.ndarray, tuple[int, ...], np.ndarray]]) -> None:
     """Every piece written at its offset into its output chunk."""
     for out, offset, piece in writes:
-        out[tuple(slice(o, o + n) for o, n in zip(offset, piece.shape, strict=True))] = piece
+        out[tuple(map(slice, offset, map(operator.add, offset, piece.shape)))] = piece
 
 
 def new_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
