@@ -89,6 +89,14 @@ def _lone_consumers(dsk: dict, service: ServiceTaskSpec, asked: set,
         node = dsk[users[0]]
         if type(node) is Task and not node.block_fusion and node.dependencies == {out}:
             consumers[out] = users[0]
+    # an output that stays a claim is renamed, and the tasks using it are rewritten: only
+    # plain tasks, never another service task's nodes (a hand-off names its input key in
+    # its service's definition too)
+    for out in definition.output_keys:
+        if out not in consumers and any(
+                isinstance(dsk[user], (HandOffSpec, ServiceTaskSpec, OutputClaimSpec))
+                for user in dependents.get(out, ())):
+            return {}
     return consumers
 
 

@@ -294,15 +294,23 @@ class Consumer:
 
 
 def _claim_and_consume(produced: dict | None, key: Key, consumer: Consumer) -> Any:
-    return consumer(key, _claim_output(produced, key))
+    if produced is not None:  # local scheduler: the service task returned every output
+        return consumer(key, _claim_output(produced, key))
+    from dask_services.worker import claim_output_on_worker, let_go_of_output_on_worker
+
+    # held until the consumer returned: if it raises, a retry of the task finds it again
+    result = consumer(key, claim_output_on_worker(key, keep=True))
+    let_go_of_output_on_worker(key)
+    return result
 
 
 class ConsumingClaimSpec(OutputClaimSpec):
     """An output claim that also runs the output's only consumer: ``args`` are the service
-    task's ref, the output key and a :class:`Consumer`.  The task keeps the output's key
-    and returns what the consumer returns; the consumer's dependents name the output key
-    instead of the consumer's.  It runs in a task thread, as the consumer did: a consumer
-    may be any function, which must not hold up the worker's event loop."""
+    task's ref, the claim's key and a :class:`Consumer`.  The task has the consumer's key
+    (the service task's output key, ``_claim_fusion``) and returns what the consumer
+    returns, so the consumer's dependents are unchanged.  It runs in a task thread, as the
+    consumer did: a consumer may be any function, which must not hold up the worker's
+    event loop."""
 
     @property
     def is_coro(self) -> bool:

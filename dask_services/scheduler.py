@@ -53,6 +53,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("dask_services")
 
 EVENT_TOPIC = "dask_services"
+# A produced output's claim waits this long for its producing worker to run tasks again
+# (paused for lack of memory) before the output counts as lost and a new run produces it:
+# the values a paused worker holds for claims cannot be spilled, so it might never resume.
+UNPLACED_CLAIM_GRACE = 30.0
+UNPLACED_CLAIM_CHECK = 1.0
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,8 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         self.handoffs_of_input: dict[Key, set[Key]] = {}  # input key -> hand-off keys
         self.output_of: dict[Key, Key] = {}  # output key -> service key
         self.cut: dict[Key, str] = {}  # produced output not yet in memory -> its worker
+        # claims left without a worker, whose producing worker is checked soon
+        self.unplaced: set[Key] = set()
         self.produced_at: dict[Key, str] = {}  # produced output -> worker that may hold it
         self.restrictions: dict[Key, tuple] = {}  # output -> its own restrictions while cut
         self.placements: dict[str, dict[Key, str]] = {}  # placement group -> index -> worker
@@ -320,24 +327,43 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                 # The producing worker died before the output landed, or it is paused (for
                 # lack of memory): checked after the transitions under way (a worker's
                 # loss comes first).
-                self._later(self._claim_without_worker, service_key, key, stimulus_id)
+                self._check_unplaced(service_key, key, stimulus_id)
         elif finish in ("processing", "no-worker"):
             self._event(service_key, rs.OutputUnproduced(key, stimulus_id=stimulus_id))
         elif finish == "waiting":
             self._event(service_key, rs.OutputWaiting(key, stimulus_id=stimulus_id))
 
-    def _claim_without_worker(self, service_key: Key, key: Key, stimulus_id: str) -> None:
+    def _check_unplaced(self, service_key: Key, key: Key, stimulus_id: str) -> None:
+        """Check, once the transitions under way are done, the producing worker of a claim
+        that has no worker to run on (:meth:`_claim_without_worker`); once per claim."""
+        if key not in self.unplaced:
+            self.unplaced.add(key)
+            self._later(self._claim_without_worker, service_key, key, stimulus_id)
+
+    def _claim_without_worker(self, service_key: Key, key: Key, stimulus_id: str,
+                              waited: float = 0.0) -> None:
         """A produced output's claim found no worker to run on.  While the producing
-        worker is still in the cluster (paused, or closing) the claim waits for it: the
-        scheduler runs it once the worker runs tasks again, and a worker that leaves
-        instead restarts the run (``WorkerLost``).  Only a worker that is gone lost it."""
+        worker is still in the cluster (paused, or closing) the claim waits for it, up to
+        ``UNPLACED_CLAIM_GRACE`` seconds: the scheduler runs it once the worker runs tasks
+        again.  If that worker leaves instead, ``remove_worker`` checks the claim at once:
+        the scheduler does not move a task that waits for a worker, and the run may be over
+        (every output produced), so that no ``WorkerLost`` restarts it.  An output whose
+        worker is gone, or that waited too long, is lost: a new run produces it."""
         worker = self.cut.get(key)
-        if worker is None:
-            return  # landed, or forgotten, meanwhile
-        if worker in self.scheduler.workers:
+        ts = self.scheduler.tasks.get(key)
+        if worker is None or ts is None or ts.state != "no-worker":
+            self.unplaced.discard(key)  # placed, landed or forgotten meanwhile
+            return
+        if worker in self.scheduler.workers and waited < UNPLACED_CLAIM_GRACE:
             logger.debug("dask_services: output %r waits for worker %s, which runs no "
                          "tasks now", key, worker)
+            asyncio.get_running_loop().call_later(
+                UNPLACED_CLAIM_CHECK, self._later, self._claim_without_worker, service_key,
+                key, stimulus_id, waited + UNPLACED_CLAIM_CHECK)
             return
+        self.unplaced.discard(key)
+        if worker in self.scheduler.workers:  # waited too long: it lets go of the value
+            self._send(worker, {"op": "service-drop-output", "key": key})
         self._event(service_key, rs.OutputLost(key, stimulus_id=stimulus_id))
 
     def _forget(self, key: Key, stimulus_id: str) -> None:
@@ -370,6 +396,13 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         stimulus_id = stimulus_id or rs.new_stimulus_id("remove-worker")
         for key in list(self.machines):
             self._event(key, rs.WorkerLost(worker, stimulus_id=stimulus_id))
+        tasks = self.scheduler.tasks
+        for key, producer in list(self.cut.items()):
+            ts = tasks.get(key)
+            if producer == worker and ts is not None and ts.state == "no-worker":
+                self.unplaced.add(key)  # a check may be waiting too: it finds it placed
+                self._later(self._claim_without_worker, self.output_of[key], key,
+                            stimulus_id)
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
         stimulus_id = rs.new_stimulus_id(f"add-worker-{worker}")

@@ -494,13 +494,21 @@ def wait_for_service_task(service_key: Key) -> None:
         raise loads_exception(error)
 
 
-def claim_output_on_worker(key: Key) -> Any:
-    """Body of a virtual output on the worker whose instance produced it."""
+def claim_output_on_worker(key: Key, *, keep: bool = False) -> Any:
+    """Body of a virtual output on the worker whose instance produced it; ``keep``: the
+    value stays held (a claim running a consumer lets go of it once the consumer returned,
+    so that a retry of a consumer that raised finds it again)."""
     _, ext = _worker_extension()
     try:
-        return ext.produced.pop(key)
+        return ext.produced[key] if keep else ext.produced.pop(key)
     except KeyError:
         raise OutputLostError(
             f"output {key!r} is not held on this worker; it must be produced again by a "
             "new run of its service task"
         ) from None
+
+
+def let_go_of_output_on_worker(key: Key) -> None:
+    """A claim that ran its output's consumer is done with the produced value."""
+    _, ext = _worker_extension()
+    ext.produced.pop(key, None)

@@ -131,6 +131,23 @@ def test_some_outputs_fused_and_others_not():
     np.testing.assert_array_equal(dask.compute(z, scheduler="sync")[0], expected)
 
 
+def test_a_rechunk_feeding_another_rechunk_stays_as_it_is():
+    """The first rechunk's outputs feed the second's hand-offs: renaming them would leave
+    the second service task's inputs under their old names, so the first is not fused;
+    the second's outputs take their sums in."""
+    y = all_to_all().rechunk((50, 300), method="service")
+    graph = graph_of(y.sum())
+    services = service_tasks(graph)
+    assert len(services) == 2
+    fused = [t for t in services if any(isinstance(graph.get(k), ConsumingClaimSpec)
+                                        for k in t.definition.output_keys)]
+    assert len(fused) == 1
+    (first,) = [t for t in services if t is not fused[0]]
+    assert set(first.definition.output_keys) <= set(graph)  # its keys as they were
+    assert set(fused[0].definition.input_keys) <= set(graph)
+    assert dask.compute(y.sum(), scheduler="sync")[0] == A.sum()
+
+
 def test_a_chain_of_blockwise_steps_is_one_consumer():
     graph = graph_of((all_to_all() + 1).sum())
     assert claims(graph) == {"ConsumingClaimSpec": 6}
@@ -199,8 +216,9 @@ async def test_on_a_cluster_the_claims_run_the_sums(c, s, a, b):
 
 @service_cluster(timeout=90)
 async def test_one_rechunk_consumed_three_ways_at_once(c, s, a, b):
-    """Its sums, its maxima and the rechunked array itself, asked for at the same time:
-    three service tasks (two fused, one not), no key with two meanings, numpy's results."""
+    """Its sums, its maxima, the rechunked array itself and a mix, asked for at the same
+    time: four service tasks (three fused, one not), no key with two meanings, numpy's
+    results."""
     arr = np.arange(600 * 400.0).reshape(600, 400)
     x = c.persist(da.from_array(arr, chunks=(50, 400)))
     y = x.rechunk((600, 50), method="service")
@@ -216,6 +234,35 @@ async def test_one_rechunk_consumed_three_ways_at_once(c, s, a, b):
     assert len(services) == 4, services
     s.validate_state()
     del sums, maxima, held, mixed, x, y
+    await assert_nothing_left(s, [a, b])
+
+
+def _fails_once_on_the_third_column_block(b, block_info=None):
+    from distributed import Variable
+
+    if block_info[None]["chunk-location"] == (0, 2):
+        failed = Variable("consumer-failed-once")
+        if not failed.get(timeout=5):
+            failed.set(True)
+            raise ValueError("fails the first time only")
+    return b.sum(keepdims=True)
+
+
+@service_cluster(timeout=60)
+async def test_a_consumer_retried_after_an_error_finds_its_output_again(c, s, a, b):
+    """``compute(..., retries=1)``: the claim whose consumer raised runs again where the
+    output was produced, and finds it there; one run of the service task."""
+    await Variable("consumer-failed-once", client=c).set(False)
+    arr = np.arange(600 * 400.0).reshape(600, 400)
+    x = c.persist(da.from_array(arr, chunks=(50, 400)))
+    z = x.rechunk((600, 50), method="service").map_blocks(
+        _fails_once_on_the_third_column_block, chunks=(1, 1), dtype=float).sum()
+    total = c.compute(z, retries=1)
+    assert await total == arr.sum()
+    assert await Variable("consumer-failed-once", client=c).get() is True
+    starts = [e for _, e in s.get_events("dask_services") if e["action"] == "started"]
+    assert len(starts) == 1, s.get_events("dask_services")
+    del total, x, z
     await assert_nothing_left(s, [a, b])
 
 

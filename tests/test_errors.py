@@ -137,3 +137,60 @@ async def test_an_output_produced_on_a_paused_worker_waits_for_it(c, s, a, b):
     assert "restarted" not in actions, actions
     del outs
     await assert_nothing_left(s, [a, b])
+
+
+@service_cluster(timeout=60, config={"distributed.worker.memory.pause": False})
+async def test_an_output_produced_on_a_paused_worker_that_then_leaves_is_produced_again(
+        c, s, a, b):
+    """Every output produced (the run is over) while both workers are paused; one resumes,
+    the other leaves with the output it produced: a new run produces that output again."""
+    from distributed.core import Status
+
+    xs = [dask.delayed(inc)(i) for i in range(4)]
+    outs = c.compute(dask_services.service_task(Recorder, xs, outputs=2, gate="leaves"))
+    await async_poll_for(lambda: len(events_of("all_inputs_done")) == 2, timeout=20)
+    for w in (a, b):
+        w.status = Status.paused
+    await async_poll_for(lambda: all(ws.status == Status.paused
+                                     for ws in s.workers.values()), timeout=10)
+    Recorder.gates["leaves"].set()
+    keys = [f.key for f in outs]
+    await async_poll_for(lambda: all(s.tasks[k].state == "no-worker" for k in keys),
+                         timeout=10)
+    b.status = Status.running
+    await a.close()
+    assert await c.gather(outs) == [10, 10]
+    starts = [e for _, e in s.get_events("dask_services") if e["action"] == "started"]
+    assert len(starts) == 2, s.get_events("dask_services")
+    del outs
+    await assert_nothing_left(s, [b])
+
+
+@service_cluster(timeout=60, config={"distributed.worker.memory.pause": False})
+async def test_an_output_waits_for_a_paused_worker_only_so_long(c, s, a, b, monkeypatch):
+    """The values a paused worker holds for claims cannot be spilled, so it might never
+    resume: past the grace period its output counts as lost and the run starts again
+    (here on the same worker, which then resumes)."""
+    from distributed.core import Status
+
+    from dask_services import scheduler
+
+    monkeypatch.setattr(scheduler, "UNPLACED_CLAIM_GRACE", 0.5)
+    monkeypatch.setattr(scheduler, "UNPLACED_CLAIM_CHECK", 0.1)
+    xs = [dask.delayed(inc)(i) for i in range(4)]
+    outs = c.compute(dask_services.service_task(Recorder, xs, outputs=2, gate="grace"))
+    await async_poll_for(lambda: len(events_of("all_inputs_done")) == 2, timeout=20)
+    a.status = Status.paused
+    await async_poll_for(lambda: s.workers[a.address].status == Status.paused, timeout=10)
+    Recorder.gates["grace"].set()
+
+    def restarted() -> bool:
+        return any(e["action"] in ("restarted", "rescheduled") or
+                   (e["action"] == "started" and e["run_id"] > 1)
+                   for _, e in s.get_events("dask_services"))
+
+    await async_poll_for(restarted, timeout=20)
+    a.status = Status.running
+    assert await c.gather(outs) == [10, 10]
+    del outs
+    await assert_nothing_left(s, [a, b])

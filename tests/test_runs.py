@@ -99,8 +99,10 @@ def test_cli_bench_json_on_restarted_workers(capsys, what, sizes):
                          "2MB", "2MB + len"}
         for row in rows:
             if row["case"].startswith("8 x"):  # the cost per partition, the scheduler's share
-                assert row["per_part_ms"] > 0 and row["cpu_s"] > 0
-                assert row["update_graph_s"] > 0
+                assert row["per_part_ms"] > 0 and row["update_graph_s"] > 0
+                # CPU time counts in clock ticks: a task per partition (noop) may take less
+                # than one in every process
+                assert row["cpu_s"] > 0 if row["method"] != "noop" else row["cpu_s"] >= 0
     else:  # all-to-all, local and many pieces, each persisted and followed by .sum()
         assert len(cases) == 6 and sum(case.endswith(" +sum") for case in cases) == 3
         assert {"64 pieces of 400 B", "64 pieces of 400 B +sum"} <= cases

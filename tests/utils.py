@@ -61,7 +61,7 @@ async def assert_nothing_left(s, workers, timeout: float = 10) -> None:
             if os.path.isdir(base) and os.listdir(base):
                 left.append(f"{w.address} files: {os.listdir(base)}")
         plugin = s.extensions["dask_services"]
-        for name in ("machines", "cut", "produced_at", "restrictions", "handoff_of",
+        for name in ("machines", "cut", "unplaced", "produced_at", "restrictions", "handoff_of",
                      "output_of"):
             if getattr(plugin, name):
                 left.append(f"scheduler {name}: {list(getattr(plugin, name))[:3]}")
