@@ -367,8 +367,17 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         self._event(service_key, rs.OutputLost(key, stimulus_id=stimulus_id))
 
     def _forget(self, key: Key, stimulus_id: str) -> None:
-        if key in self.output_of and key in self.produced_at:
-            self._send(self.produced_at.pop(key), {"op": "service-drop-output", "key": key})
+        if key in self.output_of:
+            if key in self.produced_at:
+                self._send(self.produced_at.pop(key),
+                           {"op": "service-drop-output", "key": key})
+            if self.output_of[key] not in self.machines:
+                # its service task went first (a claim that erred, as a claim running a
+                # consumer can, has no edge to it any more): nothing else will clean up
+                del self.output_of[key]
+                self.cut.pop(key, None)
+                self.restrictions.pop(key, None)
+                self.unplaced.discard(key)
         elif key in self.machines:
             machine = self.machines[key]
             self._event(key, rs.ServiceTaskForgotten(stimulus_id=stimulus_id))
