@@ -71,3 +71,31 @@ def test_fusion_hook_where_array_optimization_finds_it():
     assert fused.substitute({}, key=("b", 0)).key == ("b", 0)
     assert Alias(("b", 0), target=("a-b", 0)).target == ("a-b", 0)
     assert _fusion.fuses_a_copy(fused, frozenset({abs}))
+
+
+def test_what_consumers_fused_into_claims_rely_on():
+    """``_claim_fusion`` and ``graph.Consumer`` run a consumer task (perhaps a fused one) on
+    the value of its one dependency by calling it with ``{dependency: value}``, and rewrite
+    the tasks using a renamed output with ``substitute``; a plain object among a task's
+    arguments is not taken for a dependency.  The scheduler plugin relies on distributed
+    scheduling a task that waits for a worker once that worker runs tasks again."""
+    from dask._task_spec import Task, TaskRef
+    from distributed.scheduler import SchedulerState
+
+    from dask_services.graph import Consumer
+
+    consumer = Task(("sum", 0), sum, TaskRef(("out", 0)))
+    assert consumer({("out", 0): [1, 2, 3]}) == 6
+    fused = Task.fuse(Task(("neg", 0), list, TaskRef(("out", 0))), Task(
+        ("sum", 0), sum, TaskRef(("neg", 0))))
+    assert Consumer(fused)(("out", 0), (4, 5)) == 9
+    renamed = consumer.substitute({("out", 0): ("out-x", 0)})
+    assert renamed.dependencies == {("out-x", 0)}
+    assert renamed({("out-x", 0): [1]}) == 1
+    carrying = Task(("claim", 0), lambda c: c, Consumer(consumer))
+    assert carrying.dependencies == set()
+    from distributed.scheduler import Scheduler
+
+    assert hasattr(SchedulerState, "bulk_schedule_unrunnable_after_adding_worker")
+    assert "bulk_schedule_unrunnable_after_adding_worker" in inspect.getsource(
+        Scheduler.handle_worker_status_change)
