@@ -261,7 +261,7 @@ class OutputClaimSpec(Task):
     def __call__(self, values: Any = ()) -> Any:
         service_key = self.service_key
         produced = values[service_key] if service_key in values else None
-        if _worker_executing(self.args[1]) is None:
+        if not self.is_coro or _worker_executing(self.args[1]) is None:
             return self.func(produced, *self.args[1:])
         return _claim_output_async(produced, *self.args[1:])
 
@@ -282,7 +282,7 @@ class Consumer:
     def __init__(self, task: Task) -> None:
         self.task = task
 
-    def __call__(self, output_key: Key, value: Any) -> Any:
+    def __call__(self, value: Any) -> Any:
         (dependency,) = self.task.dependencies
         return self.task({dependency: value})
 
@@ -295,11 +295,11 @@ class Consumer:
 
 def _claim_and_consume(produced: dict | None, key: Key, consumer: Consumer) -> Any:
     if produced is not None:  # local scheduler: the service task returned every output
-        return consumer(key, _claim_output(produced, key))
+        return consumer(_claim_output(produced, key))
     from dask_services.worker import claim_output_on_worker, let_go_of_output_on_worker
 
     # held until the consumer returned: if it raises, a retry of the task finds it again
-    result = consumer(key, claim_output_on_worker(key, keep=True))
+    result = consumer(claim_output_on_worker(key, keep=True))
     let_go_of_output_on_worker(key)
     return result
 
@@ -315,11 +315,6 @@ class ConsumingClaimSpec(OutputClaimSpec):
     @property
     def is_coro(self) -> bool:
         return False
-
-    def __call__(self, values: Any = ()) -> Any:
-        service_key = self.service_key
-        produced = values[service_key] if service_key in values else None
-        return self.func(produced, *self.args[1:])
 
 
 def build_service_graph(

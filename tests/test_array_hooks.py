@@ -88,7 +88,7 @@ def test_what_consumers_fused_into_claims_rely_on():
     assert consumer({("out", 0): [1, 2, 3]}) == 6
     fused = Task.fuse(Task(("neg", 0), list, TaskRef(("out", 0))), Task(
         ("sum", 0), sum, TaskRef(("neg", 0))))
-    assert Consumer(fused)(("out", 0), (4, 5)) == 9
+    assert Consumer(fused)((4, 5)) == 9
     renamed = consumer.substitute({("out", 0): ("out-x", 0)})
     assert renamed.dependencies == {("out-x", 0)}
     assert renamed({("out-x", 0): [1]}) == 1

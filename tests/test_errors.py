@@ -111,6 +111,22 @@ async def test_output_produced_by_two_instances_fails_the_task(c, s, a, b):
     await assert_nothing_left(s, [a, b])
 
 
+async def produced_while_paused(c, s, paused: list, gate: str) -> list:
+    """A service task's two outputs, produced while the workers ``paused`` are paused by the
+    test (after every input reached the instances, which then wait at ``gate``)."""
+    from distributed.core import Status
+
+    xs = [dask.delayed(inc)(i) for i in range(4)]
+    outs = c.compute(dask_services.service_task(Recorder, xs, outputs=2, gate=gate))
+    await async_poll_for(lambda: len(events_of("all_inputs_done")) == 2, timeout=20)
+    for w in paused:
+        w.status = Status.paused
+    await async_poll_for(lambda: all(s.workers[w.address].status == Status.paused
+                                     for w in paused), timeout=10)
+    Recorder.gates[gate].set()
+    return outs
+
+
 # paused by the test: the memory monitor must not resume them
 @service_cluster(timeout=60, config={"distributed.worker.memory.pause": False})
 async def test_an_output_produced_on_a_paused_worker_waits_for_it(c, s, a, b):
@@ -119,14 +135,7 @@ async def test_an_output_produced_on_a_paused_worker_waits_for_it(c, s, a, b):
     and no run starts again."""
     from distributed.core import Status
 
-    xs = [dask.delayed(inc)(i) for i in range(4)]
-    outs = c.compute(dask_services.service_task(Recorder, xs, outputs=2, gate="paused"))
-    await async_poll_for(lambda: len(events_of("all_inputs_done")) == 2, timeout=20)
-    for w in (a, b):
-        w.status = Status.paused
-    await async_poll_for(lambda: all(ws.status == Status.paused
-                                     for ws in s.workers.values()), timeout=10)
-    Recorder.gates["paused"].set()
+    outs = await produced_while_paused(c, s, [a, b], "paused")
     keys = [f.key for f in outs]
     await async_poll_for(lambda: all(s.tasks[k].state == "no-worker" for k in keys),
                          timeout=10)
@@ -146,14 +155,7 @@ async def test_an_output_produced_on_a_paused_worker_that_then_leaves_is_produce
     the other leaves with the output it produced: a new run produces that output again."""
     from distributed.core import Status
 
-    xs = [dask.delayed(inc)(i) for i in range(4)]
-    outs = c.compute(dask_services.service_task(Recorder, xs, outputs=2, gate="leaves"))
-    await async_poll_for(lambda: len(events_of("all_inputs_done")) == 2, timeout=20)
-    for w in (a, b):
-        w.status = Status.paused
-    await async_poll_for(lambda: all(ws.status == Status.paused
-                                     for ws in s.workers.values()), timeout=10)
-    Recorder.gates["leaves"].set()
+    outs = await produced_while_paused(c, s, [a, b], "leaves")
     keys = [f.key for f in outs]
     await async_poll_for(lambda: all(s.tasks[k].state == "no-worker" for k in keys),
                          timeout=10)
@@ -177,12 +179,7 @@ async def test_an_output_waits_for_a_paused_worker_only_so_long(c, s, a, b, monk
 
     monkeypatch.setattr(scheduler, "UNPLACED_CLAIM_GRACE", 0.5)
     monkeypatch.setattr(scheduler, "UNPLACED_CLAIM_CHECK", 0.1)
-    xs = [dask.delayed(inc)(i) for i in range(4)]
-    outs = c.compute(dask_services.service_task(Recorder, xs, outputs=2, gate="grace"))
-    await async_poll_for(lambda: len(events_of("all_inputs_done")) == 2, timeout=20)
-    a.status = Status.paused
-    await async_poll_for(lambda: s.workers[a.address].status == Status.paused, timeout=10)
-    Recorder.gates["grace"].set()
+    outs = await produced_while_paused(c, s, [a], "grace")
 
     def restarted() -> bool:
         return any(e["action"] in ("restarted", "rescheduled") or

@@ -389,7 +389,7 @@ def write_into(outputs: dict[Index, np.ndarray], batches: list[list[Piece | Pack
     each piece's output index and bytes."""
     written = []
     for j, offset, piece in unpacked(batches, copy=False):
-        outputs[j][tuple(map(slice, offset, map(operator.add, offset, piece.shape)))] = piece
+        outputs[j][region(offset, piece.shape)] = piece
         written.append((j, piece_bytes(piece)))
     return written
 
@@ -410,10 +410,15 @@ def fill(out: np.ndarray, pieces: list[tuple[tuple[int, ...], np.ndarray]]) -> n
     return out
 
 
+def region(offset: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """The slices of the part at ``offset`` of size ``shape``."""
+    return tuple(map(slice, offset, map(operator.add, offset, shape)))
+
+
 def write_pieces(writes: list[tuple[np.ndarray, tuple[int, ...], np.ndarray]]) -> None:
     """Every piece written at its offset into its output chunk."""
     for out, offset, piece in writes:
-        out[tuple(map(slice, offset, map(operator.add, offset, piece.shape)))] = piece
+        out[region(offset, piece.shape)] = piece
 
 
 def new_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -563,7 +568,7 @@ class ArrayRechunk(PeerExchange):
         assert self.buffer is not None
         count = sum(len(item) if isinstance(item, PackedPieces) else 1
                     for batch in batches for item in batch)
-        nbytes = batch_bytes([item for batch in batches for item in batch])
+        nbytes = sum(map(batch_bytes, batches))
         on_loop = count <= WRITE_ON_LOOP_PIECES and nbytes <= WRITE_ON_LOOP_MAX
         if self.outputs is None:
             if on_loop:
