@@ -77,14 +77,17 @@ def frame(nbytes: int, npartitions: int) -> Any:
 
 
 def consumed(shuffled: Any, consumer: str) -> Any:
-    """``shuffled`` followed by ``consumer`` (see the module docstring), optimized as
-    ``persist()`` and ``compute()`` do (``client.persist`` does not fuse)."""
+    """``shuffled`` followed by ``consumer`` (see the module docstring), as users run it:
+    outputs persisted are optimized as ``df.persist()`` does (blockwise steps fused;
+    ``client.persist`` of a list does not fuse), a consumer is left to ``compute()``, which
+    does not fuse (dask/distributed#8833) except where dask_services fuses a computation
+    containing a service shuffle (``dataframe/_compute_fusion.py``)."""
     if consumer in ("len", "sum"):  # "sum": the rechunk's default consumer names
-        return shuffled.map_partitions(len).sum().optimize()
+        return shuffled.map_partitions(len).sum()
     if consumer == "groupby":
         sums = shuffled.map_partitions(lambda df: df.groupby("key")["value"].sum(),
                                        meta=("value", "f8"))
-        return sums.map_partitions(len).sum().optimize()
+        return sums.map_partitions(len).sum()
     return shuffled.optimize()
 
 
@@ -200,7 +203,6 @@ def run_case(client: Any, label: str, nbytes: int, npartitions: int, methods: li
                 if fresh:
                     df, keep = fresh_input(client, make, previous=df)
                 source = df
-            # optimized as df.persist() and df.compute() do (client.persist does not fuse)
             shuffled = consumed(source.shuffle("key", shuffle_method=method), consumer)
 
             def once(shuffled: Any = shuffled) -> None:

@@ -90,3 +90,24 @@ def test_fusion_we_rely_on():
     from dask.dataframe.dask_expr.io import FromGraph
 
     assert "keys" in FromGraph._parameters
+
+
+def test_compute_fusion_hook():
+    # dataframe/_compute_fusion.py: dask.compute and Client.compute optimize
+    # FinalizeCompute(expr) with Expr.optimize, whose default leaves blockwise steps unfused;
+    # FinalizeCompute carries our optimize, which fuses with optimize_blockwise_fusion
+    import dask.base
+    from dask._expr import Expr, FinalizeCompute
+    from dask.dataframe.dask_expr import _expr as df_expr
+    from distributed import Client
+
+    import dask_services  # noqa: F401
+    from dask_services.dataframe import _compute_fusion
+
+    assert FinalizeCompute.__dict__["optimize"] is _compute_fusion._optimize
+    assert _compute_fusion._dask_optimize is Expr.optimize
+    assert inspect.signature(Expr.optimize).parameters["fuse"].default is False
+    for source in (inspect.getsource(dask.base.compute), inspect.getsource(Client.compute)):
+        assert "FinalizeCompute(expr)" in source and "expr.optimize()" in source
+    assert "optimize_blockwise_fusion(self)" in inspect.getsource(df_expr.Expr.fuse)
+    assert df_expr.FinalizeComputeDF.__mro__[1] is FinalizeCompute
