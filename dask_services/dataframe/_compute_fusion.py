@@ -23,7 +23,8 @@ from typing import Any
 
 import dask
 from dask._expr import Expr, FinalizeCompute
-from dask.dataframe.dask_expr._expr import Fused, optimize_blockwise_fusion
+from dask.dataframe.dask_expr import _expr as df_expr
+from dask.dataframe.dask_expr._expr import Fused
 
 _dask_optimize = Expr.optimize
 
@@ -47,7 +48,7 @@ def fused_if_shuffled(expr: Expr) -> Expr:
         return expr
     if not unfused_service_shuffle(expr):
         return expr
-    return optimize_blockwise_fusion(expr)
+    return df_expr.optimize_blockwise_fusion(expr)  # with ``_claim_fusion``'s rewrite
 
 
 def _optimize(self: FinalizeCompute, **kwargs: Any) -> Expr:
