@@ -23,8 +23,7 @@ from typing import Any
 
 import dask
 from dask._expr import Expr, FinalizeCompute
-from dask.dataframe.dask_expr import _expr as df_expr
-from dask.dataframe.dask_expr._expr import Fused
+from dask.dataframe.dask_expr._expr import Fused, optimize_blockwise_fusion
 
 _dask_optimize = Expr.optimize
 
@@ -48,7 +47,7 @@ def fused_if_shuffled(expr: Expr) -> Expr:
         return expr
     if not unfused_service_shuffle(expr):
         return expr
-    return df_expr.optimize_blockwise_fusion(expr)  # with ``_claim_fusion``'s rewrite
+    return optimize_blockwise_fusion(expr)
 
 
 def _optimize(self: FinalizeCompute, **kwargs: Any) -> Expr:

@@ -207,9 +207,8 @@ _lower.__wrapped__ = _dask_lower  # type: ignore[attr-defined]
 
 def register() -> None:
     """Make ``"service"`` a shuffle method of dask.dataframe (idempotent)."""
-    from dask_services.dataframe import _claim_fusion, _compute_fusion
+    from dask_services.dataframe import _compute_fusion
 
     if Shuffle._lower is not _lower:
         Shuffle._lower = _lower
     _compute_fusion.install()
-    _claim_fusion.install()

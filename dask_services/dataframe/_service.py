@@ -360,9 +360,6 @@ class DataFrameShuffle(PeerExchange):
     """Peer-to-peer hash shuffle of DataFrame partitions; see module docstring."""
 
     config_section = "shuffle"
-    # output i is partition parts_out[i]; the keys' names are not read (a lone consumer may
-    # give its key to an output: dataframe/_claim_fusion.py)
-    outputs_by_position = True
 
     async def start(self, id, key, peers, input_keys, output_keys, concierge, leader, *,
                     meta: pd.DataFrame, column: Any, parts_out: list[int],
