@@ -54,6 +54,12 @@ _STALE = "dask-services-stale-run"  # reply of service_rpc for an instance no lo
 _TAKEN = "dask-services-taken"  # ... and whether the call had taken its turn there
 _RAISED = "dask-services-raised"  # reply of service_rpc for a call that raised
 # Worker task states in which a service task cannot be waiting for its outcome.
+# a hand-off pushing its input to a participant of a run this worker takes no part in
+# tries this many more times when the connection fails (the participant left: the
+# scheduler restarts the run, and releases the hand-off or names other participants),
+# waiting PUSH_RETRY_DELAY seconds, doubled each time up to a second, in between
+PUSH_ATTEMPTS = 8
+PUSH_RETRY_DELAY = 0.05
 _NOT_RUNNING = frozenset({"cancelled", "released", "forgotten", "memory", "error"})
 
 
@@ -372,9 +378,11 @@ class ServiceWorkerPlugin(WorkerPlugin):
     # ------------------------------------------------------------- called by tasks
 
     async def hand_off(self, handoff_key: Key, service_key: Key, input_key: Key,
-                       value: Any, nbytes: int | None = None) -> int | None:
+                       value: Any, nbytes: int | None = None, attempt: int = 0
+                       ) -> int | None:
         """Give ``value`` (input ``input_key``, ``nbytes`` if measured already) to the
-        local instance of ``service_key``, or to a participant where this worker has none."""
+        local instance of ``service_key``, or to a participant where this worker has none
+        (``attempt``: how many pushes to participants failed before)."""
         def still_wanted() -> bool:
             # A hand-off released by the scheduler (its run was restarted) keeps running
             # until it returns; it must not give its input to the next run, which gets it
@@ -410,10 +418,23 @@ class ServiceWorkerPlugin(WorkerPlugin):
             return None  # no live run: a new run will ask for this input again
         peers = sorted(info["peers"].items())
         target, address = peers[hash(str(input_key)) % len(peers)]
-        await self.worker.rpc(address).service_add_key(
-            target=target, key=input_key, payload=to_serialize(value)
-        )
+        try:
+            await self._push_input(address, target, input_key, value)
+        except OSError:
+            # The participant left (or its connection broke): its run restarts and this
+            # hand-off is released (a new run asks for the input again), or the run goes
+            # on and the input goes to a participant it still has.
+            if attempt >= PUSH_ATTEMPTS:
+                raise
+            await asyncio.sleep(min(PUSH_RETRY_DELAY * 2 ** attempt, 1.0))
+            return await self.hand_off(handoff_key, service_key, input_key, value, nbytes,
+                                       attempt + 1)
         return info["run_id"]
+
+    async def _push_input(self, address: str, target: str, key: Key, value: Any) -> None:
+        await self.worker.rpc(address).service_add_key(
+            target=target, key=key, payload=to_serialize(value)
+        )
 
     async def wait_outcome(self, service_key: Key) -> tuple[str, bytes | None]:
         ts = self.worker.state.tasks.get(service_key)

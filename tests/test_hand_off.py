@@ -10,7 +10,7 @@ from dask.utils import key_split
 from distributed import wait
 from distributed.utils_test import async_poll_for
 from services import GatedTaker, SizeRecorder
-from utils import assert_nothing_left, service_cluster
+from utils import assert_nothing_left, events_of, service_cluster
 
 import dask_services
 from dask_services._pending_inputs import PendingInputs
@@ -145,3 +145,39 @@ def test_service_threads_are_as_many_as_task_threads_unless_configured():
         with dask.config.set({"dask_services.threads": bad}), \
                 pytest.raises(ValueError, match="dask_services.threads must be"):
             service_threads(worker)
+
+
+@service_cluster(nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_joining_worker_pushes_its_input_again_when_a_push_fails(c, s, a, b):
+    """A worker that joined after the run started hands its input to a participant over
+    the network; when that push's connection fails, it asks the scheduler again and pushes
+    again, instead of failing the service task."""
+    from distributed import Worker
+    from distributed.comm.core import CommClosedError
+    from services import Recorder
+
+    Recorder.reset()
+    first = c.submit(inc_one, 1, workers=[a.address], key="on-a")
+    late_input = c.submit(inc_one, 10, workers=["late"], key="on-late")
+    outs = dask_services.submit(Recorder, [first, late_input], outputs=2, client=c)
+    await async_poll_for(lambda: len(events_of("add_key")) == 1, timeout=10)
+    async with Worker(s.address, nthreads=1, name="late") as late:
+        ext = late.extensions["dask_services"]
+        push = ext._push_input
+        pushes = []
+
+        async def fails_once(*args, **kwargs):
+            pushes.append(args[2])
+            if len(pushes) == 1:
+                raise CommClosedError("connection to the participant closed")
+            await push(*args, **kwargs)
+
+        ext._push_input = fails_once
+        assert await c.gather(outs) == [2 + 11] * 2
+        assert pushes == ["on-late", "on-late"]  # the path under test was taken
+        del outs, first, late_input
+        await assert_nothing_left(s, [a, b, late])
+
+
+def inc_one(x: int) -> int:
+    return x + 1
