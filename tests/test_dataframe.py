@@ -154,6 +154,41 @@ def test_empty_inputs_and_empty_frames():
     assert len(res) == 0 and dict(res.dtypes) == dict(pdf.dtypes)
 
 
+def test_a_frame_of_its_index_alone_keeps_its_rows():
+    pdf = pd.DataFrame(index=pd.Index(np.arange(100), name="i"))  # no column
+    ddf = dd.from_pandas(pdf, npartitions=3)
+    for method in ("tasks", "service"):
+        res = ddf.shuffle(ddf.index, npartitions=2, shuffle_method=method).compute(
+            scheduler="sync")
+        assert res.shape == (100, 0) and res.index.name == "i", (method, res)
+    # a join with a set of ids held as an index
+    left = pd.DataFrame({"k": np.arange(100) % 40, "a": np.arange(100.0)})
+    ids = pd.DataFrame(index=pd.Index(np.arange(10, 30), name="kk"))
+    res = dd.from_pandas(left, npartitions=5).merge(
+        dd.from_pandas(ids, npartitions=2), left_on="k", right_index=True,
+        shuffle_method="service").compute(scheduler="sync")
+    expected = left.merge(ids, left_on="k", right_index=True)
+    pd.testing.assert_frame_equal(res.sort_values("a"), expected.sort_values("a"))
+
+
+def _adds_a_column(df: pd.DataFrame) -> pd.DataFrame:
+    df["new"] = 1  # in place, as pandas allows
+    return df
+
+
+def test_empty_outputs_are_frames_of_their_own():
+    """A consumer changing its (empty) partition in place changes nothing else: not the
+    other outputs, not the collection's meta."""
+    pdf = pd.DataFrame({"k": np.arange(40) % 3, "x": np.arange(40.0)})
+    ddf = dd.from_pandas(pdf, npartitions=4)
+    shuffled = ddf.shuffle("k", npartitions=12, shuffle_method="service")  # 9 empty
+    res = shuffled.map_partitions(_adds_a_column).compute(scheduler="sync")
+    assert len(res) == 40 and (res.new == 1).all()
+    assert list(ddf._meta.columns) == ["k", "x"]
+    assert list(shuffled._meta.columns) == ["k", "x"]
+    assert len(shuffled.map_partitions(len).compute(scheduler="sync")) == 12
+
+
 def test_culled_outputs():
     pdf = mixed_frame()[["k", "f"]]
     ddf = dd.from_pandas(pdf, npartitions=4)

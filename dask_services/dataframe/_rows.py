@@ -271,5 +271,7 @@ def _frame_of(columns: list[Any], index: pd.Index, meta: pd.DataFrame) -> pd.Dat
     # dtype for object columns (strings, datetimes)
     out = pd.DataFrame({j: pd.Series(values, index=index, dtype=values.dtype, copy=False)
                         for j, values in enumerate(columns)}, copy=False)
+    if not columns:  # a frame of its index alone: made of no column, it would have no rows
+        out = pd.DataFrame(index=index)
     out.columns = meta.columns
     return out
