@@ -241,10 +241,10 @@ class ServiceHost:
 
     def create(self, spec: InstanceSpec) -> Instance:
         """Create the instance at once (so that hand-offs find it); start it later."""
+        service = spec.service_class()  # first: a class that cannot be made leaves nothing
         directory = tempfile.mkdtemp(
             prefix=f"{spec.id}-".replace("/", "_"), dir=self.env.local_directory
         )
-        service = spec.service_class()
         service.id = spec.id
         service.key = spec.service_key
         service.input_keys = tuple(spec.input_keys)
@@ -378,10 +378,22 @@ class ServiceHost:
                 await inst.started.wait()
             await fn(*args, **kwargs)
             return True
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
             if inst.stopping:
                 return False
-            raise
+            if task.cancelling():  # this hook was cancelled
+                raise
+            # the service's own code let a CancelledError out (it awaited a task it had
+            # cancelled): a failure like any other exception, not a cancellation
+            name = getattr(fn, "__name__", "hook")
+            name = {"add": "add_key", "_all_inputs_done": "all_inputs_done"}.get(name, name)
+            error = RuntimeError(
+                f"{type(inst.service).__name__}.{name}() raised "
+                "asyncio.CancelledError without being cancelled (an awaited task was "
+                "cancelled?); catch it in the hook, or raise another exception")
+            error.__cause__ = exc
+            self.env.failed(inst.spec, error)
+            return False
         except Exception as exc:
             if not inst.stopping:
                 self.env.failed(inst.spec, exc)

@@ -99,9 +99,18 @@ async def _one_run(definition: ServiceDefinition, service_key: Key, inputs: dict
                     for j, key in enumerate(definition.input_keys)
                 ))
                 await asyncio.gather(*(host.all_inputs_done(sid) for sid in ids))
-                if not wanted and not env.outcome.done():
-                    env.outcome.set_result(None)
+                # Every hook returned. The run owns this event loop: once nothing else of
+                # it is left to run, an output not produced never will be (its claim raises
+                # OutputLostError) instead of waiting forever.
+                while not env.outcome.done():
+                    others = asyncio.all_tasks() - {asyncio.current_task(), run}
+                    if not others:
+                        env.outcome.set_result(None)
+                        break
+                    await asyncio.wait(others | {env.outcome},
+                                       return_when=asyncio.FIRST_COMPLETED)
 
+            run = asyncio.current_task()
             driver = asyncio.ensure_future(drive())
             try:
                 await env.outcome

@@ -261,7 +261,11 @@ class ServiceWorkerPlugin(WorkerPlugin):
     def _service_start(self, spec: Any, **_: Any) -> None:
         spec = unwrap(spec)
         assert isinstance(spec, InstanceSpec)
-        inst = self.host.create(spec)
+        try:
+            inst = self.host.create(spec)
+        except Exception as exc:  # the class cannot be instantiated here: the run fails
+            self.host.env.failed(spec, exc)
+            return
         self._spawn(self.host.start(inst))
 
     def _service_all_started(self, id: str, **_: Any) -> None:

@@ -472,3 +472,89 @@ async def test_a_requested_restart_with_futures_as_inputs_restarts_once(c, s, a,
     assert [a for a, _ in actions] == ["started", "restarted", "started", "finished"], actions
     del outs, xs
     await assert_nothing_left(s, [a, b])
+
+
+# ------------------------------------------------------------------ naive authors' mistakes
+
+
+class NeedsArguments(Service):
+    """Instances are made with no arguments: parameters belong in ``start``."""
+
+    def __init__(self, scale):
+        self.scale = scale
+
+    async def add_key(self, key, data):
+        pass
+
+
+class CancelsItsHelper(Service):
+    """Awaits a task it cancelled itself: a CancelledError leaves ``all_inputs_done``."""
+
+    async def add_key(self, key, data):
+        pass
+
+    async def all_inputs_done(self):
+        helper = asyncio.ensure_future(asyncio.sleep(10))
+        await asyncio.sleep(0)
+        helper.cancel()
+        await helper
+
+
+class ProducesNothing(Service):
+    async def add_key(self, key, data):
+        pass
+
+
+@service_cluster()
+async def test_a_class_that_cannot_be_instantiated_fails_its_outputs(c, s, a, b):
+    outs = c.compute(dask_services.service_task(NeedsArguments, [dask.delayed(1)],
+                                                outputs=2))
+    for out in outs:
+        await assert_errs(out, TypeError, "missing 1 required positional argument")
+    del outs, out
+    await assert_nothing_left(s, [a, b])  # no instance directory either
+
+
+@service_cluster()
+async def test_a_cancelled_error_out_of_a_hook_fails_the_run(c, s, a, b):
+    outs = c.compute(dask_services.service_task(CancelsItsHelper, [dask.delayed(1)],
+                                                outputs=2))
+    for out in outs:
+        await assert_errs(out, RuntimeError,
+                          "CancelsItsHelper.all_inputs_done() raised asyncio.CancelledError")
+    del outs, out
+    await assert_nothing_left(s, [a, b])
+
+
+@pytest.mark.parametrize("service, error, match", [
+    (NeedsArguments, TypeError, "missing 1 required positional argument"),
+    (CancelsItsHelper, RuntimeError, "raised asyncio.CancelledError"),
+    (ProducesNothing, dask_services.OutputLostError, "did not produce output"),
+])
+def test_naive_mistakes_raise_under_the_local_scheduler(service, error, match):
+    outs = dask_services.service_task(service, [dask.delayed(1)], outputs=2)
+    with pytest.raises(error, match=match):
+        dask.compute(*outs, scheduler="sync")
+
+
+class ProducesLater(Service):
+    """Produces from a task of its own, after ``all_inputs_done`` returned."""
+
+    async def add_key(self, key, data):
+        self.total = getattr(self, "total", 0) + data
+
+    async def all_inputs_done(self):
+        async def later():
+            await asyncio.sleep(0.05)
+            for key in self.concierge.wanted_outputs:
+                if self.concierge.owner(key) == self.id:
+                    await self.concierge.produce_key(key, self.total)
+
+        self.later = asyncio.ensure_future(later())
+
+
+def test_outputs_produced_after_the_hooks_returned_under_the_local_scheduler():
+    outs = dask_services.service_task(ProducesLater, [dask.delayed(i) for i in range(4)],
+                                      outputs=2)
+    with dask.config.set({"dask_services.local-instances": 1}):
+        assert dask.compute(*outs, scheduler="sync") == (6, 6)
