@@ -213,6 +213,26 @@ def test_other_array_types_are_refused_at_graph_construction():
         x.rechunk(4, method="service")
 
 
+@pytest.mark.parametrize("new", [(20, 2), (10, 18), (7, 18)])  # copies, merges, a service
+def test_masked_chunks_behind_a_numpy_meta_are_refused_on_every_path(new):
+    a = np.arange(20 * 18, dtype="f8").reshape(20, 18)
+    x = da.from_array(a, chunks=(5, 6)).map_blocks(
+        lambda b: np.ma.masked_greater(b, 100), meta=np.array((), dtype="f8"))
+    with pytest.raises(TypeError, match="is a MaskedArray. Use method='tasks'"):
+        x.rechunk(new, method="service").compute(scheduler="sync")
+
+
+@pytest.mark.parametrize("spec", [(10, 40), (10, None), (20, 30)])
+def test_a_flat_tuple_of_chunk_sizes_is_read_as_dask_reads_it(spec):
+    v = da.from_array(np.arange(50), chunks=7)
+    ours, theirs = (v.rechunk(spec, method=m) for m in ("service", "tasks"))
+    assert ours.chunks == theirs.chunks
+    np.testing.assert_array_equal(ours.compute(scheduler="sync"), np.arange(50))
+    x = da.ones((4, 6), chunks=2)  # a longer tuple than the array has axes
+    assert x.rechunk((2, 3, None), method="service").chunks == \
+        x.rechunk((2, 3, None), method="tasks").chunks
+
+
 @service_cluster(timeout=90)
 async def test_every_dtype_on_a_cluster_and_culled_outputs(c, s, a, b):
     for dtype in DTYPES:

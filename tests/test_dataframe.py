@@ -189,6 +189,16 @@ def test_empty_outputs_are_frames_of_their_own():
     assert len(shuffled.map_partitions(len).compute(scheduler="sync")) == 12
 
 
+@pytest.mark.parametrize("selected", [[1, 1], [4, 4, 2, 4, 1]])
+def test_a_partition_selected_twice_is_returned_twice(selected):
+    pdf = pd.DataFrame({"k": np.arange(2000) % 300, "x": np.arange(2000.0)})
+    ddf = dd.from_pandas(pdf, npartitions=6)
+    ours, theirs = (ddf.shuffle("k", npartitions=6, shuffle_method=method)
+                    .partitions[selected].compute(scheduler="sync")
+                    for method in ("service", "tasks"))
+    pd.testing.assert_frame_equal(ours, theirs)
+
+
 def test_culled_outputs():
     pdf = mixed_frame()[["k", "f"]]
     ddf = dd.from_pandas(pdf, npartitions=4)

@@ -293,7 +293,9 @@ def _normalize(x: Array, chunks: Any, block_size_limit: Any, balance: bool) -> t
         chunks = tuple(x.chunks[i] if chunks.get(i) is None else chunks[i]
                        for i in range(x.ndim))
     if isinstance(chunks, (tuple, list)):
-        chunks = tuple(x.chunks[i] if c is None else c for i, c in enumerate(chunks))
+        # as dask does: zipped with the current chunks (a longer tuple is cut to ndim)
+        chunks = tuple(rc if lc is None else lc
+                       for lc, rc in zip(chunks, x.chunks, strict=False))
     chunks = normalize_chunks(chunks, x.shape, limit=block_size_limit, dtype=x.dtype,
                               previous_chunks=x.chunks)
     if len(chunks) != x.ndim:

@@ -222,11 +222,23 @@ def merge_plan(old: Chunks, new: Chunks
     return plan
 
 
+def plain_numpy(block: Any, key: Any = None) -> np.ndarray:
+    """``block`` as a plain numpy array (a memmap's or other plain subclass's data); a
+    clear error for other array types, masked arrays included (their mask would be lost)."""
+    if isinstance(block, np.ma.MaskedArray) or not isinstance(block, (np.ndarray, np.generic)):
+        chunk = "a chunk" if key is None else f"chunk {key!r}"
+        raise TypeError(
+            f"the 'service' rechunk handles numpy chunks; {chunk} is a "
+            f"{type(block).__name__}. Use method='tasks' (or 'p2p') for other array types"
+        )
+    return np.asarray(block)
+
+
 def merge_blocks(shape: tuple[float, ...], dtype: np.dtype, offsets: list[tuple[int, ...]],
                  *blocks: np.ndarray) -> np.ndarray:
     """One output chunk of a rechunk that only merges: its input chunks, each placed at its
     offset, in one new (C-ordered, writeable) array."""
-    pieces = [(o, np.asarray(b)) for o, b in zip(offsets, blocks, strict=True)]
+    pieces = [(o, plain_numpy(b)) for o, b in zip(offsets, blocks, strict=True)]
     return fill(fresh_array(output_shape(shape, pieces), np.dtype(dtype)), pieces)
 
 
@@ -236,20 +248,20 @@ def copy_pieces(shape: tuple[float, ...], dtype: np.dtype,
     """One output chunk of a region with no other output: from every input chunk, the
     slice it needs (``layout``: slices and offset in the output, per input; ``None``: the
     block is that slice already), in one new (C-ordered, writeable) array."""
-    pieces = [(offset, np.asarray(block) if slices is None else np.asarray(block)[slices])
+    pieces = [(offset, plain_numpy(block) if slices is None else plain_numpy(block)[slices])
               for (slices, offset), block in zip(layout, blocks, strict=True)]
     return fill(fresh_array(output_shape(shape, pieces), np.dtype(dtype)), pieces)
 
 
 def copy_part(block: np.ndarray, part: tuple[slice, ...]) -> np.ndarray:
     """One output chunk cut out of a merged region: a C-ordered, writeable copy."""
-    return np.array(np.asarray(block)[part], order="C", copy=True)
+    return np.array(plain_numpy(block)[part], order="C", copy=True)
 
 
 def take_slice(block: np.ndarray, slices: tuple[slice, ...]) -> np.ndarray:
     """The part of an input chunk that one output chunk needs (a view: on the input's
     worker it costs nothing; sent to another worker, only its own bytes travel)."""
-    return np.asarray(block)[slices]
+    return plain_numpy(block)[slices]
 
 
 def slice_block(block: np.ndarray, index: Index,
@@ -530,12 +542,7 @@ class ArrayRechunk(PeerExchange):
 
     async def add_key(self, key, block: np.ndarray) -> None:
         assert self.stream is not None
-        if not isinstance(block, np.ndarray) or isinstance(block, np.ma.MaskedArray):
-            raise TypeError(
-                f"the 'service' rechunk handles numpy chunks; chunk {key!r} is a "
-                f"{type(block).__name__}. Use method='tasks' (or 'p2p') for other array types"
-            )
-        block = np.asarray(block)  # a memmap or other plain subclass: its data
+        block = plain_numpy(block, key)  # a memmap or other plain subclass: its data
         by_destination = await self.concierge.run_in_executor(
             pieces_by_destination, block, self.index_of[key], self.overlaps, self.owner,
             self.id

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 
-from dask._task_spec import TaskRef
+from dask._task_spec import Alias, TaskRef
 from dask.dataframe.dask_expr._expr import Blockwise, Expr, Fused
 from dask.dataframe.dask_expr._shuffle import AssignPartitioningIndex, Shuffle, SimpleShuffle
 from dask.dataframe.dask_expr.io import FromGraph
@@ -129,9 +129,15 @@ class ServiceShuffle(SimpleShuffle):
 
         handoffs = handoffs_of(self.frame)
         service_key = service_key_of_handoffs(SERVICE_PREFIX, self.frame._name)
-        parts_out = list(self._partitions) if self._filtered else list(
+        selected = list(self._partitions) if self._filtered else list(
             range(self.npartitions_out)
         )
+        # a partition selected twice (``partitions[[1, 1]]``) is produced once; its other
+        # places are aliases of the first
+        first: dict[int, int] = {}
+        for i, p in enumerate(selected):
+            first.setdefault(p, i)
+        parts_out = list(first)
         input_keys = [handoffs.input_key(i) for i in range(self.frame.npartitions)]
         definition = ServiceDefinition(
             service_class=DataFrameShuffle,
@@ -145,13 +151,17 @@ class ServiceShuffle(SimpleShuffle):
             },
             input_keys=tuple(input_keys),
             handoff_keys=tuple((self.frame._name, i) for i in range(len(input_keys))),
-            output_keys=tuple((self._name, i) for i in range(len(parts_out))),
+            output_keys=tuple((self._name, first[p]) for p in parts_out),
             # every shuffle into N partitions puts partition i on the same worker, so the
             # two sides of a hash join meet without moving data again
             placement=f"dataframe-shuffle-{self.npartitions_out}",
             name="shuffle",
         )
-        return build_service_graph(definition, service_key, input_keys, handoffs_given=True)
+        graph = build_service_graph(definition, service_key, input_keys, handoffs_given=True)
+        for i, p in enumerate(selected):
+            if first[p] != i:
+                graph[(self._name, i)] = Alias((self._name, i), (self._name, first[p]))
+        return graph
 
 
 _dask_lower = Shuffle._lower
