@@ -11,6 +11,7 @@ import abc
 import asyncio
 import contextlib
 import functools
+import inspect
 import logging
 import os
 import shutil
@@ -158,6 +159,10 @@ class InstanceConcierge(Concierge):
                 f"instance {inst.spec.id} of {inst.spec.service_key!r} is stopped; "
                 "it can no longer produce outputs"
             )
+        if isinstance(key, list):  # a tuple key passed as a list: not a key, unhashable
+            raise ProduceKeyError(
+                f"{key!r} is not an output of service task {inst.spec.service_key!r}: keys "
+                "are strings or tuples; produce one of self.output_keys as it is")
         if key not in inst.spec.owners:
             if key in inst.output_key_set:
                 # An output this run was not started for (culled, in memory, or released):
@@ -183,6 +188,10 @@ class InstanceConcierge(Concierge):
         return self._instance.input_sizes.get(key)
 
     def error(self, exc: BaseException) -> None:
+        if not isinstance(exc, BaseException):
+            raise TypeError(
+                f"concierge.error() takes an exception, e.g. "
+                f"concierge.error(ValueError({exc!r})); got a {type(exc).__name__}")
         self._host.env.failed(self._instance.spec, exc)
 
     def restart(self, reason: str = "restart requested by the service") -> None:
@@ -304,7 +313,7 @@ class ServiceHost:
 
     async def _all_inputs_done(self, inst: Instance) -> None:
         await inst.all_started_returned.wait()
-        await inst.service.all_inputs_done()
+        await _awaited(inst.service.all_inputs_done())
 
     async def add_key(self, sid: ServiceId, key: Key, data: Any,
                       still_wanted: Callable[[], bool] = lambda: True,
@@ -324,7 +333,7 @@ class ServiceHost:
             if nbytes is not None:
                 inst.input_sizes[key] = nbytes
             try:
-                await inst.service.add_key(key, data)
+                await _awaited(inst.service.add_key(key, data))
             finally:
                 inst.input_sizes.pop(key, None)
 
@@ -376,7 +385,7 @@ class ServiceHost:
         try:
             if wait_started:
                 await inst.started.wait()
-            await fn(*args, **kwargs)
+            await _awaited(fn(*args, **kwargs))
             return True
         except asyncio.CancelledError as exc:
             if inst.stopping:
@@ -549,3 +558,11 @@ def known_or_size_of(args: tuple, kwargs: dict) -> int:
     """The bytes of a peer call's arguments: as its caller said, else measured."""
     known = known_arguments_nbytes()
     return size_of((args, kwargs)) if known is None else known
+
+
+async def _awaited(result: Any) -> Any:
+    """A hook's result, awaited where it is awaitable: a hook written as a plain ``def``
+    has already run when it returns."""
+    if inspect.isawaitable(result):
+        return await result
+    return result

@@ -76,11 +76,20 @@ def _output_names(outputs: int | Sequence[Key], name: str, token: str) -> tuple[
     return names
 
 
+# what ``Service.start`` receives before the service task's keyword parameters
+START_ARGUMENTS = ("id", "key", "peers", "input_keys", "output_keys", "concierge", "leader")
+
+
 def _definition(service_class: type[Service], input_keys: Sequence[Key],
                 outputs: int | Sequence[Key], params: dict, placement: str | None,
                 name: str | None, participants: str = "all"
                 ) -> tuple[Key, ServiceDefinition]:
     _check_service_class(service_class)
+    clashes = sorted(set(params) & set(START_ARGUMENTS))
+    if clashes:
+        raise TypeError(
+            f"parameter(s) {clashes} of {service_class.__name__} clash with the arguments "
+            f"every start() receives ({', '.join(START_ARGUMENTS)}); rename them")
     name = name or funcname(service_class).lower()
     token = tokenize(service_class, params, tuple(input_keys), outputs, placement,
                      participants)

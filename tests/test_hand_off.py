@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import dask
 import numpy as np
 import pytest
@@ -148,7 +150,8 @@ def test_service_threads_are_as_many_as_task_threads_unless_configured():
 
 
 @service_cluster(nthreads=[("127.0.0.1", 1)] * 2)
-async def test_a_joining_worker_pushes_its_input_again_when_a_push_fails(c, s, a, b):
+async def test_a_joining_worker_pushes_its_input_again_when_a_push_fails(c, s, a, b,
+                                                                         monkeypatch):
     """A worker that joined after the run started hands its input to a participant over
     the network; when that push's connection fails, it asks the scheduler again and pushes
     again, instead of failing the service task."""
@@ -156,23 +159,36 @@ async def test_a_joining_worker_pushes_its_input_again_when_a_push_fails(c, s, a
     from distributed.comm.core import CommClosedError
     from services import Recorder
 
+    from dask_services.worker import ServiceWorkerPlugin
+
     Recorder.reset()
+    with socket.socket() as sock:  # the joining worker's address, known beforehand
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    late_address = f"tcp://127.0.0.1:{port}"
     first = c.submit(inc_one, 1, workers=[a.address], key="on-a")
-    late_input = c.submit(inc_one, 10, workers=["late"], key="on-late")
+    late_input = c.submit(inc_one, 10, workers=[late_address], key="on-late")
     outs = dask_services.submit(Recorder, [first, late_input], outputs=2, client=c)
     await async_poll_for(lambda: len(events_of("add_key")) == 1, timeout=10)
-    async with Worker(s.address, nthreads=1, name="late") as late:
-        ext = late.extensions["dask_services"]
-        push = ext._push_input
-        pushes = []
+    # the hand-off of the late input runs where that input is made (else another worker
+    # could fetch the input and take the participant's path)
+    service_key = s.tasks[outs[0].key].run_spec.service_key
+    handoff = s.tasks[service_key].run_spec.definition.handoff_keys[1]
+    s.set_restrictions({handoff: late_address})  # strictly: not loosened elsewhere
+    monkeypatch.setattr(s.extensions["dask_services"], "_restrict_handoff", lambda hts: None)
+    pushes = []
+    push = ServiceWorkerPlugin._push_input
 
-        async def fails_once(*args, **kwargs):
-            pushes.append(args[2])
-            if len(pushes) == 1:
-                raise CommClosedError("connection to the participant closed")
-            await push(*args, **kwargs)
+    async def fails_once(self, *args, **kwargs):
+        # patched before the worker starts: it makes its input as soon as it joins
+        pushes.append(args[2])
+        if len(pushes) == 1:
+            raise CommClosedError("connection to the participant closed")
+        await push(self, *args, **kwargs)
 
-        ext._push_input = fails_once
+    monkeypatch.setattr(ServiceWorkerPlugin, "_push_input", fails_once)
+    async with Worker(s.address, nthreads=1, name="late", host="127.0.0.1",
+                      port=port) as late:
         assert await c.gather(outs) == [2 + 11] * 2
         assert pushes == ["on-late", "on-late"]  # the path under test was taken
         del outs, first, late_input

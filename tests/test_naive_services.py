@@ -558,3 +558,51 @@ def test_outputs_produced_after_the_hooks_returned_under_the_local_scheduler():
                                       outputs=2)
     with dask.config.set({"dask_services.local-instances": 1}):
         assert dask.compute(*outs, scheduler="sync") == (6, 6)
+
+
+class ErrorWithAMessage(Service):
+    async def add_key(self, key, data):
+        pass
+
+    async def all_inputs_done(self):
+        self.concierge.error("bad input")  # a message, not an exception
+
+
+class ProducesAListKey(Service):
+    async def add_key(self, key, data):
+        pass
+
+    async def all_inputs_done(self):
+        if self.id == self.leader:
+            await self.concierge.produce_key(list(self.output_keys[0]), 1)
+
+
+class SumsWithPlainDefs(Service):
+    def start(self, id, key, peers, input_keys, output_keys, concierge, leader, **kw):
+        self.total = 0
+
+    def add_key(self, key, data):
+        self.total += data
+
+
+def test_hooks_written_without_async_run():
+    outs = dask_services.service_task(SumsWithPlainDefs, [dask.delayed(i) for i in range(4)],
+                                      outputs=1)
+    # the hooks ran (no "can't be used in 'await' expression"); nothing was produced
+    with pytest.raises(dask_services.OutputLostError, match="did not produce output"):
+        dask.compute(*outs, scheduler="sync")
+
+
+@pytest.mark.parametrize("service, error, match", [
+    (ErrorWithAMessage, TypeError, r"concierge.error\(\) takes an exception"),
+    (ProducesAListKey, dask_services.ProduceKeyError, "keys are strings or tuples"),
+])
+def test_wrong_arguments_to_the_concierge_are_named(service, error, match):
+    outs = dask_services.service_task(service, [dask.delayed(1)], outputs=2)
+    with pytest.raises(error, match=match):
+        dask.compute(*outs, scheduler="sync")
+
+
+def test_a_parameter_named_like_a_start_argument_fails_at_graph_construction():
+    with pytest.raises(TypeError, match=r"\['key'\] of ProducesNothing clash with"):
+        dask_services.service_task(ProducesNothing, [dask.delayed(1)], outputs=1, key=1)
