@@ -30,6 +30,7 @@ from dask_services._host import Environment, InstanceSpec, ServiceHost, make_dir
 from dask_services._messages import dumps_exception, loads_exception, unwrap
 from dask_services._payload import known_arguments_nbytes, pack, unpack
 from dask_services._pending_inputs import PendingInputs
+from dask_services._sending import window_size
 from dask_services._streams import flush
 from dask_services._worker_context import as_worker, in_current_context
 from dask_services.service import OutputLostError, PeerCallError, ServiceId, StaleRunError
@@ -199,8 +200,11 @@ class ServiceWorkerPlugin(WorkerPlugin):
         self.produced: dict[Key, Any] = {}
         self.outcomes: dict[Key, asyncio.Future] = {}
         self._background: set[asyncio.Task] = set()
-        self.pending_inputs = PendingInputs(parse_bytes(
-            dask.config.get("dask_services.hand-off-buffer")))
+        # at most 1/32 of the worker's memory limit, as the bytes in flight: inputs waiting
+        # to be taken are memory distributed can neither see nor spill
+        self.pending_inputs = PendingInputs(window_size(
+            parse_bytes(dask.config.get("dask_services.hand-off-buffer")),
+            getattr(worker.memory_manager, "memory_limit", None)))
         self.executor = service_threads(worker)
         self.counter_reports = CounterReports()
         for op in _STREAM_OPS:

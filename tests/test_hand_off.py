@@ -197,3 +197,9 @@ async def test_a_joining_worker_pushes_its_input_again_when_a_push_fails(c, s, a
 
 def inc_one(x: int) -> int:
     return x + 1
+
+
+@service_cluster(nthreads=[("127.0.0.1", 1)] * 2, worker_kwargs={"memory_limit": "600 MB"})
+async def test_the_hand_off_buffer_is_at_most_a_32nd_of_the_memory_limit(c, s, a, b):
+    for w in (a, b):
+        assert w.extensions["dask_services"].pending_inputs.limit == 600_000_000 // 32
