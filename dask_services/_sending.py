@@ -94,7 +94,8 @@ class SendWindow:
 
 
 def window_size(configured: int, memory_limit: int | None) -> int:
-    """The configured bytes in flight, but at most 1/32 of a worker's memory limit."""
+    """A configured per-worker byte budget (the bytes in flight, the hand-off buffer), but
+    at most 1/32 of the worker's memory limit."""
     return min(configured, memory_limit // 32) if memory_limit else configured
 
 
