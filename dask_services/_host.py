@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import dask.config
 from dask.typing import Key
+from dask.utils import parse_timedelta
 
 from dask_services._counters import Traffic, size_of
 from dask_services._known_sizes import checked_nbytes, remember
@@ -105,7 +106,7 @@ class Instance:
     produced: set[Key] = field(default_factory=set)
     inputs: set[Key] = field(default_factory=set)  # input keys handed to add_key
     input_sizes: dict[Key, int] = field(default_factory=dict)  # measured, while in add_key
-    hooks: set[asyncio.Task] = field(default_factory=set)
+    hooks: dict[asyncio.Task, str] = field(default_factory=dict)  # running hook -> name
     next_seq_out: dict[ServiceId, int] = field(default_factory=dict)
     next_seq_in: dict[ServiceId, int] = field(default_factory=dict)
     inbox: asyncio.Condition = field(default_factory=asyncio.Condition)
@@ -274,8 +275,6 @@ class ServiceHost:
     async def _created(self, target: ServiceId, run_id: int) -> Instance | None:
         """The instance ``target`` once created here; None if a later run came first or it
         did not come within the connect timeout."""
-        from dask.utils import parse_timedelta
-
         timeout = parse_timedelta(dask.config.get("distributed.comm.timeouts.connect", "30s"))
         deadline = asyncio.get_running_loop().time() + timeout
         while target not in self.instances and run_id > self.latest_run:
@@ -344,13 +343,24 @@ class ServiceHost:
         if inst is None or inst.stopping:
             return
         inst.stopping = True
+        grace = stop_grace()
         current = asyncio.current_task()
-        pending = [t for t in inst.hooks if t is not current]
+        pending = {t: name for t, name in inst.hooks.items() if t is not current}
         for t in pending:
             t.cancel()
-        for t in pending:
-            with contextlib.suppress(BaseException):
-                await t
+        if pending:
+            done, stuck = await asyncio.wait(pending, timeout=grace)
+            for t in done:
+                if not t.cancelled():
+                    t.exception()  # retrieved: the instance stops whatever the hook did
+            if stuck:
+                # a hook that catches its own cancellation (or blocks on something that
+                # never comes) must not keep the instance, its memory and its directory
+                logger.warning(
+                    "%s of %s (%r): %s still running %s s after being cancelled (does it "
+                    "catch asyncio.CancelledError?); the instance stops without it",
+                    type(inst.service).__name__, sid, inst.spec.service_key,
+                    ", ".join(sorted({pending[t] + "()" for t in stuck})), grace)
         async with inst.inbox:
             inst.inbox.notify_all()
         if inst.outgoing:
@@ -360,9 +370,15 @@ class ServiceHost:
             for call in list(inst.outgoing):
                 call.cancel()
         try:
-            await inst.service.stop()
-        except Exception:
-            logger.exception("stop() of %s (%r) raised", sid, inst.spec.service_key)
+            stopped = asyncio.ensure_future(_awaited(inst.service.stop()))
+            await asyncio.wait({stopped}, timeout=grace)
+            if not stopped.done():
+                stopped.cancel()
+                logger.warning("stop() of %s (%r) did not return within %s s; the instance "
+                               "is let go without it", sid, inst.spec.service_key, grace)
+            elif not stopped.cancelled() and stopped.exception() is not None:
+                logger.error("stop() of %s (%r) raised", sid, inst.spec.service_key,
+                             exc_info=stopped.exception())
         finally:
             shutil.rmtree(inst.directory, ignore_errors=True)
             del self.instances[sid]
@@ -381,7 +397,7 @@ class ServiceHost:
             return False
         task = asyncio.current_task()
         assert task is not None
-        inst.hooks.add(task)
+        inst.hooks[task] = _hook_name(fn)
         try:
             if wait_started:
                 await inst.started.wait()
@@ -394,10 +410,8 @@ class ServiceHost:
                 raise
             # the service's own code let a CancelledError out (it awaited a task it had
             # cancelled): a failure like any other exception, not a cancellation
-            name = getattr(fn, "__name__", "hook")
-            name = {"add": "add_key", "_all_inputs_done": "all_inputs_done"}.get(name, name)
             error = RuntimeError(
-                f"{type(inst.service).__name__}.{name}() raised "
+                f"{type(inst.service).__name__}.{_hook_name(fn)}() raised "
                 "asyncio.CancelledError without being cancelled (an awaited task was "
                 "cancelled?); catch it in the hook, or raise another exception")
             error.__cause__ = exc
@@ -408,7 +422,7 @@ class ServiceHost:
                 self.env.failed(inst.spec, exc)
             return False
         finally:
-            inst.hooks.discard(task)
+            inst.hooks.pop(task, None)
 
     # ------------------------------------------------------------- peer RPC
 
@@ -480,13 +494,13 @@ class ServiceHost:
             raise RPCRefused(_refusal(cls, method))
         task = asyncio.current_task()
         assert task is not None
-        inst.hooks.add(task)
+        inst.hooks[task] = method
         try:
             args, kwargs = await arguments()
             await inst.started.wait()
             return await getattr(inst.service, method)(*args, **kwargs)
         finally:
-            inst.hooks.discard(task)
+            inst.hooks.pop(task, None)
 
     @staticmethod
     def _count(sender: Instance | None, receiver: Instance | None, nbytes: int) -> None:
@@ -558,6 +572,16 @@ def known_or_size_of(args: tuple, kwargs: dict) -> int:
     """The bytes of a peer call's arguments: as its caller said, else measured."""
     known = known_arguments_nbytes()
     return size_of((args, kwargs)) if known is None else known
+
+
+def stop_grace() -> float:
+    """Seconds a stopping instance gives its cancelled hooks, then its ``stop()``."""
+    return float(parse_timedelta(dask.config.get("dask_services.stop-grace", "30s")))
+
+
+def _hook_name(fn: Callable[..., Any]) -> str:
+    name = getattr(fn, "__name__", "hook")
+    return {"add": "add_key", "_all_inputs_done": "all_inputs_done"}.get(name, name)
 
 
 async def _awaited(result: Any) -> Any:

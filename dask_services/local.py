@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import dask
 from dask.typing import Key
 
-from dask_services._host import Environment, InstanceSpec, ServiceHost
+from dask_services._host import Environment, InstanceSpec, ServiceHost, stop_grace
 from dask_services.graph import ServiceDefinition
 from dask_services.service import ServiceId, TooManyRestarts
 
@@ -116,7 +116,10 @@ async def _one_run(definition: ServiceDefinition, service_key: Key, inputs: dict
                 await env.outcome
             finally:
                 driver.cancel()
-                await asyncio.gather(driver, return_exceptions=True)
+                # a hook ignoring its cancellation keeps the driver: stop_all() lets it go
+                await asyncio.wait({driver}, timeout=stop_grace())
+                if driver.done() and not driver.cancelled():
+                    driver.exception()  # retrieved: the outcome says what happened
             return env.outputs
         finally:
             await host.stop_all()
@@ -131,7 +134,7 @@ def run_in_process(definition: ServiceDefinition, service_key: Key, inputs: dict
     for attempt in range(max_restarts + 1):
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             future = pool.submit(
-                asyncio.run, _one_run(definition, service_key, inputs, attempt, n_instances)
+                _run_on_own_loop, _one_run(definition, service_key, inputs, attempt, n_instances)
             )
             try:
                 return future.result()
@@ -142,3 +145,27 @@ def run_in_process(definition: ServiceDefinition, service_key: Key, inputs: dict
         f"dask_services.restarts={max_restarts} allows; the last restart was because "
         f"{reason}"
     )
+
+
+def _run_on_own_loop(coro: Any) -> Any:
+    """``asyncio.run``, except that the tasks left when ``coro`` returns get
+    ``dask_services.stop-grace`` to end once cancelled: a service's task that catches its
+    own cancellation is left behind (``ServiceHost.stop`` warned about its hooks) instead
+    of hanging the computation."""
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        try:
+            left = asyncio.all_tasks(loop)
+            for task in left:
+                task.cancel()
+            if left:
+                done, _ = loop.run_until_complete(asyncio.wait(left, timeout=stop_grace()))
+                for task in done:
+                    if not task.cancelled():
+                        task.exception()  # retrieved: the run's outcome is already known
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+        finally:
+            loop.close()

@@ -11,7 +11,7 @@ from typing import Any
 import dask
 import pytest
 from distributed import Client, LocalCluster, futures_of, get_worker, wait
-from distributed.utils_test import async_poll_for, gen_cluster, poll_for
+from distributed.utils_test import async_poll_for, captured_logger, gen_cluster, poll_for
 from utils import assert_errs, assert_nothing_left, kill, service_cluster
 
 import dask_services
@@ -535,6 +535,64 @@ def test_naive_mistakes_raise_under_the_local_scheduler(service, error, match):
     outs = dask_services.service_task(service, [dask.delayed(1)], outputs=2)
     with pytest.raises(error, match=match):
         dask.compute(*outs, scheduler="sync")
+
+
+IGNORING_ENDS = threading.Event()  # the one thing that ends IgnoresItsCancellation's hooks
+
+
+class IgnoresItsCancellation(Service):
+    """The leader fails its run; the other instances' ``all_inputs_done`` catches its own
+    cancellation in a loop (and a ``stop()`` that never returns): they would keep their
+    instances, memory and directories for ever."""
+
+    async def add_key(self, key, data):
+        pass
+
+    async def all_inputs_done(self):
+        if self.id == self.leader:
+            raise ValueError("the leader fails")
+        while not IGNORING_ENDS.is_set():
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                pass
+
+    async def stop(self):
+        if self.id != self.leader:
+            await asyncio.Event().wait()
+
+
+@service_cluster(config={"dask_services.stop-grace": "300ms"})
+async def test_a_hook_that_ignores_its_cancellation_does_not_keep_its_instance(c, s, a, b):
+    IGNORING_ENDS.clear()
+    try:
+        with captured_logger("dask_services") as log:
+            xs = [c.submit(inc, i, workers=[w.address], pure=False)
+                  for i, w in enumerate([a, b, a, b])]
+            outs = dask_services.submit(IgnoresItsCancellation, xs, outputs=2)
+            for out in outs:
+                await assert_errs(out, ValueError, "the leader fails")
+            del outs, out, xs
+            await assert_nothing_left(s, [a, b])
+        warnings = log.getvalue()
+        assert ("IgnoresItsCancellation of" in warnings
+                and "all_inputs_done() still running 0.3 s after being cancelled"
+                in warnings), warnings
+        assert "did not return within 0.3 s" in warnings, warnings
+    finally:
+        IGNORING_ENDS.set()  # the abandoned hooks end with the test
+
+
+def test_a_hook_that_ignores_its_cancellation_does_not_hang_the_local_scheduler():
+    IGNORING_ENDS.clear()
+    outs = dask_services.service_task(IgnoresItsCancellation, [dask.delayed(i) for i in range(2)],
+                                      outputs=2)
+    try:
+        with dask.config.set({"dask_services.stop-grace": "200ms"}):
+            with pytest.raises(ValueError, match="the leader fails"):
+                dask.compute(*outs, scheduler="sync")
+    finally:
+        IGNORING_ENDS.set()
 
 
 class ProducesLater(Service):
