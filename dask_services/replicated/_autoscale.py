@@ -74,6 +74,7 @@ class AutoscalingConfig:
                              f"min_replicas ({self.min_replicas})")
         if self.initial_replicas is not None and not (
                 isinstance(self.initial_replicas, int)
+                and not isinstance(self.initial_replicas, bool)
                 and self.min_replicas <= self.initial_replicas <= self.max_replicas):
             raise ValueError("autoscaling initial_replicas must be an integer between "
                              f"min_replicas and max_replicas, got {self.initial_replicas!r}")

@@ -34,6 +34,11 @@ def as_service(cls: type, args: tuple, kwargs: dict, client: Any = None) -> Any:
     name = options.name or f"{base.__name__.lower()}-{uuid.uuid4().hex[:8]}"
     shipped = {"router": options.router}
     try:
+        pickle.dumps(shipped)
+    except Exception as e:
+        raise TypeError(f"options(router=...) of {base.__name__} cannot be pickled (it is "
+                        f"shipped to the workers that call the service): {e}") from e
+    try:
         blob = pickle.dumps((base, args, kwargs, shipped))
     except Exception as e:
         raise TypeError(f"the class {base.__name__} or the setup arguments of as_service() "

@@ -14,6 +14,7 @@ import abc
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import contextvars
 import time
 import uuid
@@ -72,6 +73,8 @@ class Transport(abc.ABC):
         try:
             return cf.result(timeout)
         except concurrent.futures.TimeoutError:
+            if cf.done():  # the coroutine's own TimeoutError (the same class on 3.11+)
+                raise
             cf.cancel()
             raise TimeoutError(
                 f"{getattr(fn, '__name__', fn)} took longer than {timeout} s") from None
@@ -159,6 +162,8 @@ class Call:
         try:
             return self._cf.result(timeout)
         except concurrent.futures.TimeoutError:
+            if self._cf.done():  # the call's own TimeoutError (the same class on 3.11+)
+                raise
             raise TimeoutError(f"{self._what} did not finish within {timeout} s") from None
 
     def done(self) -> bool:
@@ -297,16 +302,27 @@ class ReplicaPeers(Mapping):
     ``await self.peers[sid].endpoint(*args)`` calls that very replica.
     """
 
-    def __init__(self, handle: ReplicatedService) -> None:
+    def __init__(self, handle: ReplicatedService, own: tuple[ServiceId, Any] | None = None,
+                 ) -> None:
         self._handle = handle
+        self._own = own  # (id, service) of the replica these are the peers of
 
     def _ids(self) -> list[ServiceId]:
-        self._handle._maybe_refresh()
-        return [r.id for r in self._handle._table if r.state == "healthy"]
+        h = self._handle
+        if time.monotonic() > h._stale_at and not h._transport.in_loop():
+            # a sync endpoint, in a replica's thread: wait for the table (the loop's
+            # background refresh never runs from here)
+            with contextlib.suppress(Exception):  # a shut-down service: its calls say so
+                h._transport.sync(h._refresh)
+        else:
+            h._maybe_refresh()
+        return [r.id for r in h._table if r.state == "healthy"]
 
     def __getitem__(self, sid: ServiceId) -> PeerEndpoints:
         if sid not in self._ids():
             raise KeyError(sid)
+        if self._own is not None and sid == self._own[0]:
+            return OwnEndpoints(self._handle, ServiceId(sid), self._own[1])
         return PeerEndpoints(self._handle, ServiceId(sid))
 
     def __iter__(self) -> Iterator[ServiceId]:
@@ -334,11 +350,37 @@ class PeerEndpoints:
         return call
 
 
+class OwnEndpoints(PeerEndpoints):
+    """``self.peers[self.id]``: a replica calling its own endpoint runs it at once, in
+    this process and outside its ``max_concurrency`` (through its worker, the call would
+    wait for the slot its caller holds: a replica of ``max_concurrency=1`` iterating over
+    ``self.peers`` would wait for ever).  Batched and streaming endpoints go through the
+    worker as another peer's calls do."""
+
+    def __init__(self, handle: ReplicatedService, sid: ServiceId, service: Any) -> None:
+        super().__init__(handle, sid)
+        self._service = service
+
+    def __getattr__(self, name: str) -> Callable[..., Call]:
+        self._handle._check_endpoint(name)
+        spec = endpoint_spec(type(self._service), name)
+        if spec.batched or spec.stream:
+            return super().__getattr__(name)
+        fn = getattr(self._service, name)
+
+        async def run(args: tuple, kwargs: dict) -> Any:
+            if asyncio.iscoroutinefunction(fn):
+                return await fn(*args, **kwargs)
+            return await asyncio.to_thread(fn, *args, **kwargs)
+
+        def call(*args: Any, **kwargs: Any) -> Call:
+            h = self._handle
+            return Call(h._transport, run(args, kwargs), f"{h.name}.{name} on {self.id}")
+
+        return call
+
+
 # ------------------------------------------------------------------ the handle
-
-
-_HANDLE_NAMES = frozenset({"replicas", "metrics", "scale", "shutdown", "session", "name",
-                           "service_class", "options", "peers", "refresh", "endpoints"})
 
 
 class ReplicatedService:
@@ -381,8 +423,8 @@ class ReplicatedService:
         return (ReplicatedService, (self.name, self.service_class, self.options))
 
     def __getattr__(self, name: str) -> Endpoint:
-        if name.startswith("__") or name.endswith("_"):
-            raise AttributeError(name)  # protocols (copy, pickle...) look these up
+        if name.startswith("__") or (name.startswith("_") and name.endswith("_")):
+            raise AttributeError(name)  # protocols (copy, pickle, IPython) look these up
         self._check_endpoint(name)
         return Endpoint(self, name)
 
@@ -417,6 +459,9 @@ class ReplicatedService:
             raise ServiceShutdown(f"service {self.name} was shut down (or never deployed)")
         self._table = [_Replica(ServiceId(r["id"]), r["worker"], r["state"])
                        for r in info["replicas"]]
+        # Loads replicas reported in their answers are forgotten as the table ages: a
+        # replica reported busy and then no longer chosen would never report again.
+        self._reported.clear()
         # when to refresh next (read here, not on every call: parsing it costs)
         self._stale_at = time.monotonic() + config_seconds("refresh-interval")
         self._table_time = time.monotonic()
@@ -469,6 +514,11 @@ class ReplicatedService:
             await self._refresh()
         else:
             self._maybe_refresh()
+        try:
+            payload = pack((args, kwargs), "payload")
+        except TypeError as e:  # the caller's mistake: nothing to re-send
+            raise TypeError(f"the arguments of {self.name}.{method} cannot be sent to a "
+                            f"replica: {e}") from None
         failures: list[str] = []
         delay = -1.0  # the retry settings are read at the first failure (not per call)
         while True:
@@ -485,7 +535,7 @@ class ReplicatedService:
                 self._outstanding[target.id] += 1
                 try:
                     resp = await self._send(target, {"id": str(target.id), "method": method,
-                                                     **pack((args, kwargs), "payload")})
+                                                     **payload})
                 except OSError as e:
                     failure = f"{target.id} on {target.worker}: {type(e).__name__}: {e}"
                 else:
@@ -517,6 +567,8 @@ class ReplicatedService:
                 delay = config_seconds("retry-backoff")
                 max_delay = config_seconds("retry-backoff-max")
             if len(failures) > retries:
+                with contextlib.suppress(Exception):
+                    await self._refresh()  # the states now, not the table less the failed
                 states = collections.Counter(r.state for r in self._table)
                 raise ServiceUnavailable(
                     f"{self.name}.{method} failed after {len(failures)} attempts "
@@ -686,6 +738,12 @@ class ReplicatedService:
 def _consume(fut: asyncio.Future) -> None:
     if not fut.cancelled():
         fut.exception()
+
+
+# What ``svc.<name>`` finds on the handle itself, which an endpoint may not be named.
+_HANDLE_NAMES = frozenset(
+    {n for n in dir(ReplicatedService) if not n.startswith("_")}
+    | {"name", "service_class", "options"})
 
 
 def check_names(cls: type) -> None:

@@ -72,7 +72,11 @@ def endpoint(method: Callable[..., T] | None = None, *, batch_size: int | None =
                                        or not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"endpoint(batch_size=...) must be an integer >= 1, got "
                              f"{batch_size!r}")
-        wait = float(parse_timedelta(batch_wait, default="seconds"))
+        try:
+            wait = float(parse_timedelta(batch_wait, default="seconds"))
+        except (TypeError, ValueError, KeyError) as e:
+            raise ValueError(f"endpoint(batch_wait=...) must be a duration such as '5ms' or "
+                             f"a number of seconds, got {batch_wait!r}") from e
         if wait < 0:
             raise ValueError(f"endpoint(batch_wait=...) must be >= 0, got {batch_wait!r}")
         if batch_size is None and batch_wait:
@@ -151,18 +155,23 @@ class ReplicaOptions:
                              "to stop a service call svc.shutdown()")
         if self.workers is not None:
             if isinstance(self.workers, str) or not all(
-                    isinstance(w, str) for w in self.workers):
+                    isinstance(w, (str, int)) and not isinstance(w, bool)
+                    for w in self.workers):
                 raise TypeError("options(workers=...) must be a list of worker addresses "
                                 f"or names, got {self.workers!r}")
             if not self.workers:
                 raise ValueError("options(workers=[]) leaves no worker; pass None for any")
-            object.__setattr__(self, "workers", tuple(self.workers))
+            # a worker's name may be an int (LocalCluster's 0, 1, ...): compared as str
+            object.__setattr__(self, "workers", tuple(str(w) for w in self.workers))
         if self.resources is not None:
             if not isinstance(self.resources, Mapping) or not all(
                     isinstance(k, str) and isinstance(v, (int, float))
-                    for k, v in self.resources.items()):
+                    and not isinstance(v, bool) for k, v in self.resources.items()):
                 raise TypeError("options(resources=...) must map resource names to "
                                 f"amounts, e.g. {{'GPU': 1}}; got {self.resources!r}")
+            if any(not v > 0 for v in self.resources.values()):
+                raise ValueError("options(resources=...) amounts must be > 0, got "
+                                 f"{self.resources!r}")
             object.__setattr__(self, "resources", dict(self.resources))
         check_router(self.router)
         limit = self.max_replicas_per_worker

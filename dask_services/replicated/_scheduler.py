@@ -207,10 +207,11 @@ class Deployments(SchedulerPlugin):
                 return {"status": "ok"}
             left = deadline - loop.time()
             if left <= 0:
-                states = {str(m.id): m.state.value for m in machines.values()}
-                return {"status": "error", "error": (
-                    f"replicas of {name} not healthy after {timeout} s: {states} "
-                    "(dask_services.replicated.deploy-timeout); no eligible worker?")}
+                late = "; ".join(f"{m.id}: {_why_not_healthy(m)}" for m in machines.values()
+                                 if m.state is not ReplicaState.HEALTHY)
+                return {"status": "error", "late": True, "error": (
+                    f"replicas of {name} not healthy after {timeout} s "
+                    f"(dask_services.replicated.deploy-timeout): {late}")}
             try:
                 await asyncio.wait_for(dep.changed.wait(), left)
             except TimeoutError:
@@ -281,6 +282,10 @@ class Deployments(SchedulerPlugin):
             new = [self._add_slot(dep) for _ in range(n - len(active))]
             result = await self.wait(comm, name, timeout, slots=new)
             if result["status"] != "ok":
+                if result.get("late"):  # not failed, only late: they stay wanted
+                    result["error"] += (
+                        f"; the service still aims at {n} replicas and starts them once "
+                        f"workers allow: svc.scale({len(active)}) gives them up")
                 return result
             return {"status": "ok"}
         await self._scale_down(dep, n)
@@ -694,3 +699,12 @@ class Deployments(SchedulerPlugin):
         self.scheduler.log_event(EVENT_TOPIC, msg)
         logger.info("replicated service %s: replica %s on %s %s %s", name, sid, worker, what,
                     detail or "")
+
+
+def _why_not_healthy(m: lc.ReplicaMachine) -> str:
+    """What a replica that is not healthy yet is waiting for, in words."""
+    if m.waiting_for_worker:
+        return m.last_error or "waiting for a worker"
+    if m.starting:
+        return f"setup() still running on {', '.join(m.workers)}"
+    return m.state.value + (f" ({m.last_error})" if m.last_error else "")

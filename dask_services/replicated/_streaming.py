@@ -147,7 +147,15 @@ async def serve(rep: HostedReplica, comm: Any, method: str, args: tuple, kwargs:
                 await comm.write({"status": "done"})
                 break
             credit[0] -= 1
-            await comm.write({"status": "item", **pack(item, "item")})
+            try:
+                packed = pack(item, "item")
+            except TypeError as e:  # the generator's fault: the stream ends with it
+                record(True)
+                await comm.write({"status": "error", "exception": dumps_exception(TypeError(
+                    f"an item of {rep.name}.{method} ({type(item).__name__}) cannot be "
+                    f"sent to the caller: {e}"))})
+                break
+            await comm.write({"status": "item", **packed})
         outcome = await reader
         if outcome == "cancel":
             error = False
@@ -156,9 +164,17 @@ async def serve(rep: HostedReplica, comm: Any, method: str, args: tuple, kwargs:
             record(False)
             await comm.write({"status": "cancelled"})
     except asyncio.CancelledError:  # the replica stops (shutdown timeout)
-        comm.abort()
         if not rep.cancelled:
+            comm.abort()
             raise
+        # the caller learns why its stream ends, as a call's caller does
+        status = "gone" if isinstance(rep.closed_with, ReplicaGone) else "shutdown"
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(comm.write({"status": status, "message": (
+                f"the stream was cancelled: replica {rep.id} of {rep.name} stopped before "
+                "it ended" + (f" ({rep.closed_with})" if status == "gone" else
+                              " (svc.shutdown timeout)"))}), 1)
+        comm.abort()
     except (CommClosedError, OSError):
         comm.abort()
     finally:
@@ -335,17 +351,25 @@ class Stream:
                     f"mid-stream ({type(e).__name__}: {e})") from e
             status = msg.get("status") if isinstance(msg, dict) else None
             if status == "item":
-                await comm.write({"op": "credit", "n": 1})
+                # a replica gone meanwhile: the item is here, the next read says it broke
+                with contextlib.suppress(CommClosedError, OSError):
+                    await comm.write({"op": "credit", "n": 1})
                 return unpack(msg, "item")
             # the last message: tell the replica we are done, give the comm back
             self._finished = True
-            await comm.write({"op": "end"})
+            with contextlib.suppress(CommClosedError, OSError):
+                await comm.write({"op": "end"})
             self._comm = None
             self._release(comm)
             if status == "done":
                 raise StopAsyncIteration
             if status == "error":
                 raise loads_exception(msg["exception"])
+            if status == "shutdown":
+                raise ServiceShutdown(msg["message"])
+            if status == "gone":  # items were taken already: not re-sent
+                raise ServiceUnavailable(f"{self._handle.name}.{self._method}: "
+                                         f"{msg['message']}")
             raise ServiceUnavailable(f"{self._handle.name}.{self._method}: unexpected "
                                      f"message {msg!r}")
 
@@ -361,6 +385,11 @@ class Stream:
             await h._refresh()
         else:
             h._maybe_refresh()
+        try:
+            payload = pack((self._args, self._kwargs), "payload")
+        except TypeError as e:  # the caller's mistake: nothing to re-send
+            raise TypeError(f"the arguments of {h.name}.{self._method} cannot be sent to a "
+                            f"replica: {e}") from None
         failures: list[str] = []
         while True:
             target = h._choose(self._session)
@@ -372,8 +401,7 @@ class Stream:
                     comm = await h._connect(target, connect_timeout)
                     await comm.write({
                         "op": "replicated_stream", "id": str(target.id),
-                        "method": self._method, "window": stream_window(),
-                        **pack((self._args, self._kwargs), "payload")})
+                        "method": self._method, "window": stream_window(), **payload})
                     msg = await comm.read()
                 except (CommClosedError, OSError) as e:
                     failure = f"{target.id} on {target.worker}: {type(e).__name__}: {e}"

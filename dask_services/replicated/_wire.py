@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from distributed.protocol import pickle
-from distributed.protocol.serialize import to_serialize
+from distributed.protocol.serialize import serialize, to_serialize
 
 from dask_services._messages import unwrap
 
@@ -23,11 +23,19 @@ SMALL = 64 * 1024  # bytes: larger pickles go through distributed's serializatio
 
 
 def pack(value: Any, key: str) -> dict[str, Any]:
-    """``{key: to_serialize(value)}``, or ``{"pickled": bytes}`` for a small value."""
+    """``{key: to_serialize(value)}``, or ``{"pickled": bytes}`` for a small value.
+
+    Raises ``TypeError`` for a value that neither pickle nor distributed's serializers can
+    send, here rather than when the message is written, where the failure would look like
+    a broken connection and take the calls sharing the message with it."""
     buffers: list[Any] = []
     try:
         data = pickle.dumps(value, buffer_callback=buffers.append)
-    except Exception:
+    except Exception as e:
+        try:  # a type that distributed serializes its own way (dask_serialize)
+            serialize(value, on_error="raise")
+        except Exception:
+            raise TypeError(f"{type(e).__name__}: {e}") from e
         return {key: to_serialize(value)}
     if buffers or len(data) > SMALL:
         return {key: to_serialize(value)}

@@ -11,6 +11,7 @@ knows nothing of it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
@@ -64,6 +65,15 @@ class HostedReplica:
     running: set[asyncio.Task] = field(default_factory=set)
     gang: GangMember | None = None  # its rank and the other ranks (``_gang.py``)
     batchers: dict[str, Batcher] = field(default_factory=dict)  # by batched endpoint
+    handle: Any = None  # the ReplicatedService behind its self.service and self.peers
+
+    async def peers_known(self) -> None:
+        """Before its first call runs, the replica's handle fetches the replica table, so
+        that ``self.peers`` has every healthy replica from the start (later on, the table
+        is refreshed as it ages)."""
+        if self.handle is not None and self.handle._table_time < 0:
+            with contextlib.suppress(Exception):  # a shut-down service: its calls say so
+                await self.handle._refresh()
 
 
 class ReplicaWorker(WorkerPlugin):
@@ -114,7 +124,11 @@ class ReplicaWorker(WorkerPlugin):
         """Create replica ``id`` (rank ``rank`` of the gang ``ranks``, (id, worker) by rank)
         and run its ``setup``; answers once it is healthy or not."""
         from dask_services.replicated import _gang
-        from dask_services.replicated._handle import ReplicatedService, WorkerTransport
+        from dask_services.replicated._handle import (
+            ReplicaPeers,
+            ReplicatedService,
+            WorkerTransport,
+        )
 
         sid = ServiceId(id)
         try:
@@ -125,7 +139,9 @@ class ReplicaWorker(WorkerPlugin):
             service.key = name
             service.params = dict(kwargs)
             service.service = handle
-            service.peers = handle.peers()
+            # a replica of one process calls its own endpoints in place (OwnEndpoints)
+            service.peers = ReplicaPeers(handle, None if ranks and len(ranks) > 1
+                                         else (sid, service))
         except Exception as e:
             return {"status": "error", "error": f"{type(e).__name__}: {e}",
                     "exception": dumps_exception(e)}
@@ -135,6 +151,7 @@ class ReplicaWorker(WorkerPlugin):
             gate=CallGate(max_concurrency, max_queued if rank == 0 else _gang.RANK_QUEUE,
                           f"replica {sid} of {name}"),
             executor=ThreadPoolExecutor(max_concurrency, thread_name_prefix=f"replica-{sid}"),
+            handle=handle,
         )
         self.replicas[sid] = rep
         _gang.attach(self, rep, rank, ranks)
@@ -169,8 +186,8 @@ class ReplicaWorker(WorkerPlugin):
                 rep.executor, in_current_context(functools.partial(setup, *args, **kwargs))
             )
         try:
-            await asyncio.wait_for(coro, timeout)
-        except TimeoutError:
+            await within(coro, timeout)
+        except Late:
             raise TimeoutError(
                 f"setup of replica {rep.id} did not finish within {timeout} s "
                 "(dask_services.replicated.setup-timeout)"
@@ -244,11 +261,11 @@ class ReplicaWorker(WorkerPlugin):
             return {"status": "ok"}
         try:
             if inspect.iscoroutinefunction(check):
-                ok = await asyncio.wait_for(check(), timeout)
+                ok = await within(check(), timeout)
             else:
                 # Not in the replica's own threads: busy endpoints must not fail the probe.
-                ok = await asyncio.wait_for(asyncio.to_thread(check), timeout)
-        except TimeoutError:
+                ok = await within(asyncio.to_thread(check), timeout)
+        except Late:
             return {"status": "error", "error": f"check_health() took longer than {timeout} s"}
         except Exception as e:
             return {"status": "error", "error": f"check_health() raised {type(e).__name__}: {e}"}
@@ -305,9 +322,12 @@ class ReplicaWorker(WorkerPlugin):
 
             return {"status": "error", "exception": dumps_exception(EndpointRefused(
                 f"{method!r} is not an endpoint of {type(rep.service).__name__}"))}
-        args, kwargs = unpack({"payload": payload, "pickled": pickled}
-                              if pickled is not None else {"payload": payload}, "payload")
+        try:
+            args, kwargs = arguments(rep, method, payload, pickled)
+        except TypeError as e:
+            return {"status": "error", "exception": dumps_exception(e)}
         arrived = time.perf_counter()
+        await rep.peers_known()
         spec = endpoint_spec(type(rep.service), method)
         if spec.stream:
             return {"status": "error", "exception": dumps_exception(TypeError(
@@ -340,9 +360,11 @@ class ReplicaWorker(WorkerPlugin):
             else:
                 result = await fn(*args, **kwargs)
             error = False
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as e:
             if not rep.cancelled:
-                raise
+                if task is None or task.cancelling():
+                    raise
+                return escaped(rep, method, e)
             if isinstance(rep.closed_with, ReplicaGone):  # moved or worker closing: re-send
                 return {"status": "gone", "message": str(rep.closed_with)}
             return {"status": "shutdown", "message": (
@@ -352,14 +374,15 @@ class ReplicaWorker(WorkerPlugin):
             return {"status": "gone", "message": str(e)}
         except Exception as e:
             return {"status": "error", "exception": dumps_exception(e)}
+        except SystemExit as e:  # sys.exit() in an endpoint ends the call, not the worker
+            return escaped(rep, method, e)
         finally:
             rep.metrics.record(time.perf_counter() - arrived, error)
             if task is not None:
                 rep.running.discard(task)
             if in_thread is None:  # a thread call's slot is its thread's to give back
                 rep.gate.release()
-        return {"status": "ok", **pack(result, "result"),
-                "load": rep.gate.in_flight + rep.gate.queued}
+        return answer(rep, method, result)
 
     async def calls(self, comm: Any, calls: list[dict]) -> Any:
         """Several calls in one message (``ReplicatedService._send``): each runs as if it
@@ -415,8 +438,12 @@ class ReplicaWorker(WorkerPlugin):
                                               f"{type(rep.service).__name__}"))
             await comm.write({"status": "error", "exception": dumps_exception(exc)})
             return Status.dont_reply
-        args, kwargs = unpack({"payload": payload, "pickled": pickled}
-                              if pickled is not None else {"payload": payload}, "payload")
+        try:
+            args, kwargs = arguments(rep, method, payload, pickled)
+        except TypeError as e:
+            await comm.write({"status": "error", "exception": dumps_exception(e)})
+            return Status.dont_reply
+        await rep.peers_known()
         return await _streaming.serve(rep, comm, method, args, kwargs, int(window))
 
     def _batcher(self, rep: HostedReplica, method: str) -> Batcher:
@@ -464,9 +491,11 @@ class ReplicaWorker(WorkerPlugin):
         try:
             result = await fut
             error = False
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as e:
             if not rep.cancelled:
-                raise
+                if task is None or task.cancelling():
+                    raise
+                return escaped(rep, method, e)
             if isinstance(rep.closed_with, ReplicaGone):
                 return {"status": "gone", "message": str(rep.closed_with)}
             return {"status": "shutdown", "message": (
@@ -481,6 +510,60 @@ class ReplicaWorker(WorkerPlugin):
             rep.metrics.record(time.perf_counter() - arrived, error)
             if task is not None:
                 rep.running.discard(task)
-        return {"status": "ok", **pack(result, "result"),
-                "load": rep.gate.in_flight + rep.gate.queued}
+        return answer(rep, method, result)
 
+
+class Late(Exception):
+    """What :func:`within` raises when its awaitable did not finish in time."""
+
+
+async def within(awaitable: Any, timeout: float) -> Any:
+    """The result of ``awaitable``, cancelled and :class:`Late` past ``timeout`` seconds.
+    Unlike ``asyncio.wait_for``, a ``TimeoutError`` the user's code raises itself (a
+    download that timed out in ``setup``) reaches the caller as it was raised."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    except asyncio.CancelledError:
+        task.cancel()  # as wait_for does
+        raise
+    if not done:
+        task.cancel()
+        raise Late
+    return task.result()
+
+
+def answer(rep: HostedReplica, method: str, result: Any) -> dict:
+    """The answer carrying a call's result; an error the caller can read if the result
+    cannot be sent (a lock, an open file: the endpoint's fault, not the connection's)."""
+    try:
+        packed = pack(result, "result")
+    except TypeError as e:
+        error = TypeError(f"the result of {rep.name}.{method} ({type(result).__name__}) "
+                          f"cannot be sent back to the caller: {e}")
+        return {"status": "error", "exception": dumps_exception(error)}
+    return {"status": "ok", **packed, "load": rep.gate.in_flight + rep.gate.queued}
+
+
+def escaped(rep: HostedReplica, method: str, exc: BaseException) -> dict:
+    """The error answer for a ``CancelledError`` that an endpoint let out without its call
+    being cancelled (it awaited a task cancelled elsewhere) or a ``SystemExit``: the
+    caller's error, neither a lost connection to re-send on nor the worker's end."""
+    error = RuntimeError(
+        f"{rep.name}.{method} raised {type(exc).__name__}"
+        + (" without being cancelled (an awaited task was cancelled?)"
+           if isinstance(exc, asyncio.CancelledError) else f": {exc}"))
+    error.__cause__ = exc
+    return {"status": "error", "exception": dumps_exception(error)}
+
+
+def arguments(rep: HostedReplica, method: str, payload: Any,
+              pickled: bytes | None) -> tuple[tuple, dict]:
+    """A call's arguments as its caller packed them; ``TypeError`` naming the call if they
+    cannot be loaded here (a class this worker cannot import)."""
+    try:
+        return unpack({"payload": payload, "pickled": pickled}
+                      if pickled is not None else {"payload": payload}, "payload")
+    except Exception as e:
+        raise TypeError(f"the arguments of {rep.name}.{method} cannot be loaded on the "
+                        f"replica's worker: {type(e).__name__}: {e}") from e
