@@ -29,6 +29,7 @@ from dask_services._known_sizes import checked_nbytes, remember
 from dask_services._payload import known_arguments_nbytes
 from dask_services.service import (
     Concierge,
+    PeerUnreachableError,
     ProduceKeyError,
     RPCRefused,
     Service,
@@ -419,7 +420,11 @@ class ServiceHost:
             return False
         except Exception as exc:
             if not inst.stopping:
-                self.env.failed(inst.spec, exc)
+                lost = _peer_lost(exc)
+                if lost is not None:  # the peer's worker is gone: as its loss does
+                    self.env.restart(inst.spec, str(lost))
+                else:
+                    self.env.failed(inst.spec, exc)
             return False
         finally:
             inst.hooks.pop(task, None)
@@ -572,6 +577,18 @@ def known_or_size_of(args: tuple, kwargs: dict) -> int:
     """The bytes of a peer call's arguments: as its caller said, else measured."""
     known = known_arguments_nbytes()
     return size_of((args, kwargs)) if known is None else known
+
+
+def _peer_lost(exc: BaseException) -> PeerUnreachableError | None:
+    """The ``PeerUnreachableError`` behind ``exc`` (itself, or what it was raised from)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, PeerUnreachableError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def stop_grace() -> float:

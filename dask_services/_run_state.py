@@ -324,6 +324,15 @@ class ServiceTaskReleased:
 
 
 @dataclass(frozen=True)
+class RescheduleCarriedOut:
+    """The scheduler is about to carry out the last ``RescheduleServiceTask`` (release the
+    service task and its hand-offs); until then no new run may start."""
+
+    run_id: int | None = None  # the run whose end asked for it
+    stimulus_id: str = _stimulus_field("reschedule-carried-out")
+
+
+@dataclass(frozen=True)
 class ServiceTaskDone:
     """The service task reached memory or erred; the outcome was delivered."""
 
@@ -350,6 +359,7 @@ Event = (
     | OutputLost
     | OutputUnproduced
     | OutputWaiting
+    | RescheduleCarriedOut
     | OutputsWanted
     | RunFailed
     | RestartRequested
@@ -436,6 +446,7 @@ class RescheduleServiceTask:
     """Release the service task and its hand-offs so that a new run gets every input."""
 
     reason: str
+    run_id: int | None = None  # the run that is over
     stimulus_id: str = _action_stimulus()
 
 
@@ -559,6 +570,10 @@ class ServiceTaskMachine:
         self.pending_outcome: tuple[BaseException | None] | None = None
         # Set when the graph breaks a rule of service tasks; the task then errs with it.
         self.graph_error: BaseException | None = None
+        # A RescheduleServiceTask not yet carried out: a run started meanwhile (the service
+        # task placed again by the scheduler as the worker left) would be released by it,
+        # which would count as one more restart, and so on until TooManyRestarts.
+        self.rescheduling = False
         if validating is None:
             validating = bool(dask.config.get("distributed.scheduler.validate", False))
         self.validating = validating
@@ -578,6 +593,8 @@ class ServiceTaskMachine:
     def _may_start(self) -> bool:
         """Whether a new run may start now (facts permitting)."""
         if self.live_run is not None or self.pending_outcome is not None:
+            return False
+        if self.rescheduling:
             return False
         if self.graph_error is not None:
             return False
@@ -647,10 +664,11 @@ class ServiceTaskMachine:
             return self._fail(run, error)
         run.phase = Phase.FAILED
         self.run = None
+        self.rescheduling = True
         return [
             StopInstances(run.snapshot(), f"restarting: {reason}"),
             Log("restarted", run.run_id, reason),
-            RescheduleServiceTask(reason),
+            RescheduleServiceTask(reason, run.run_id),
         ]
 
     # ------------------------------------------------------------ events
@@ -844,6 +862,10 @@ class ServiceTaskMachine:
         return self._on_ServiceTaskProcessing(
             ServiceTaskProcessing(ev.worker, stimulus_id=ev.stimulus_id))
 
+    def _on_RescheduleCarriedOut(self, ev: RescheduleCarriedOut) -> list[Action]:
+        self.rescheduling = False
+        return []
+
     def _on_ServiceTaskReleased(self, ev: ServiceTaskReleased) -> list[Action]:
         worker, self.task_worker = self.task_worker, None
         run = self.live_run
@@ -858,14 +880,15 @@ class ServiceTaskMachine:
                 return []
             # Finished but the task was released before reaching memory: a later run
             # produces whatever is still missing.
-            self.run = None
+            finished_id, self.run = self.run.run_id, None
             if ev.still_wanted:
                 # It runs again (its worker died with outputs the client still wants):
                 # the hand-offs that survived gave their inputs to the finished run, so
                 # they run again too, or the next run waits for them for ever.
+                self.rescheduling = True
                 return [RescheduleServiceTask(
                     "the service task was lost before it reached memory, after its run "
-                    "had finished")]
+                    "had finished", finished_id)]
             return []
         return self._cancel(run, "")
 

@@ -589,7 +589,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                     action.stimulus_id)
 
     def _do_reschedule(self, service_key: Key, action: rs.RescheduleServiceTask) -> None:
-        self._later(self._reschedule, service_key, action.stimulus_id)
+        self._later(self._reschedule, service_key, action.stimulus_id, action.run_id)
 
     def _do_log(self, service_key: Key, action: rs.Log) -> None:
         self._log(service_key, action)
@@ -701,8 +701,11 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
 
         asyncio.get_running_loop().call_soon(run)
 
-    def _reschedule(self, service_key: Key, stimulus_id: str) -> None:
+    def _reschedule(self, service_key: Key, stimulus_id: str,
+                    run_id: int | None = None) -> None:
         """Release the service task and its hand-offs: a new run receives every input."""
+        # from here on a run may start again (the releases below lead to it)
+        self._event(service_key, rs.RescheduleCarriedOut(run_id, stimulus_id=stimulus_id))
         tasks = self.scheduler.tasks
         sts = tasks.get(service_key)
         definition = self.definitions.get(service_key)
@@ -736,7 +739,13 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             ots = tasks.get(o)
             if ots is None or o not in self.cut or ots.state not in ("no-worker", "processing"):
                 continue
-            del self.cut[o]
+            producer = self.cut.pop(o)
+            # the value the lost run produced there is not taken: the next run produces it
+            # again, maybe elsewhere (it stayed, unspillable, until the worker closed)
+            if producer in self.scheduler.workers:
+                self._send(producer, {"op": "service-drop-output", "key": o})
+            if self.produced_at.get(o) == producer:
+                del self.produced_at[o]
             ots.dependencies.add(sts)
             sts.dependents.add(ots)
             self._restore_restrictions(ots)

@@ -252,6 +252,12 @@ class PeerCallError(ServiceError):
     """A peer call's arguments or result could not be serialized or deserialized."""
 
 
+class PeerUnreachableError(ServiceError):
+    """A peer call's connection to the peer's worker failed (the worker died or left).
+    Let out of a hook, it restarts the run rather than failing it, as the peer's loss
+    does: a new run (new ids, the workers that are there) gets every input again."""
+
+
 class StaleRunError(ServiceError):
     """A message was addressed to an instance of a run that is no longer current."""
 

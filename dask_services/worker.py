@@ -10,6 +10,7 @@ the ``compute-task`` messages of hand-offs); peer RPCs use ordinary worker handl
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import shutil
 from collections.abc import Callable
@@ -27,13 +28,21 @@ from tornado.ioloop import PeriodicCallback
 
 from dask_services._counters import CounterReports, Traffic, instance_counters, size_of
 from dask_services._host import Environment, InstanceSpec, ServiceHost, make_directory
+from dask_services._memory import release_freed_memory
 from dask_services._messages import dumps_exception, loads_exception, unwrap
 from dask_services._payload import known_arguments_nbytes, pack, unpack
 from dask_services._pending_inputs import PendingInputs
+from dask_services._produced import ProducedOutputs
 from dask_services._sending import window_size
 from dask_services._streams import flush
 from dask_services._worker_context import as_worker, in_current_context
-from dask_services.service import OutputLostError, PeerCallError, ServiceId, StaleRunError
+from dask_services.service import (
+    OutputLostError,
+    PeerCallError,
+    PeerUnreachableError,
+    ServiceId,
+    StaleRunError,
+)
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -92,7 +101,7 @@ class WorkerEnvironment(Environment):
                     "run_id": spec.run_id, "reason": str(reason)})
 
     def produced(self, spec: InstanceSpec, key: Key, value: Any) -> None:
-        self.ext.produced[key] = value
+        self.ext.produced.put(key, value)
         self._send({"op": "service-produced", "service_key": spec.service_key,
                     "run_id": spec.run_id, "key": key})
 
@@ -128,6 +137,11 @@ class WorkerEnvironment(Environment):
                 method=method, payload=payload,
                 unsent=str(unsent) if unsent is not None else None,
             )
+        except OSError as exc:  # CommClosedError, a refused or timed-out connection
+            traffic.bytes_sent -= nbytes
+            raise PeerUnreachableError(
+                f"{call}: the connection to {address} failed ({type(exc).__name__}: "
+                f"{exc}); the worker left or died") from exc
         except Exception:
             traffic.bytes_sent -= nbytes
             raise
@@ -197,7 +211,7 @@ class ServiceWorkerPlugin(WorkerPlugin):
             )
         self.worker = worker
         self.host = ServiceHost(WorkerEnvironment(self))
-        self.produced: dict[Key, Any] = {}
+        self.produced = ProducedOutputs(self.host.env.local_directory)
         self.outcomes: dict[Key, asyncio.Future] = {}
         self._background: set[asyncio.Task] = set()
         # at most 1/32 of the worker's memory limit, as the bytes in flight: inputs waiting
@@ -286,6 +300,22 @@ class ServiceWorkerPlugin(WorkerPlugin):
         await self.host.stop(sid)
         if inst is not None:
             self.counter_reports.stopped(instance_counters(inst, final=True))
+            del inst
+            self._collect_if_pressed()
+
+    def _collect_if_pressed(self) -> None:
+        """A stopped instance's memory may live on in reference cycles (an exception out
+        of a hook holds the hook's frames, which hold its data) until Python's garbage
+        collector runs, which distributed never asks for: a worker paused for memory
+        could stay paused for a minute.  Collect at once when memory is above the
+        worker's target (distributed.worker.memory.target, else spill)."""
+        mm = self.worker.memory_manager
+        limit = mm.memory_limit
+        target = mm.memory_target_fraction or mm.memory_spill_fraction
+        if self.worker.status == Status.paused or (
+                limit and target
+                and self.worker.monitor.get_process_memory() > limit * target):
+            gc.collect()
 
     def heartbeat(self) -> dict:
         """Counters of the instances here (``_counters.py``), for the scheduler plugin."""
@@ -300,7 +330,7 @@ class ServiceWorkerPlugin(WorkerPlugin):
             fut.set_result(("error", error) if error is not None else ("done", None))
 
     def _service_drop_output(self, key: Key, **_: Any) -> None:
-        self.produced.pop(key, None)
+        self.produced.drop(key)
 
     def _outcome(self, key: Key) -> asyncio.Future:
         fut = self.outcomes.get(key)
@@ -461,7 +491,21 @@ class ServiceWorkerPlugin(WorkerPlugin):
     # ------------------------------------------------------------- memory
 
     async def _check_memory(self) -> None:
-        if self._evicting or not self.host.instances:
+        if self._evicting:
+            return
+        if self.worker.status == Status.paused and self.produced.in_memory():
+            # no claim runs on a paused worker: the values waiting for one go to disk
+            self._evicting = True
+            try:
+                nbytes = await asyncio.get_running_loop().run_in_executor(
+                    self.executor, self.produced.spill)
+                release_freed_memory()
+                logger.info("dask_services: worker %s is paused; %d bytes of produced "
+                            "outputs written to disk until their claims run",
+                            self.worker.address, nbytes)
+            finally:
+                self._evicting = False
+        if not self.host.instances:
             return
         mm = self.worker.memory_manager
         limit = mm.memory_limit
@@ -529,7 +573,7 @@ def claim_output_on_worker(key: Key, *, keep: bool = False) -> Any:
     so that a retry of a consumer that raised finds it again)."""
     _, ext = _worker_extension()
     try:
-        return ext.produced[key] if keep else ext.produced.pop(key)
+        return ext.produced.take(key, keep=keep)
     except KeyError:
         raise OutputLostError(
             f"output {key!r} is not held on this worker; it must be produced again by a "
@@ -540,4 +584,4 @@ def claim_output_on_worker(key: Key, *, keep: bool = False) -> Any:
 def let_go_of_output_on_worker(key: Key) -> None:
     """A claim that ran its output's consumer is done with the produced value."""
     _, ext = _worker_extension()
-    ext.produced.pop(key, None)
+    ext.produced.drop(key)

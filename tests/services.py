@@ -174,6 +174,14 @@ class PidReporter(Service):
                 await self.concierge.produce_key(out, os.getpid())
 
 
+class SlowPidReporter(PidReporter):
+    """A ``PidReporter`` that lingers first (kill tests of a service without inputs)."""
+
+    async def all_inputs_done(self) -> None:
+        await asyncio.sleep(float(self.params.get("delay", 1.0)))
+        await super().all_inputs_done()
+
+
 class Hog(Service):
     """Claims to hold a lot of memory; records please_evict calls."""
 

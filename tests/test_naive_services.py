@@ -5,10 +5,13 @@ works in every hook of an instance and every method of a replica."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import weakref
 from typing import Any
 
 import dask
+import numpy as np
 import pytest
 from distributed import Client, LocalCluster, futures_of, get_worker, wait
 from distributed.utils_test import async_poll_for, captured_logger, gen_cluster, poll_for
@@ -535,6 +538,52 @@ def test_naive_mistakes_raise_under_the_local_scheduler(service, error, match):
     outs = dask_services.service_task(service, [dask.delayed(1)], outputs=2)
     with pytest.raises(error, match=match):
         dask.compute(*outs, scheduler="sync")
+
+
+HELD: list[weakref.ref] = []  # what FailsHoldingData's failing hook held
+
+
+class FailsHoldingData(Service):
+    """Fails with an exception whose traceback holds the hook's frame, which holds the
+    exception and the hook's data: a reference cycle, freed by the garbage collector only."""
+
+    async def add_key(self, key, data):
+        pass
+
+    async def all_inputs_done(self):
+        payload = np.ones(2_000_000)
+        HELD.append(weakref.ref(payload))
+        try:
+            raise ValueError("failed holding 16 MB")
+        except ValueError as e:
+            error = e
+        raise error
+
+
+@service_cluster(config={"distributed.worker.memory.target": 0.01,
+                         "distributed.worker.memory.spill": False,
+                         "distributed.worker.memory.pause": False,
+                         "distributed.worker.memory.terminate": False},
+                 worker_kwargs={"memory_limit": "1 GiB"})
+async def test_a_stopped_instance_memory_is_collected_when_memory_is_tight(c, s, a, b):
+    """Above the worker's memory target (here: always), the memory of an instance that
+    stopped on a failure is freed at once, not when the garbage collector next runs (a
+    worker paused for memory stayed paused for up to a minute)."""
+    HELD.clear()
+    gc.disable()  # the collector runs only when asked
+    try:
+        outs = c.compute(dask_services.service_task(
+            FailsHoldingData, [dask.delayed(inc)(i) for i in range(4)], outputs=2))
+        for out in outs:
+            await assert_errs(out, ValueError, "failed holding 16 MB")
+        del outs, out
+        await async_poll_for(lambda: not any(w.extensions["dask_services"].host.instances
+                                             for w in (a, b)), timeout=10)
+        # (before assert_nothing_left, which collects)
+        assert HELD and all(ref() is None for ref in HELD), "the payload is still alive"
+        await assert_nothing_left(s, [a, b])
+    finally:
+        gc.enable()
 
 
 IGNORING_ENDS = threading.Event()  # the one thing that ends IgnoresItsCancellation's hooks

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import dask
 import pytest
 from distributed import Client, LocalCluster
 from distributed.utils_test import poll_for
-from services import PidReporter, SlowSum
+from services import PidReporter, SlowPidReporter, SlowSum
 from utils import kill, live_run, lost_worker, service_events, validate_scheduler
 
 import dask_services
@@ -57,6 +59,30 @@ def test_worker_killed_mid_run_restarts_with_correct_result(cluster):
     assert client.gather(futures) == [sum(range(1, 13))] * 4
     restarted = service_events(client, "restarted")
     assert restarted and lost_worker(restarted[0]["detail"], victim), restarted
+    validate_scheduler(client)
+    del futures
+    poll_for(lambda: not machines(client), timeout=30)
+
+
+def test_the_worker_running_a_task_without_inputs_killed_costs_one_restart(cluster):
+    """The scheduler places the service task on another worker as soon as its worker is
+    gone; the run that would start there must wait for the restart's reschedule, or that
+    reschedule restarts it again, and so on until TooManyRestarts (it did, with one
+    restart allowed, in every run)."""
+    cluster, client = cluster
+    with dask.config.set({"dask_services.restarts": 1}):
+        futures = client.compute(dask_services.service_task(SlowPidReporter, [], outputs=3,
+                                                            delay=3.0))
+        poll_for(lambda: live_run_in(client, Phase.INPUTS_DONE), timeout=60)
+        (worker,) = client.run_on_scheduler(lambda dask_scheduler: [
+            m.task_worker for m in dask_scheduler.extensions["dask_services"]
+            .machines.values()])
+        pid = client.run(os.getpid, workers=[worker])[worker]
+        kill(client, worker)
+        pids = client.gather(futures)
+    assert pid not in pids and set(pids) <= set(client.run(os.getpid).values())
+    restarted = service_events(client, "restarted")
+    assert len(restarted) == 1 and lost_worker(restarted[0]["detail"], worker), restarted
     validate_scheduler(client)
     del futures
     poll_for(lambda: not machines(client), timeout=30)

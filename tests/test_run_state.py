@@ -22,6 +22,10 @@ def machine(max_restarts: int = 2) -> rs.ServiceTaskMachine:
 
 
 def need(m: rs.ServiceTaskMachine, run_id: int = 1, wanted=OUTPUTS, workers=WORKERS):
+    """A new run is needed; a reschedule the machine asked for is carried out first, as
+    the scheduler plugin does before the released tasks lead to a new run."""
+    if m.rescheduling:
+        m.handle(rs.RescheduleCarriedOut(run_id - 1))
     return m.handle(rs.RunNeeded(run_id, "p-", workers, wanted))
 
 
@@ -180,6 +184,7 @@ EVENTS = st.one_of(
     st.builds(rs.WorkerLost, st.sampled_from(WORKERS)),
     st.builds(rs.ServiceTaskProcessing, st.sampled_from(WORKERS)),
     st.builds(rs.ServiceTaskReleased, st.booleans()),
+    st.builds(rs.RescheduleCarriedOut, st.integers(1, 3)),
     st.just("need"),
 )
 
@@ -309,6 +314,28 @@ def test_stories_are_bounded():
         m.handle(rs.RestartRequested(run_id, "again"))
     assert list(m.stories) == [3, 4]
     assert all(len(s.milestones) <= 3 and len(s.routine) <= 3 for s in m.stories.values())
+    m.validate()
+
+
+def test_one_lost_worker_costs_one_restart_of_a_task_without_inputs():
+    """The worker running a service task without inputs dies: the scheduler places the task
+    on another worker at once, before the plugin carries out the reschedule; no run may
+    start then, or the reschedule's release of the task restarts it once more, and again,
+    until TooManyRestarts."""
+    m = rs.ServiceTaskMachine("svc", [], OUTPUTS, max_restarts=3)
+    assert kinds(m.handle(rs.ServiceTaskProcessing(WORKERS[0]))) == ["PrepareRun"]
+    need(m)
+    start_all(m)
+    m.handle(rs.ServiceTaskReleased(worker_gone=True, still_wanted=True))
+    assert m.restarts == 1 and m.run is None and m.rescheduling
+    assert m.handle(rs.ServiceTaskProcessing(WORKERS[1])) == []  # placed again: waits
+    assert m.handle(rs.RunNeeded(2, "p-", WORKERS[1:], OUTPUTS)) == []
+    m.handle(rs.RescheduleCarriedOut(1))
+    # the reschedule releases the task (no live run: nothing to restart), then it runs
+    assert m.handle(rs.ServiceTaskReleased(worker_gone=False, still_wanted=True)) == []
+    assert kinds(m.handle(rs.ServiceTaskProcessing(WORKERS[1]))) == ["PrepareRun"]
+    assert kinds(need(m, run_id=2, workers=WORKERS[1:])) == ["StartInstances", "Log"]
+    assert m.restarts == 1
     m.validate()
 
 

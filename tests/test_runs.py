@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import os
+import threading
 import time
 
 import dask
 import pytest
+from distributed.comm.core import CommClosedError
+from distributed.core import Status
 from distributed.utils_test import async_poll_for, gen_cluster
 from services import Recorder
 from utils import assert_nothing_left, events_of, service_cluster
@@ -44,6 +49,130 @@ async def test_message_for_an_old_run_is_refused(c, s, a, b):
     assert await c.gather(outs) == [10, 10]
     del outs
     await assert_nothing_left(s, [a, b])
+
+
+class _LostConnection:
+    """``worker.rpc`` of a worker whose first peer call to ``address`` finds the
+    connection gone, as when the peer's worker dies while the call is sent."""
+
+    def __init__(self, pool, address: str) -> None:
+        self.pool, self.address, self.failed = pool, address, 0
+
+    def __call__(self, address: str):
+        if address != self.address or self.failed:
+            return self.pool(address)
+        owner = self
+
+        class Broken:
+            async def service_rpc(self, **kwargs):
+                owner.failed += 1
+                raise CommClosedError("in <TCP (closed)>: ConnectionResetError: [Errno 104] "
+                                      "Connection reset by peer")
+
+        return Broken()
+
+    def __getattr__(self, name: str):
+        return getattr(self.pool, name)
+
+
+@service_cluster()
+async def test_a_peer_call_whose_connection_breaks_restarts_the_run(c, s, a, b):
+    """A peer's worker dying mid-call breaks the caller's connection before the scheduler
+    hears of the loss: the hook's peer call raises, and the run restarts (it failed, for
+    good, with the CommClosedError, whenever the call lost that race)."""
+    a.rpc = _LostConnection(a.rpc, b.address)
+    try:
+        xs = [c.submit(inc, i, workers=[w.address]) for i, w in enumerate([a, b, a, b])]
+        outs = dask_services.submit(AllReduce, xs, outputs=2)
+        assert await c.gather(outs) == [10, 10]
+        assert a.rpc.failed == 1
+    finally:
+        a.rpc = a.rpc.pool
+    (restarted,) = [e for _, e in await c.get_events("dask_services")
+                    if e["action"] == "restarted"]
+    assert "PeerUnreachableError" not in restarted["detail"]
+    assert f"the connection to {b.address} failed" in restarted["detail"]
+    assert "Connection reset by peer" in restarted["detail"]
+    del outs, xs
+    await assert_nothing_left(s, [a, b])
+
+
+class ProducesThenRestarts(dask_services.Service):
+    """Every instance produces its outputs; in the first run the instance on
+    ``restart_on`` then restarts the run, and later runs produce once ``GATE`` is set."""
+
+    GATE: asyncio.Event | None = None
+    restarted: set = set()
+
+    async def start(self, *args, restart_on: str = "", **kwargs):
+        self.restart_on = restart_on
+
+    async def add_key(self, key, data):
+        pass
+
+    async def all_inputs_done(self):
+        first = self.key not in self.restarted
+        if not first:
+            await self.GATE.wait()
+        for out in self.concierge.wanted_outputs:
+            if self.concierge.owner(out) == self.id:
+                await self.concierge.produce_key(out, self.concierge.run_id)
+        if first and self.concierge.address == self.restart_on:
+            self.restarted.add(self.key)
+            self.concierge.restart("once, after producing")
+
+
+@service_cluster()
+async def test_a_restart_drops_the_outputs_its_run_produced_and_nobody_took(c, s, a, b):
+    """A restarted run's produced outputs whose claims had not run are produced again by
+    the next run, maybe on another worker: where they were, they are let go (they stayed,
+    outside distributed's memory management, until the worker closed)."""
+    ProducesThenRestarts.GATE = asyncio.Event()
+    busy = c.submit(time.sleep, 2, workers=[a.address], pure=False)  # claims on a wait
+    await async_poll_for(lambda: a.state.executing_count == 1, timeout=5)
+    xs = [c.submit(inc, i, workers=[b.address]) for i in range(2)]
+    outs = dask_services.submit(ProducesThenRestarts, xs, outputs=4, restart_on=a.address)
+    produced_on_a = a.extensions["dask_services"].produced
+    await async_poll_for(lambda: any(e["action"] == "restarted" for _, e in
+                                     s.get_events("dask_services")), timeout=10)
+    await async_poll_for(lambda: not produced_on_a, timeout=5)
+    assert busy.status == "pending"  # the claims on a never ran
+    ProducesThenRestarts.GATE.set()
+    assert len(set(await c.gather(outs))) == 1  # all from the second run
+    del outs, xs, busy
+    await assert_nothing_left(s, [a, b])
+
+
+RELEASE = threading.Event()
+
+
+def blocked() -> None:
+    RELEASE.wait(30)
+
+
+@service_cluster()
+async def test_produced_outputs_go_to_disk_while_their_worker_is_paused(c, s, a, b):
+    """A paused worker runs no claim, so the outputs produced there would keep it paused
+    (distributed cannot spill them): they are written to disk until their claims run."""
+    RELEASE.clear()
+    busy = c.submit(blocked, workers=[a.address], pure=False)  # claims on a wait
+    await async_poll_for(lambda: a.state.executing_count == 1, timeout=5)
+    xs = [c.submit(inc, i, workers=[b.address]) for i in range(4)]  # hand-offs on b
+    outs = dask_services.submit(AllReduce, xs, outputs=4)
+    ext = a.extensions["dask_services"]
+    await async_poll_for(lambda: ext.produced and not ext.host.instances, timeout=10)
+    a.status = Status.paused
+    RELEASE.set()
+    await busy
+    await ext._check_memory()
+    directory = ext.host.env.local_directory
+    assert ext.produced.in_memory() == 0
+    assert len([f for f in os.listdir(directory) if f.startswith("produced-")]) == len(
+        ext.produced) > 0
+    a.status = Status.running
+    assert await c.gather(outs) == [10] * 4
+    del outs, xs, busy
+    await assert_nothing_left(s, [a, b])  # the files too
 
 
 @gen_cluster(client=True, scheduler_kwargs={"preload": ["dask_services"]},

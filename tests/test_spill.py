@@ -123,3 +123,27 @@ def test_huge_page_advice_is_off_while_any_thread_is_inside_and_restored_after()
             assert _get_madvise_hugepage() is setting
     finally:
         _set_madvise_hugepage(before)
+
+
+def test_produced_outputs_spilled_are_read_back_once(tmp_path):
+    from dask_services._produced import ProducedOutputs
+
+    produced = ProducedOutputs(str(tmp_path))
+    frame = pd.DataFrame({"a": np.arange(1000)})
+    produced.put("o0", frame)
+    produced.put("o1", np.arange(10))
+    produced.put("o2", "small")
+    assert produced.in_memory() == 3 and not os.listdir(tmp_path)
+    assert produced.spill() > 8000
+    assert produced.in_memory() == 0 and len(os.listdir(tmp_path)) == 3
+    pd.testing.assert_frame_equal(produced.take("o0", keep=True), frame)  # still held
+    pd.testing.assert_frame_equal(produced.take("o0"), frame)
+    assert "o0" not in produced and len(os.listdir(tmp_path)) == 2
+    np.testing.assert_array_equal(produced.take("o1"), np.arange(10))
+    with pytest.raises(KeyError):
+        produced.take("o1")
+    produced.put("o3", 3)  # produced after the spill: in memory
+    assert produced.in_memory() == 1
+    produced.drop("o2")
+    produced.clear()
+    assert len(produced) == 0 and not os.listdir(tmp_path)
