@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import threading
 import time
 
@@ -75,6 +76,11 @@ class Adder(dask_services.Service):
     @dask_services.endpoint
     async def pid(self) -> int:
         return os.getpid()
+
+    @dask_services.endpoint
+    def die(self) -> None:
+        """Kills its worker's process, as a call that runs it out of memory would."""
+        os.kill(os.getpid(), signal.SIGKILL)
 
     async def check_health(self) -> bool:
         return not self.sick

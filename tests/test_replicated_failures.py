@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import dask
 import pytest
 from distributed import Client, LocalCluster
@@ -62,6 +64,25 @@ def test_worker_killed_while_calls_are_in_flight(cluster):
     poll_for(lambda: not any(hosted(client).values()), timeout=10)
     assert not client.run_on_scheduler(lambda dask_scheduler: list(
         dask_scheduler.extensions["dask_services_replicated"].deployments))
+
+
+def test_a_call_that_kills_its_workers_is_not_resent_for_ever(cluster):
+    """Calls are re-sent when their replica's worker dies; one that kills every worker it
+    runs on is given up after distributed.scheduler.allowed-failures of them, as a task
+    is (KilledWorker), instead of killing call-retries + 1 workers."""
+    cluster, client = cluster
+    svc = Adder.options(replicas=2).as_service(client=client)
+    pids = set(client.run(os.getpid).values())
+    with dask.config.set({"distributed.scheduler.allowed-failures": 1}):
+        with pytest.raises(ServiceUnavailable, match="allowed-failures=1 allows: the call "
+                                                     "itself may be what kills them"):
+            svc.die.route().result(timeout=90)
+    poll_for(lambda: len(client.scheduler_info()["workers"]) == 3, timeout=60)
+    assert len(pids - set(client.run(os.getpid).values())) == 2  # two workers, not more
+    poll_for(lambda: all_healthy(svc, 2), timeout=60)
+    assert svc.add.route(1).result(timeout=30) == 1
+    svc.shutdown()
+    validate_scheduler(client)
 
 
 def test_session_moves_when_its_replica_worker_is_killed(cluster):

@@ -61,13 +61,16 @@ class _LostConnection:
     def __call__(self, address: str):
         if address != self.address or self.failed:
             return self.pool(address)
-        owner = self
+        owner, real = self, self.pool(address)
 
         class Broken:
             async def service_rpc(self, **kwargs):
                 owner.failed += 1
                 raise CommClosedError("in <TCP (closed)>: ConnectionResetError: [Errno 104] "
                                       "Connection reset by peer")
+
+            def __getattr__(self, name: str):  # inputs pushed to b, say: as they are
+                return getattr(real, name)
 
         return Broken()
 
@@ -88,8 +91,10 @@ async def test_a_peer_call_whose_connection_breaks_restarts_the_run(c, s, a, b):
         assert a.rpc.failed == 1
     finally:
         a.rpc = a.rpc.pool
-    (restarted,) = [e for _, e in await c.get_events("dask_services")
-                    if e["action"] == "restarted"]
+    events = [e for _, e in await c.get_events("dask_services")]
+    restarts = [e for e in events if e["action"] == "restarted"]
+    assert len(restarts) == 1, events
+    (restarted,) = restarts
     assert "PeerUnreachableError" not in restarted["detail"]
     assert f"the connection to {b.address} failed" in restarted["detail"]
     assert "Connection reset by peer" in restarted["detail"]

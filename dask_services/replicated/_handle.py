@@ -521,6 +521,7 @@ class ReplicatedService:
                             f"replica: {e}") from None
         failures: list[str] = []
         delay = -1.0  # the retry settings are read at the first failure (not per call)
+        in_flight_losses = 0  # connections that broke while a replica had the call
         while True:
             if pin is not None:
                 target = next((r for r in self._table if r.id == pin), None)
@@ -538,6 +539,19 @@ class ReplicatedService:
                                                      **payload})
                 except OSError as e:
                     failure = f"{target.id} on {target.worker}: {type(e).__name__}: {e}"
+                    if isinstance(e, LostInFlight):
+                        in_flight_losses += 1
+                        allowed = int(dask.config.get(
+                            "distributed.scheduler.allowed-failures", 3))
+                        if in_flight_losses > allowed:
+                            self._drop(target.id)
+                            raise ServiceUnavailable(
+                                f"{self.name}.{method}: the connection to "
+                                f"{in_flight_losses} replicas broke while they had the "
+                                "call (their workers died?), more than distributed."
+                                f"scheduler.allowed-failures={allowed} allows: the call "
+                                "itself may be what kills them (as KilledWorker says "
+                                f"of a task); last failure: {failure}") from None
                 else:
                     status = resp.get("status") if isinstance(resp, dict) else None
                     if status == "ok":
@@ -607,8 +621,10 @@ class ReplicatedService:
         """Send the calls of ``box``; each answer goes to its caller as it arrives (the
         worker writes one message per call, in the order they finish)."""
         comm = None
+        sent = False
         try:
             comm = await self._connect(target)
+            sent = True  # from here on, the replica may be running the calls
             if len(box) == 1:
                 answer = await send_recv(comm=comm, op="replicated_call", **box[0][0])
                 if not box[0][1].done():
@@ -627,8 +643,13 @@ class ReplicatedService:
                 comm.abort()  # part of the answers may still be on their way
             for _, fut in box:
                 if not fut.done():
-                    fut.set_exception(e if isinstance(e, OSError) else OSError(
-                        f"{type(e).__name__}: {e}"))
+                    if sent:
+                        lost: OSError = LostInFlight(f"{type(e).__name__}: {e}")
+                        lost.__cause__ = e
+                    else:
+                        lost = e if isinstance(e, OSError) else OSError(
+                            f"{type(e).__name__}: {e}")
+                    fut.set_exception(lost)
             if not isinstance(e, Exception):
                 raise
         finally:
@@ -733,6 +754,11 @@ class ReplicatedService:
     async def _shutdown(self, timeout: float) -> None:
         await self._transport.scheduler.replicated_shutdown(name=self.name, timeout=timeout)
         self._table = []
+
+
+class LostInFlight(OSError):
+    """The connection broke after the call was sent: the replica may have been running
+    it (its worker died, perhaps of the call)."""
 
 
 def _consume(fut: asyncio.Future) -> None:
