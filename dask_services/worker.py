@@ -107,10 +107,12 @@ class WorkerEnvironment(Environment):
 
     async def memory_backpressure(self) -> None:
         # A paused worker (memory above distributed.worker.memory.pause) runs no tasks, so
-        # nothing consumes produced outputs: producing more would only add to the pressure.
+        # nothing consumes produced outputs: what was produced goes to disk before the
+        # service goes on.  (Waiting for the worker to resume instead never ends when the
+        # instance's own memory is what keeps it paused.)
         worker = self.ext.worker
-        while worker.status == Status.paused:
-            await asyncio.sleep(0.05)
+        while worker.status == Status.paused and self.ext.produced.in_memory():
+            await self.ext.spill_produced()
 
     async def send_rpc(self, address: str, target: ServiceId, source: ServiceId, run_id: int,
                        seq: int, method: str, args: tuple, kwargs: dict) -> Any:
@@ -229,6 +231,7 @@ class ServiceWorkerPlugin(WorkerPlugin):
         worker.metrics["dask_services_managed_bytes"] = lambda w: self.host.managed_bytes()
         worker.metrics["dask_services_spilled_bytes"] = lambda w: self.host.spilled_bytes()
         self._evicting = False
+        self._spilling = asyncio.Lock()
         self._memory_check = PeriodicCallback(self._check_memory, 500)
         self._memory_check.start()
 
@@ -494,17 +497,7 @@ class ServiceWorkerPlugin(WorkerPlugin):
         if self._evicting:
             return
         if self.worker.status == Status.paused and self.produced.in_memory():
-            # no claim runs on a paused worker: the values waiting for one go to disk
-            self._evicting = True
-            try:
-                nbytes = await asyncio.get_running_loop().run_in_executor(
-                    self.executor, self.produced.spill)
-                release_freed_memory()
-                logger.info("dask_services: worker %s is paused; %d bytes of produced "
-                            "outputs written to disk until their claims run",
-                            self.worker.address, nbytes)
-            finally:
-                self._evicting = False
+            await self.spill_produced()
         if not self.host.instances:
             return
         mm = self.worker.memory_manager
@@ -522,6 +515,18 @@ class ServiceWorkerPlugin(WorkerPlugin):
                 await self.host.evict(excess)
         finally:
             self._evicting = False
+
+
+    async def spill_produced(self) -> None:
+        """Write the outputs held for their claims to disk (a paused worker runs no
+        claim, and distributed cannot spill them)."""
+        async with self._spilling:
+            nbytes = await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.produced.spill)
+        if nbytes:
+            release_freed_memory()
+            logger.info("dask_services: worker %s is paused; %d bytes of produced outputs "
+                        "written to disk until their claims run", self.worker.address, nbytes)
 
 
 def _worker_extension() -> tuple[Worker, ServiceWorkerPlugin]:

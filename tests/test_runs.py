@@ -149,13 +149,15 @@ async def test_a_restart_drops_the_outputs_its_run_produced_and_nobody_took(c, s
 
 
 RELEASE = threading.Event()
+# the tests pause workers themselves: distributed's memory monitor must not resume them
+PAUSED_BY_HAND = {"distributed.worker.memory.pause": False}
 
 
 def blocked() -> None:
     RELEASE.wait(30)
 
 
-@service_cluster()
+@service_cluster(config=PAUSED_BY_HAND)
 async def test_produced_outputs_go_to_disk_while_their_worker_is_paused(c, s, a, b):
     """A paused worker runs no claim, so the outputs produced there would keep it paused
     (distributed cannot spill them): they are written to disk until their claims run."""
@@ -178,6 +180,36 @@ async def test_produced_outputs_go_to_disk_while_their_worker_is_paused(c, s, a,
     assert await c.gather(outs) == [10] * 4
     del outs, xs, busy
     await assert_nothing_left(s, [a, b])  # the files too
+
+
+class ProducesOnCue(AllReduce):
+    """An all-reduce whose instances exchange and produce once ``GO`` is set."""
+
+    GO: asyncio.Event | None = None
+
+    async def all_inputs_done(self):
+        await self.GO.wait()
+        await super().all_inputs_done()
+
+
+@service_cluster(config=PAUSED_BY_HAND)
+async def test_an_instance_produces_on_a_paused_worker_to_disk(c, s, a, b):
+    """produce_key on a paused worker writes what was produced to disk and returns: waiting
+    for the worker to resume never ended when the instance's own memory was what kept it
+    paused (a service holding 200 MB on a 400 MB worker stayed paused, its run with it)."""
+    ProducesOnCue.GO = asyncio.Event()
+    xs = [c.submit(inc, i, workers=[b.address]) for i in range(4)]
+    outs = dask_services.submit(ProducesOnCue, xs, outputs=4)
+    ext = a.extensions["dask_services"]
+    await async_poll_for(lambda: ext.host.instances, timeout=10)
+    a.status = Status.paused
+    ProducesOnCue.GO.set()
+    await async_poll_for(lambda: not ext.host.instances, timeout=10)  # the run is over
+    assert len(ext.produced) > 0 and ext.produced.in_memory() == 0
+    a.status = Status.running
+    assert await c.gather(outs) == [10] * 4
+    del outs, xs
+    await assert_nothing_left(s, [a, b])
 
 
 @gen_cluster(client=True, scheduler_kwargs={"preload": ["dask_services"]},
