@@ -9,6 +9,7 @@ they are, then waits too).  While the worker is paused they are written to disk
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import uuid
@@ -20,6 +21,8 @@ from dask.typing import Key
 from distributed.protocol import deserialize_bytes, serialize_bytelist
 
 from dask_services._counters import size_of
+
+logger = logging.getLogger("dask_services")
 
 
 @dataclass(frozen=True)
@@ -61,18 +64,23 @@ class ProducedOutputs:
             _remove(value.path)
 
     def clear(self) -> None:
-        for key in list(self._values):
+        for key in self._keys():
             self.drop(key)
 
-    def spill(self) -> int:
-        """Write every value held in memory to disk; returns the bytes written."""
-        written = 0
+    def spill(self) -> tuple[int, int]:
+        """Write every value held in memory to disk; returns how many and their bytes.
+        A value that cannot be serialized stays in memory (its claim takes the object)."""
+        count = written = 0
         with self._lock:
             held = list(self._values.items())
         for key, value in held:
             if isinstance(value, _OnDisk):
                 continue
-            frames = serialize_bytelist(value)
+            try:
+                frames = serialize_bytelist(value, on_error="raise")
+            except Exception:
+                logger.debug("produced output %r cannot be serialized: kept in memory", key)
+                continue
             os.makedirs(self.directory, exist_ok=True)
             path = os.path.join(self.directory, f"produced-{uuid.uuid4().hex}")
             with open(path, "wb") as f:
@@ -82,20 +90,27 @@ class ProducedOutputs:
                 if kept:
                     self._values[key] = _OnDisk(path, size_of(value))
             if kept:
+                count += 1
                 written += size_of(value)
             else:
                 _remove(path)
-        return written
+        return count, written
 
     def in_memory(self) -> int:
         """Values held in memory (not written to disk)."""
-        return sum(not isinstance(v, _OnDisk) for v in self._values.values())
+        with self._lock:
+            values = list(self._values.values())
+        return sum(not isinstance(v, _OnDisk) for v in values)
+
+    def _keys(self) -> list[Key]:
+        with self._lock:
+            return list(self._values)
 
     def __contains__(self, key: object) -> bool:
         return key in self._values
 
     def __iter__(self) -> Iterator[Key]:
-        return iter(self._values)
+        return iter(self._keys())
 
     def __len__(self) -> int:
         return len(self._values)

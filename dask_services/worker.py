@@ -112,7 +112,8 @@ class WorkerEnvironment(Environment):
         # instance's own memory is what keeps it paused.)
         worker = self.ext.worker
         while worker.status == Status.paused and self.ext.produced.in_memory():
-            await self.ext.spill_produced()
+            if not await self.ext.spill_produced():
+                break  # what is left cannot be written (not serializable): it stays
 
     async def send_rpc(self, address: str, target: ServiceId, source: ServiceId, run_id: int,
                        seq: int, method: str, args: tuple, kwargs: dict) -> Any:
@@ -517,16 +518,18 @@ class ServiceWorkerPlugin(WorkerPlugin):
             self._evicting = False
 
 
-    async def spill_produced(self) -> None:
+    async def spill_produced(self) -> int:
         """Write the outputs held for their claims to disk (a paused worker runs no
-        claim, and distributed cannot spill them)."""
+        claim, and distributed cannot spill them); returns how many were written."""
         async with self._spilling:
-            nbytes = await asyncio.get_running_loop().run_in_executor(
+            count, nbytes = await asyncio.get_running_loop().run_in_executor(
                 self.executor, self.produced.spill)
-        if nbytes:
+        if count:
             release_freed_memory()
-            logger.info("dask_services: worker %s is paused; %d bytes of produced outputs "
-                        "written to disk until their claims run", self.worker.address, nbytes)
+            logger.info("dask_services: worker %s is paused; %d produced outputs (%d bytes) "
+                        "written to disk until their claims run", self.worker.address, count,
+                        nbytes)
+        return count
 
 
 def _worker_extension() -> tuple[Worker, ServiceWorkerPlugin]:

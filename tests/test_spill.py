@@ -134,7 +134,8 @@ def test_produced_outputs_spilled_are_read_back_once(tmp_path):
     produced.put("o1", np.arange(10))
     produced.put("o2", "small")
     assert produced.in_memory() == 3 and not os.listdir(tmp_path)
-    assert produced.spill() > 8000
+    count, nbytes = produced.spill()
+    assert count == 3 and nbytes > 8000
     assert produced.in_memory() == 0 and len(os.listdir(tmp_path)) == 3
     pd.testing.assert_frame_equal(produced.take("o0", keep=True), frame)  # still held
     pd.testing.assert_frame_equal(produced.take("o0"), frame)
@@ -144,6 +145,10 @@ def test_produced_outputs_spilled_are_read_back_once(tmp_path):
         produced.take("o1")
     produced.put("o3", 3)  # produced after the spill: in memory
     assert produced.in_memory() == 1
+    lock = threading.Lock()
+    produced.put("o4", lock)  # cannot be written: stays, and is taken as it is
+    assert produced.spill()[0] == 1 and produced.in_memory() == 1  # o3 written, o4 not
+    assert produced.take("o4") is lock
     produced.drop("o2")
     produced.clear()
     assert len(produced) == 0 and not os.listdir(tmp_path)
