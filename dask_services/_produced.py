@@ -28,7 +28,6 @@ logger = logging.getLogger("dask_services")
 @dataclass(frozen=True)
 class _OnDisk:
     path: str
-    nbytes: int
 
 
 class ProducedOutputs:
@@ -88,7 +87,7 @@ class ProducedOutputs:
             with self._lock:
                 kept = self._values.get(key) is value  # not taken meanwhile
                 if kept:
-                    self._values[key] = _OnDisk(path, size_of(value))
+                    self._values[key] = _OnDisk(path)
             if kept:
                 count += 1
                 written += size_of(value)

@@ -102,6 +102,15 @@ async def test_a_peer_call_whose_connection_breaks_restarts_the_run(c, s, a, b):
     await assert_nothing_left(s, [a, b])
 
 
+RELEASE = threading.Event()
+# the tests pause workers themselves: distributed's memory monitor must not resume them
+PAUSED_BY_HAND = {"distributed.worker.memory.pause": False}
+
+
+def blocked() -> None:
+    RELEASE.wait(30)
+
+
 class ProducesThenRestarts(dask_services.Service):
     """Every instance produces its outputs; in the first run the instance on
     ``restart_on`` then restarts the run, and later runs produce once ``GATE`` is set."""
@@ -133,7 +142,8 @@ async def test_a_restart_drops_the_outputs_its_run_produced_and_nobody_took(c, s
     the next run, maybe on another worker: where they were, they are let go (they stayed,
     outside distributed's memory management, until the worker closed)."""
     ProducesThenRestarts.GATE = asyncio.Event()
-    busy = c.submit(time.sleep, 2, workers=[a.address], pure=False)  # claims on a wait
+    RELEASE.clear()
+    busy = c.submit(blocked, workers=[a.address], pure=False)  # claims on a wait
     await async_poll_for(lambda: a.state.executing_count == 1, timeout=5)
     xs = [c.submit(inc, i, workers=[b.address]) for i in range(2)]
     outs = dask_services.submit(ProducesThenRestarts, xs, outputs=4, restart_on=a.address)
@@ -142,19 +152,11 @@ async def test_a_restart_drops_the_outputs_its_run_produced_and_nobody_took(c, s
                                      s.get_events("dask_services")), timeout=10)
     await async_poll_for(lambda: not produced_on_a, timeout=5)
     assert busy.status == "pending"  # the claims on a never ran
+    RELEASE.set()
     ProducesThenRestarts.GATE.set()
     assert len(set(await c.gather(outs))) == 1  # all from the second run
     del outs, xs, busy
     await assert_nothing_left(s, [a, b])
-
-
-RELEASE = threading.Event()
-# the tests pause workers themselves: distributed's memory monitor must not resume them
-PAUSED_BY_HAND = {"distributed.worker.memory.pause": False}
-
-
-def blocked() -> None:
-    RELEASE.wait(30)
 
 
 @service_cluster(config=PAUSED_BY_HAND)

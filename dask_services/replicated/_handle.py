@@ -302,8 +302,8 @@ class ReplicaPeers(Mapping):
     ``await self.peers[sid].endpoint(*args)`` calls that very replica.
     """
 
-    def __init__(self, handle: ReplicatedService, own: tuple[ServiceId, Any] | None = None,
-                 ) -> None:
+    def __init__(self, handle: ReplicatedService,
+                 own: tuple[ServiceId, Any] | None = None) -> None:
         self._handle = handle
         self._own = own  # (id, service) of the replica these are the peers of
 
