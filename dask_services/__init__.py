@@ -14,6 +14,7 @@ from dask_services import (
     dataframe,  # noqa: F401  (registers the "service" shuffle method)
 )
 from dask_services import config as _config  # noqa: F401  (registers config defaults)
+from dask_services._bulk import Buffers, IncomingBuffers
 from dask_services._spill import OutOfDiskError
 from dask_services._status import status
 from dask_services.client import install, install_async, service_task, story, submit
@@ -48,9 +49,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchResultError",
+    "Buffers",
     "Concierge",
     "DeploymentError",
     "EndpointRefused",
+    "IncomingBuffers",
     "OutOfDiskError",
     "OutputLostError",
     "PeerCallError",

@@ -24,6 +24,7 @@ import dask.config
 from dask.typing import Key
 from dask.utils import parse_timedelta
 
+from dask_services._bulk import as_incoming
 from dask_services._counters import Traffic, size_of
 from dask_services._known_sizes import checked_nbytes, remember
 from dask_services._payload import known_arguments_nbytes
@@ -501,7 +502,8 @@ class ServiceHost:
         assert task is not None
         inst.hooks[task] = method
         try:
-            args, kwargs = await arguments()
+            # a Buffers argument reaches the method as IncomingBuffers (_bulk.py)
+            args, kwargs = as_incoming(*await arguments())
             await inst.started.wait()
             return await getattr(inst.service, method)(*args, **kwargs)
         finally:

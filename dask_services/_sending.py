@@ -126,6 +126,8 @@ class PeerStream:
         self._trim = TrimAfter()
         self._trimming: asyncio.Future | None = None
         self.window.on_sent = self._sent
+        # the arguments of a batch's call, made of its items (default: the list itself)
+        self.encode: Callable[[list[Any]], tuple] | None = None
 
     @property
     def in_flight(self) -> int:
@@ -171,11 +173,13 @@ class PeerStream:
             return
         self._busy[sid] = self._busy.get(sid, 0) + 1
         call = getattr(self.service.peers[sid], self._batch_method[sid])
+        args = self.encode(items) if self.encode is not None else (items,)
+        del items
 
         async def deliver() -> None:
             try:
                 with arguments_of_size(nbytes):
-                    await call(items)
+                    await call(*args)
             finally:
                 self._busy[sid] -= 1
                 if not self._busy[sid] and sid in self._queued:

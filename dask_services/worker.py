@@ -19,13 +19,22 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import dask.config
 from dask.typing import Key
-from dask.utils import parse_bytes
+from dask.utils import parse_bytes, parse_timedelta
 from distributed.core import Status
 from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.protocol import pickle
 from distributed.protocol.serialize import to_serialize
 from distributed.utils import sync
 from tornado.ioloop import PeriodicCallback
 
+from dask_services._bulk import (
+    BulkLane,
+    IncomingBuffers,
+    LaneUnreachable,
+    buffers_of,
+    lane_host,
+    put_slot,
+)
 from dask_services._counters import CounterReports, Traffic, instance_counters, size_of
 from dask_services._host import Environment, InstanceSpec, ServiceHost, make_directory
 from dask_services._memory import release_freed_memory
@@ -59,10 +68,11 @@ _STREAM_OPS = (
     "service-task-outcome",
     "service-drop-output",
 )
-_RPC_OPS = ("service_rpc", "service_add_key")
+_RPC_OPS = ("service_rpc", "service_add_key", "service_lane")
 _STALE = "dask-services-stale-run"  # reply of service_rpc for an instance no longer here
 _TAKEN = "dask-services-taken"  # ... and whether the call had taken its turn there
 _RAISED = "dask-services-raised"  # reply of service_rpc for a call that raised
+_RESULT = "dask-services-result"  # reply of a call on the bulk lane: its pickled result
 # Worker task states in which a service task cannot be waiting for its outcome.
 # a hand-off pushing its input to a participant of a run this worker takes no part in
 # tries this many more times when the connection fails (the participant left: the
@@ -118,6 +128,26 @@ class WorkerEnvironment(Environment):
     async def send_rpc(self, address: str, target: ServiceId, source: ServiceId, run_id: int,
                        seq: int, method: str, args: tuple, kwargs: dict) -> Any:
         call = f"{method}() from {source} to {target}"
+        lane = self.ext.lane
+        if lane is not None and buffers_of(args, kwargs) is not None \
+                and dask.config.get("dask_services.bulk-lane"):
+            try:
+                on_lane = await lane.available(address)
+            except OSError as exc:
+                raise PeerUnreachableError(
+                    f"{call}: the connection to {address} failed ({type(exc).__name__}: "
+                    f"{exc}); the worker left or died") from exc
+            if on_lane:
+                try:
+                    return await self._send_on_lane(address, target, source, run_id, seq,
+                                                    method, args, kwargs)
+                except _NotPicklable:
+                    pass  # the ordinary path says so, and the call takes its turn
+                except LaneUnreachable as exc:
+                    # a firewall may let distributed's ports through and not the lane's
+                    logger.warning("dask_services: %s; sending to that worker through "
+                                   "distributed's comms", exc)
+                    lane.refuse(address)
         unsent: PeerCallError | None = None
         nbytes = 0
         try:
@@ -164,10 +194,65 @@ class WorkerEnvironment(Environment):
             traffic.bytes_received += getattr(unwrap(response), "nbytes", 0)
         return result
 
+    async def _send_on_lane(self, address: str, target: ServiceId, source: ServiceId,
+                            run_id: int, seq: int, method: str, args: tuple, kwargs: dict
+                            ) -> Any:
+        """A call with a ``Buffers`` argument, on the bulk lane (``_bulk.py``).  Raises
+        ``_NotPicklable`` before sending anything if its other arguments cannot be pickled
+        (the ordinary path then answers that, taking the call's turn)."""
+        call = f"{method}() from {source} to {target}"
+        buffers = buffers_of(args, kwargs)
+        assert buffers is not None
+        try:
+            packed = pickle.dumps(put_slot(args, kwargs))
+        except Exception as exc:
+            raise _NotPicklable from exc
+        lane = self.ext.lane
+        assert lane is not None
+        nbytes = buffers.nbytes + len(packed)
+        traffic = _traffic(self.ext.host, source)
+        traffic.in_flight += nbytes
+        traffic.bytes_sent += nbytes
+        try:
+            response = await lane.call(address, {
+                "target": str(target), "source": str(source), "run_id": run_id, "seq": seq,
+                "method": method, "args": packed}, buffers.arrays)
+        except LaneUnreachable:
+            traffic.bytes_sent -= nbytes
+            raise
+        except OSError as exc:
+            traffic.bytes_sent -= nbytes
+            raise PeerUnreachableError(
+                f"{call}: the connection to {address} failed ({type(exc).__name__}: "
+                f"{exc}); the worker left or died") from exc
+        except BaseException:
+            traffic.bytes_sent -= nbytes
+            raise
+        finally:
+            traffic.in_flight -= nbytes
+        if _STALE in response:
+            if not response.get(_TAKEN):
+                traffic.bytes_sent -= nbytes
+            raise StaleRunError(response[_STALE])
+        if _RAISED in response:
+            raise loads_exception(response[_RAISED])
+        try:
+            result = pickle.loads(response[_RESULT])
+        except Exception as exc:
+            raise PeerCallError(f"the result of {call} could not be deserialized: "
+                                f"{type(exc).__name__}: {exc}") from exc
+        if result is not None:
+            traffic.bytes_received += len(response[_RESULT])
+        return result
+
     async def run_in_executor(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(
             self.ext.executor, in_current_context(fn), *args
         )
+
+
+class _NotPicklable(Exception):
+    """The arguments of a call for the bulk lane cannot be pickled."""
 
 
 def service_threads(worker: Worker) -> ThreadPoolExecutor:
@@ -228,6 +313,14 @@ class ServiceWorkerPlugin(WorkerPlugin):
             worker.stream_handlers[op] = self._guarded(getattr(self, "_" + op.replace("-", "_")))
         worker.handlers["service_rpc"] = self.service_rpc
         worker.handlers["service_add_key"] = self.service_add_key
+        worker.handlers["service_lane"] = self.service_lane
+        host = lane_host(worker.address)
+        # opens its listening socket when a peer first asks for it (service_lane)
+        self.lane: BulkLane | None = (
+            BulkLane(host, self._lane_call, self._lane_endpoint_of, connect_timeout=min(
+                10.0, parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"))),
+                keep_idle=lambda: bool(self.host.instances))
+            if host is not None else None)
         worker.extensions[EXTENSION] = self
         worker.metrics["dask_services_managed_bytes"] = lambda w: self.host.managed_bytes()
         worker.metrics["dask_services_spilled_bytes"] = lambda w: self.host.spilled_bytes()
@@ -244,6 +337,8 @@ class ServiceWorkerPlugin(WorkerPlugin):
             if not fut.done():
                 fut.set_result(("cancelled", None))
         self.outcomes.clear()
+        if self.lane is not None:
+            await self.lane.close()
         self.produced.clear()
         self.counter_reports.clear()
         for op in _STREAM_OPS:
@@ -302,6 +397,8 @@ class ServiceWorkerPlugin(WorkerPlugin):
     async def _stop(self, sid: ServiceId) -> None:
         inst = self.host.instances.get(sid)
         await self.host.stop(sid)
+        if not self.host.instances and self.lane is not None:
+            self.lane.close_idle()  # no run here: no connection kept open
         if inst is not None:
             self.counter_reports.stopped(instance_counters(inst, final=True))
             del inst
@@ -389,6 +486,55 @@ class ServiceWorkerPlugin(WorkerPlugin):
         except Exception as exc:
             # The caller's error (a refused method, a payload that cannot be read, an
             # exception in the method): raised there with its type and traceback.
+            return {_RAISED: dumps_exception(exc)}
+
+    async def service_lane(self, comm: Any = None) -> dict | None:
+        """This worker's bulk lane (host, port, token), or None if it has none."""
+        return self.lane.endpoint() if self.lane is not None else None
+
+    async def _lane_endpoint_of(self, address: str) -> dict | None:
+        return await self.worker.rpc(address).service_lane()
+
+    async def _lane_call(self, request: dict, incoming: IncomingBuffers) -> dict:
+        """A peer call that came on the bulk lane: as ``service_rpc``, with ``incoming`` in
+        place of its ``Buffers`` argument."""
+        target, source = request["target"], request["source"]
+        method = request["method"]
+        call = f"{method}() from {source} to {target}"
+        taken: int | None = None
+
+        async def arguments() -> tuple[tuple, dict]:
+            nonlocal taken
+            taken = incoming.nbytes + len(request["args"])
+            _traffic(self.host, target).bytes_received += taken
+            try:
+                args, kwargs = pickle.loads(request["args"])
+            except Exception as exc:
+                raise PeerCallError(
+                    f"the arguments of {call} could not be deserialized: "
+                    f"{type(exc).__name__}: {exc}") from exc
+            return put_slot(args, kwargs, incoming)
+
+        try:
+            with as_worker(self.worker):
+                result = await self.host.deliver(ServiceId(target), ServiceId(source),
+                                                 request["run_id"], request["seq"], method,
+                                                 arguments)
+            try:
+                body = pickle.dumps(result)
+            except Exception as exc:
+                raise PeerCallError(f"the result of {call} could not be serialized: "
+                                    f"{type(exc).__name__}: {exc}") from exc
+            if result is not None:
+                _traffic(self.host, target).bytes_sent += len(body)
+            return {_RESULT: body}
+        except StaleRunError as exc:
+            return {_STALE: str(exc), _TAKEN: taken is not None}
+        except asyncio.CancelledError:
+            if taken is not None:
+                _traffic(self.host, target).bytes_received -= taken
+            raise
+        except Exception as exc:
             return {_RAISED: dumps_exception(exc)}
 
     async def service_add_key(self, comm: Any, target: str, key: Key, payload: Any) -> bool:

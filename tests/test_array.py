@@ -319,21 +319,21 @@ async def test_pieces_for_a_peer_wait_for_its_call_in_flight_and_go_together(c, 
     release = asyncio.Event()
     calls_received: Counter = Counter()
     batches_received = 0
-    receive_many = _service.ArrayRechunk.receive_many
+    receive_pieces = _service.ArrayRechunk.receive_pieces
 
     @rpc
-    async def held(self, batches):
+    async def held(self, meta, incoming):
         nonlocal batches_received
         calls_received[self.id] += 1
-        batches_received += len(batches)
+        batches_received += len(meta)  # an input's small pieces for a peer: one packed item
         await release.wait()
-        await receive_many(self, batches)
+        await receive_pieces(self, meta, incoming)
 
     def handed_off() -> int:
         runs = [m.live_run for m in s.extensions["dask_services"].machines.values()]
         return max((len(r.handed_off) for r in runs if r is not None), default=0)
 
-    with mock.patch.object(_service.ArrayRechunk, "receive_many", held):
+    with mock.patch.object(_service.ArrayRechunk, "receive_pieces", held):
         result = c.compute(y)
         await async_poll_for(lambda: handed_off() == 24, timeout=30)
         release.set()

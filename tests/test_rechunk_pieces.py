@@ -59,7 +59,9 @@ def test_only_small_pieces_for_peers_are_packed():
     owner = {(0, 0): "here", (0, 1): "here", (0, 2): "peer", (0, 3): "peer"}
     out = pieces_by_destination(block, (0, 0), overlaps, owner, "here")
     assert all(type(item) is tuple and item[2].base is not None for item in out["here"])
-    assert all(type(item) is tuple and item[2].flags.c_contiguous for item in out["peer"])
+    # large pieces for peers stay views too: the lane copies their strided parts as it
+    # sends them (_bulk.py)
+    assert all(type(item) is tuple and item[2].base is not None for item in out["peer"])
     small = np.zeros((6, 4))
     out = pieces_by_destination(small, (0, 0), overlaps, owner, "here")
     (packed,) = out["peer"]
@@ -69,8 +71,10 @@ def test_only_small_pieces_for_peers_are_packed():
     assert type(single) is tuple and single[2].flags.c_contiguous  # nothing to pack with
     objects = np.empty((2, 4), dtype=object)
     objects[:] = "x"
-    assert all(type(item) is tuple for item in pieces_by_destination(
-        objects, (0, 0), overlaps, owner, "here")["peer"])
+    # objects travel pickled: a strided piece is copied in the thread that splits
+    assert all(type(item) is tuple and item[2].flags.c_contiguous
+               for item in pieces_by_destination(objects, (0, 0), overlaps, owner,
+                                                 "here")["peer"])
 
 
 def test_write_into_writes_every_piece_where_it_goes():

@@ -55,6 +55,8 @@ async def assert_nothing_left(s, workers, timeout: float = 10) -> None:
                 left.append(f"{w.address} produced: {list(ext.produced)}")
             if ext.outcomes:
                 left.append(f"{w.address} outcomes: {list(ext.outcomes)}")
+            if ext.lane is not None and ext.lane.connections:
+                left.append(f"{w.address} bulk lane connections: {ext.lane.connections}")
             if ext.pending_inputs.bytes or ext.pending_inputs.count:
                 left.append(f"{w.address} pending inputs: {ext.pending_inputs.count}")
             base = ext.host.env.local_directory

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 from dask.sizeof import sizeof
 
+from dask_services._bulk import Buffers, IncomingBuffers
 from dask_services._exchange import PeerExchange
 from dask_services._memory import (
     HUGE_PAGE_ADVICE_FROM,
@@ -339,11 +340,11 @@ def pieces_by_destination(block: np.ndarray, index: Index,
                           owner: dict[Index, ServiceId], here: ServiceId
                           ) -> dict[ServiceId, list[Piece | PackedPieces]]:
     """The pieces of the input chunk at ``index`` that wanted outputs need, grouped by the
-    instance owning their output.  Pieces for other instances are copied here, in a worker
-    thread: a strided view would be copied into the message by pickle on the event loop,
-    and copied out of it again on the receiver's; a contiguous array travels as a frame of
-    its own, received without a copy.  Small ones are copied into one buffer per peer
-    (``PackedPieces``).  Pieces for ``here`` stay views."""
+    instance owning their output.  Pieces stay views of the input chunk: they are sent as
+    ``Buffers``, whose strided parts the sender copies as it writes them (``_bulk.py``).
+    Small ones are copied into one buffer per peer (``PackedPieces``); and for object
+    arrays, which travel pickled, a strided piece is copied here, in a worker thread (pickle
+    would copy it on the event loop)."""
     out: dict[ServiceId, list[Piece | PackedPieces]] = {}
     small: dict[ServiceId, list[Piece]] = {}
     packs = not block.dtype.hasobject
@@ -355,7 +356,7 @@ def pieces_by_destination(block: np.ndarray, index: Index,
             if packs and piece.nbytes < PACK_BELOW:
                 small.setdefault(sid, []).append((j, offset, piece))
                 continue
-            if not piece.flags.c_contiguous:
+            if not packs and not piece.flags.c_contiguous:
                 piece = np.ascontiguousarray(piece)
         out.setdefault(sid, []).append((j, offset, piece))
     for sid, pieces in small.items():
@@ -363,6 +364,29 @@ def pieces_by_destination(block: np.ndarray, index: Index,
             PackedPieces.of(pieces) if len(pieces) > 1
             else (pieces[0][0], pieces[0][1], np.ascontiguousarray(pieces[0][2])))
     return out
+
+
+def as_buffers(batches: list[list[Piece | PackedPieces]]) -> tuple[list, Buffers]:
+    """The pieces of ``batches`` as the arguments of ``receive_pieces``: what each array
+    is (an output index and offset, or a packed buffer's index) and the arrays."""
+    meta: list[tuple] = []
+    arrays: list[np.ndarray] = []
+    for batch in batches:
+        for item in batch:
+            if isinstance(item, PackedPieces):
+                meta.append(("packed", item.index))
+                arrays.append(item.buffer)
+            else:
+                meta.append(("piece", item[0], item[1]))
+                arrays.append(item[2])
+    return meta, Buffers(arrays)
+
+
+def from_buffers(meta: list[tuple], arrays: list[np.ndarray], dtype: np.dtype
+                 ) -> list[Piece | PackedPieces]:
+    """The batch that ``as_buffers`` sent, from its arrays as received."""
+    return [PackedPieces(dtype, m[1], a) if m[0] == "packed" else (m[1], m[2], a)
+            for m, a in zip(meta, arrays, strict=True)]
 
 
 def batch_bytes(batch: list[Piece | PackedPieces]) -> int:
@@ -527,7 +551,11 @@ class ArrayRechunk(PeerExchange):
         self.one_at_a_time = asyncio.Semaphore(1)
         self.trim = TrimAfter()
         self.open_exchange(concierge)
-        assert self.buffer is not None
+        assert self.buffer is not None and self.stream is not None
+        # numbers travel as Buffers (read where they belong), objects pickled
+        self.batch_method = "receive_many" if np.dtype(dtype).hasobject else "receive_pieces"
+        if self.batch_method == "receive_pieces":
+            self.stream.encode = as_buffers
         # in place: the output chunks being written, and the bytes written into each
         self.outputs: dict[Index, np.ndarray] | None = (
             {} if assembles_in_place(new_chunks, self.expected, np.dtype(dtype),
@@ -554,7 +582,7 @@ class ArrayRechunk(PeerExchange):
                 continue
             nbytes = batch_bytes(batch)
             self.sent_bytes += nbytes
-            await self.stream.send_batched(sid, nbytes, "receive_many", batch)
+            await self.stream.send_batched(sid, nbytes, self.batch_method, batch)
 
     @rpc
     async def receive_many(self, batches: list[list[Piece | PackedPieces]]) -> None:
@@ -563,6 +591,42 @@ class ArrayRechunk(PeerExchange):
         many workers or small chunks, an input's share for each peer is small, and a call
         per input and peer cost more than the pieces it carried."""
         await self.receive(batches)
+
+    @rpc
+    async def receive_pieces(self, meta: list[tuple], incoming: IncomingBuffers) -> None:
+        """Peer RPC: the pieces of several input chunks for this instance, as ``Buffers``
+        (``as_buffers``): written straight into their output chunks where those are
+        assembled in place, with no buffer of their own; else received as arrays."""
+        if self.outputs is None:
+            arrays = await incoming.arrays()
+            await self.receive([from_buffers(meta, arrays, np.dtype(self.dtype))])
+            return
+        destinations: list[np.ndarray] = []
+        direct: list[tuple[Index, int]] = []
+        for m, shape, dtype in zip(meta, incoming.shapes, incoming.dtypes, strict=True):
+            if m[0] == "piece":
+                destination = self._output(m[1])[region(m[2], shape)]
+                direct.append((m[1], int(destination.nbytes)))
+            else:
+                destination = np.empty(shape, dtype)
+            destinations.append(destination)
+        await incoming.read_into(destinations)
+        packed = [PackedPieces(np.dtype(self.dtype), m[1], a)
+                  for m, a in zip(meta, destinations, strict=True) if m[0] == "packed"]
+        del destinations
+        received = direct
+        if packed:
+            received = received + await self._write([packed], sum(len(p) for p in packed),
+                                                    sum(p.nbytes for p in packed))
+        self._received(received, incoming.nbytes)
+
+    async def _write(self, batches: list[list[Piece | PackedPieces]], count: int,
+                     nbytes: int) -> list[tuple[Index, int]]:
+        """``batches`` written into their outputs (in place), on the event loop if small."""
+        outputs = {j: self._output(j) for j in output_indices(batches)}
+        if count <= WRITE_ON_LOOP_PIECES and nbytes <= WRITE_ON_LOOP_MAX:
+            return write_into(outputs, batches)
+        return await self.concierge.run_in_executor(write_into, outputs, batches)
 
     async def receive(self, batches: list[list[Piece | PackedPieces]]) -> None:
         """Pieces of this instance's output chunks, some of them packed (``PackedPieces``).
@@ -576,9 +640,8 @@ class ArrayRechunk(PeerExchange):
         count = sum(len(item) if isinstance(item, PackedPieces) else 1
                     for batch in batches for item in batch)
         nbytes = sum(map(batch_bytes, batches))
-        on_loop = count <= WRITE_ON_LOOP_PIECES and nbytes <= WRITE_ON_LOOP_MAX
         if self.outputs is None:
-            if on_loop:
+            if count <= WRITE_ON_LOOP_PIECES and nbytes <= WRITE_ON_LOOP_MAX:
                 pieces = unpacked(batches, copy=True)
             else:
                 pieces = await self.concierge.run_in_executor(unpacked, batches, True)
@@ -587,18 +650,22 @@ class ArrayRechunk(PeerExchange):
                 [(j, (offset, piece), n)
                  for (j, offset, piece), (_, n) in zip(pieces, received, strict=True)])
             del pieces
-        else:
-            outputs = {j: self._output(j) for j in output_indices(batches)}
-            if on_loop:
-                received = write_into(outputs, batches)
-            else:
-                received = await self.concierge.run_in_executor(write_into, outputs,
-                                                                batches)
-            del outputs
-            for j, n in received:
-                self.written[j] = self.written.get(j, 0) + n
+            del batches
+            self.received_bytes += nbytes
+            self._count(received)
+            return
+        received = await self._write(batches, count, nbytes)
         del batches
+        self._received(received, nbytes)
+
+    def _received(self, received: list[tuple[Index, int]], nbytes: int) -> None:
+        """Pieces written in place: ``received`` gives each one's output and bytes."""
+        for j, n in received:
+            self.written[j] = self.written.get(j, 0) + n
         self.received_bytes += nbytes
+        self._count(received)
+
+    def _count(self, received: list[tuple[Index, int]]) -> None:
         for j, _ in received:
             self.received[j] += 1
             if self.received[j] == self.expected[j]:

@@ -1,0 +1,315 @@
+"""Arrays between peers: ``Buffers`` out, ``IncomingBuffers`` in, the lane between workers."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from typing import Any
+from unittest import mock
+
+import dask
+import numpy as np
+import pytest
+from distributed.utils_test import captured_logger
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+from utils import assert_nothing_left, service_cluster
+
+from dask_services import Buffers, IncomingBuffers, Service, _bulk, rpc, service_task
+from dask_services._bulk import (
+    ArraysInMemory,
+    BulkLane,
+    LaneUnreachable,
+    as_incoming,
+    buffers_of,
+    parts,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+DTYPES = ["f8", "f4", "i2", "u1", "c16", "M8[ns]", "?", [("a", "<i4"), ("b", "<f8")]]
+
+
+@st.composite
+def layouts(draw: Any) -> np.ndarray:
+    """Arrays of every layout a sender may hold: views with steps, offsets into a larger
+    array, reversed and swapped axes."""
+    dtype = np.dtype(draw(st.sampled_from(DTYPES)))
+    shape = draw(hnp.array_shapes(min_dims=1, max_dims=3, min_side=0, max_side=9))
+    room = tuple(2 * n + 1 for n in shape)
+    raw = (np.arange(int(np.prod(room)) * dtype.itemsize) % 251).astype(np.uint8)
+    base = raw.view(dtype).reshape(room)
+    index = []
+    for n, r in zip(shape, room, strict=True):
+        step = draw(st.sampled_from([1, 2]))
+        start = draw(st.integers(0, r - 1 - max(0, n - 1) * step))
+        index.append(slice(start, start + n * step, step))
+    view = base[tuple(index)]
+    if draw(st.booleans()):
+        view = view[::-1]
+    if view.ndim > 1 and draw(st.booleans()):
+        view = view.swapaxes(0, -1)
+    return view
+
+
+def assert_same(received: np.ndarray, sent: np.ndarray) -> None:
+    """Same dtype, shape and bytes (NaN and NaT patterns included)."""
+    assert received.dtype == sent.dtype and received.shape == sent.shape
+    assert np.ascontiguousarray(received).tobytes() == np.ascontiguousarray(sent).tobytes()
+
+
+@settings(max_examples=200, deadline=None)
+@given(layouts(), st.sampled_from([8, 64, 1 << 20]))
+def test_parts_cover_an_array_in_c_order(array, limit):
+    covered = list(parts(array, limit))
+    assert all(p.flags.c_contiguous or p.nbytes <= limit for p in covered)
+    flat = b"".join(p.tobytes() for p in covered)
+    assert flat == np.ascontiguousarray(array).tobytes()
+    assert all(np.shares_memory(p, array) for p in covered if p.size)
+
+
+async def _lanes(handler: Any) -> tuple[BulkLane, BulkLane]:
+    receiver = BulkLane("127.0.0.1", handler, _no_endpoint)
+    endpoint = receiver.endpoint()
+
+    async def endpoint_of(address: str) -> dict | None:
+        return endpoint
+
+    return receiver, BulkLane("127.0.0.1", _no_handler, endpoint_of)
+
+
+async def _no_endpoint(address: str) -> dict | None:
+    raise AssertionError("the receiver sends nothing")
+
+
+async def _no_handler(request: dict, incoming: IncomingBuffers) -> Any:
+    raise AssertionError("the sender receives nothing")
+
+
+def _round_trip(arrays: list[np.ndarray], strided_destinations: bool) -> list[np.ndarray]:
+    """``arrays`` sent on a lane to a handler that reads them into views of larger arrays
+    (or into new ones); what it read."""
+    got: list[np.ndarray] = []
+
+    async def handler(request: dict, incoming: IncomingBuffers) -> Any:
+        assert request["note"] == "hello"
+        if strided_destinations:
+            homes = [np.zeros(tuple(2 * s + 1 for s in shape), dtype)
+                     for shape, dtype in zip(incoming.shapes, incoming.dtypes, strict=True)]
+            views = [h[tuple(slice(1, None, 2) for _ in h.shape)] for h in homes]
+            await incoming.read_into(views)
+            got.extend(views)
+        else:
+            got.extend(await incoming.arrays())
+        return {"ok": len(got)}
+
+    async def main() -> Any:
+        receiver, sender = await _lanes(handler)
+        try:
+            reply = await sender.call("tcp://peer:1", {"note": "hello"}, arrays)
+            again = await sender.call("tcp://peer:1", {"note": "hello"}, arrays[:1])
+            assert again == {"ok": len(arrays) + (1 if arrays else 0)}
+            return reply
+        finally:
+            await sender.close()
+            await receiver.close()
+            assert sender.connections == receiver.connections == 0
+
+    assert asyncio.run(main()) == {"ok": len(arrays)}
+    return got[: len(arrays)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(layouts(), min_size=0, max_size=4), st.booleans(),
+       st.sampled_from([_bulk.SCRATCH_BYTES, 4096, 100]))
+def test_arrays_arrive_as_they_were_sent(arrays, strided_destinations, scratch):
+    """Whatever the layouts on both sides, and scratch buffers smaller than the arrays,
+    than a run written directly, or than an item."""
+    with mock.patch.object(_bulk, "SCRATCH_BYTES", scratch):
+        got = _round_trip(arrays, strided_destinations)
+    assert len(got) == len(arrays)
+    for sent, received in zip(arrays, got, strict=True):
+        assert_same(received, sent)
+
+
+def test_large_strided_arrays_go_through_the_scratch_buffers():
+    rng = np.random.default_rng(0)
+    big = rng.random((1500, 1200))  # 14 MB: many scratch buffers' worth
+    arrays = [big[:, 7:900], big.T[3:], big[::3, ::-1], np.ascontiguousarray(big[:800])]
+    got = _round_trip(arrays, strided_destinations=True)
+    for sent, received in zip(arrays, got, strict=True):
+        assert_same(received, sent)
+
+
+def test_what_a_method_leaves_unread_is_skipped_and_the_connection_goes_on():
+    calls = []
+
+    async def handler(request: dict, incoming: IncomingBuffers) -> Any:
+        calls.append(request["n"])
+        if request["n"] == 1:
+            (first,) = await incoming.arrays()
+            return float(first.sum())
+        return None  # reads nothing
+
+    async def main() -> None:
+        receiver, sender = await _lanes(handler)
+        try:
+            data = np.arange(300_000.0)
+            assert await sender.call("tcp://peer:1", {"n": 0}, [data]) is None
+            assert await sender.call("tcp://peer:1", {"n": 1}, [data]) == data.sum()
+            assert sender.connections == 1  # one connection, reused
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    asyncio.run(main())
+    assert calls == [0, 1]
+
+
+def test_a_connection_without_the_token_is_closed_unheard():
+    heard = []
+
+    async def handler(request: dict, incoming: IncomingBuffers) -> Any:
+        heard.append(request)
+
+    async def main() -> bytes:
+        receiver = BulkLane("127.0.0.1", handler, _no_endpoint)
+        endpoint = receiver.endpoint()
+        loop = asyncio.get_running_loop()
+        sock = socket.socket()
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, (endpoint["host"], endpoint["port"]))
+            await loop.sock_sendall(sock, struct.pack("<16sQQ", b"x" * 16, 5, 0) + b"hello")
+            try:
+                return await asyncio.wait_for(loop.sock_recv(sock, 10), 10)
+            except ConnectionResetError:  # closed with "hello" unread
+                return b""
+        finally:
+            sock.close()
+            await receiver.close()
+
+    assert asyncio.run(main()) == b""  # closed
+    assert heard == []
+
+
+def test_a_lane_that_cannot_be_reached_says_so():
+    async def main() -> None:
+        with socket.socket() as unused:
+            unused.bind(("127.0.0.1", 0))
+            port = unused.getsockname()[1]  # nothing listens there
+
+        async def endpoint_of(address: str) -> dict | None:
+            return {"host": "127.0.0.1", "port": port, "token": b"t" * 16}
+
+        sender = BulkLane("127.0.0.1", _no_handler, endpoint_of)
+        with pytest.raises(LaneUnreachable, match="bulk lane of tcp://peer:1"):
+            await sender.call("tcp://peer:1", {}, [np.zeros(3)])
+        assert sender.connections == 0
+        sender.refuse("tcp://peer:1")
+        assert not await sender.available("tcp://peer:1")
+
+    asyncio.run(main())
+
+
+def test_buffers_and_their_reading_name_what_is_wrong():
+    with pytest.raises(TypeError, match="item 1 is a list"):
+        Buffers([np.zeros(2), [1, 2]])
+    with pytest.raises(TypeError, match="dtype object"):
+        Buffers([np.array(["a"], dtype=object)])
+    with pytest.raises(TypeError, match="at most one Buffers"):
+        buffers_of((Buffers([]),), {"more": Buffers([])})
+
+    async def main() -> None:
+        (incoming,), _ = as_incoming((Buffers([np.arange(6).reshape(2, 3)]),), {})
+        assert isinstance(incoming, ArraysInMemory) and incoming.nbytes == 48
+        with pytest.raises(ValueError, match=r"shape \(2, 3\) and dtype int64.*got shape "
+                                             r"\(3, 2\)"):
+            await incoming.read_into([np.empty((3, 2), np.int64)])
+        with pytest.raises(ValueError, match="needs 1 destinations"):
+            await incoming.read_into([])
+        with pytest.raises(ValueError, match="read-only"):
+            ro = np.empty((2, 3), np.int64)
+            ro.flags.writeable = False
+            await incoming.read_into([ro])
+        out = np.zeros((2, 3), np.int64)
+        await incoming.read_into([out])
+        np.testing.assert_array_equal(out, np.arange(6).reshape(2, 3))
+        with pytest.raises(RuntimeError, match="read already"):
+            await incoming.arrays()
+
+    asyncio.run(main())
+
+
+class Scatter(Service):
+    """Every instance sends each peer (itself included) a strided view of every input, as
+    ``Buffers``; a receiver writes each into its row of a preallocated array
+    (``read_into``).  The output: the array of the output's owner, and the kinds of
+    ``IncomingBuffers`` it was given."""
+
+    async def start(self, *args: Any, **kwargs: Any) -> None:
+        self.rows = {k: i for i, k in enumerate(self.input_keys)}
+        self.got = np.full((len(self.input_keys), 50, 20), -1.0)
+        self.kinds: set[str] = set()
+
+    async def add_key(self, key, data) -> None:
+        view = data[::2, :20]  # strided: 50 x 20 of a 100 x 40 block
+        for sid in self.peers:
+            await self.peers[sid].take(self.rows[key], Buffers([view]))
+
+    @rpc
+    async def take(self, row: int, incoming: IncomingBuffers) -> None:
+        self.kinds.add(type(incoming).__name__)
+        await incoming.read_into([self.got[row]])
+
+    async def all_inputs_done(self) -> None:
+        for key in self.concierge.wanted_outputs:
+            if self.concierge.owner(key) == self.id:
+                await self.concierge.produce_key(key, (self.got, sorted(self.kinds)))
+
+
+def block(i: int) -> np.ndarray:
+    return np.random.default_rng(i).random((100, 40))
+
+
+@pytest.mark.parametrize("lane", [True, False])
+@service_cluster()
+async def test_a_service_reads_its_peers_arrays_where_it_wants_them(c, s, a, b, lane):
+    with dask.config.set({"dask_services.bulk-lane": lane}):
+        inputs = [dask.delayed(block)(i) for i in range(8)]
+        (out,) = service_task(Scatter, inputs, outputs=1)
+        got, kinds = await c.compute(out)
+        for i in range(8):
+            np.testing.assert_array_equal(got[i], block(i)[::2, :20])
+        # an instance's own arrays come in memory; its peer's on the lane, if on
+        assert ("_SocketReader" in kinds) == lane and "ArraysInMemory" in kinds, kinds
+        lanes = [w.extensions["dask_services"].lane for w in (a, b)]
+        assert all((lane_._listener is not None) == lane for lane_ in lanes)
+        del out
+        await assert_nothing_left(s, [a, b])
+
+
+@service_cluster()
+async def test_a_lane_that_cannot_be_reached_falls_back_to_the_comms(c, s, a, b):
+    """A firewall may let the workers' own ports through and not the lane's: the calls go
+    through distributed's comms instead, and the run is not restarted."""
+    for w in (a, b):
+        w.extensions["dask_services"].lane.endpoint = lambda: {
+            "host": "127.0.0.1", "port": 1, "token": b"t" * 16}
+    with captured_logger("dask_services") as log:
+        (out,) = service_task(Scatter, [dask.delayed(block)(i) for i in range(8)],
+                              outputs=1)
+        got, kinds = await c.compute(out)
+    for i in range(8):
+        np.testing.assert_array_equal(got[i], block(i)[::2, :20])
+    assert kinds == ["ArraysInMemory"]
+    assert "sending to that worker through distributed's comms" in log.getvalue()
+    assert "restart" not in log.getvalue()
+    del out
+    await assert_nothing_left(s, [a, b])
+
+
+def test_the_lane_is_configurable():
+    assert dask.config.get("dask_services.bulk-lane") is True
