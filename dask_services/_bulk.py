@@ -16,8 +16,8 @@ the copies themselves (``design/array-rechunk.md``).
 So between workers with ``tcp://`` addresses such calls take a lane of their own
 (:class:`BulkLane`): a plain TCP connection per call in flight, pooled, on which the
 sender writes a small header and then every array's bytes, contiguous runs straight from
-the array and strided parts through one reused scratch buffer, and the receiver reads
-them straight into the destinations (strided ones through its own reused scratch buffer).
+the array and strided parts through a reused scratch buffer, and the receiver reads them
+straight into the destinations (strided ones through a reused scratch buffer of its own).
 A connection starts with a random 16-byte token that the receiving worker hands out over
 its ordinary (authenticated, where the cluster is) comm, before anything is unpickled.
 On other comms (``tls://``, ``inproc://``), with ``dask_services.bulk-lane: false``,
@@ -45,8 +45,10 @@ logger = logging.getLogger("dask_services")
 # token, header bytes, payload bytes
 _REQUEST = struct.Struct("<16sQQ")
 _REPLY = struct.Struct("<Q")
-# strided parts are copied through a scratch buffer of this many bytes per connection
-SCRATCH_BYTES = 1 << 20
+# strided parts are copied through scratch buffers of this many bytes, lent to a call while
+# it is written or read (the lane keeps a few for the next call until no run is left)
+SCRATCH_BYTES = 256 * 1024
+SCRATCH_KEPT = 4
 # pooled connections kept per peer worker between calls
 IDLE_PER_PEER = 4
 # a contiguous run at least this long is written from (read into) its array directly
@@ -252,7 +254,7 @@ async def _send_arrays(sock: socket.socket, arrays: Sequence[np.ndarray],
     for array in arrays:
         for part in parts(array, scratch.nbytes):
             n = part.nbytes
-            if part.flags.c_contiguous and n >= DIRECT_FROM:
+            if part.flags.c_contiguous and (n >= DIRECT_FROM or n > scratch.nbytes):
                 if filled:
                     await loop.sock_sendall(sock, memoryview(scratch[:filled]))
                     filled = 0
@@ -276,16 +278,53 @@ async def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
         view = view[n:]
 
 
+class ScratchPool:
+    """Scratch buffers lent to the calls being written or read; ``SCRATCH_KEPT`` given
+    back are kept for the next ones (fresh memory costs a page fault per 4 KiB written)."""
+
+    def __init__(self) -> None:
+        self._free: list[np.ndarray] = []
+
+    def take(self) -> np.ndarray:
+        while self._free:
+            scratch = self._free.pop()
+            if scratch.nbytes == SCRATCH_BYTES:
+                return scratch
+        return np.empty(SCRATCH_BYTES, np.uint8)
+
+    def give(self, scratch: np.ndarray) -> None:
+        if len(self._free) < SCRATCH_KEPT:
+            self._free.append(scratch)
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
 class _SocketReader(IncomingBuffers):
     """The payload of one request, read from its connection (at most its length)."""
 
     def __init__(self, sock: socket.socket, shapes: list, dtypes: list, payload: int,
-                 scratch: np.ndarray) -> None:
+                 pool: ScratchPool) -> None:
         super().__init__(shapes, dtypes)
         self._sock = sock
         self._left = payload  # bytes of the payload not yet taken from the socket
-        self._scratch = scratch
+        self._pool = pool
+        self._limit = SCRATCH_BYTES
+        self._taken: np.ndarray | None = None  # taken from the pool when first needed
         self._start = self._end = 0  # bytes read ahead into the scratch buffer
+
+    @property
+    def _scratch(self) -> np.ndarray:
+        if self._taken is None:
+            self._taken = self._pool.take()
+            self._limit = self._taken.nbytes
+        return self._taken
+
+    def release(self) -> None:
+        """Give the scratch buffer back (the request is over)."""
+        if self._taken is not None:
+            self._pool.give(self._taken)
+            self._taken = None
 
     async def _fill(self, need: int) -> None:
         """At least ``need`` bytes read ahead (``need`` <= the scratch's size)."""
@@ -307,13 +346,13 @@ class _SocketReader(IncomingBuffers):
 
     async def _read_into(self, destinations: list[np.ndarray]) -> None:
         for dest in destinations:
-            for part in parts(dest, self._scratch.nbytes):
+            for part in parts(dest, self._limit):
                 await self._read_part(part)
 
     async def _read_part(self, part: np.ndarray) -> None:
         n = part.nbytes
         held = self._end - self._start
-        if part.flags.c_contiguous and (n - held >= DIRECT_FROM or n > self._scratch.nbytes):
+        if part.flags.c_contiguous and (n - held >= DIRECT_FROM or n > self._limit):
             target = _bytes_of(part)
             if held:
                 target[:held] = memoryview(self._scratch[self._start:self._end])
@@ -373,8 +412,7 @@ class BulkLane:
         self._endpoints: dict[str, dict | None] = {}
         self._idle: dict[str, list[socket.socket]] = {}
         self._busy: set[socket.socket] = set()
-        # the sending scratch buffer of each connection
-        self._scratches: dict[socket.socket, np.ndarray] = {}
+        self.scratch = ScratchPool()
         self._closed = False
 
     # ------------------------------------------------------------- receiving side
@@ -417,7 +455,6 @@ class BulkLane:
             task.add_done_callback(self._serving.discard)
 
     async def _serve(self, sock: socket.socket) -> None:
-        scratch = np.empty(SCRATCH_BYTES, np.uint8)
         head = bytearray(_REQUEST.size)
         loop = asyncio.get_running_loop()
         try:
@@ -436,9 +473,12 @@ class BulkLane:
                 await _recv_exactly(sock, memoryview(header))
                 request = pickle.loads(header)
                 incoming = _SocketReader(sock, request["shapes"], request["dtypes"], payload,
-                                         scratch)
-                reply = await self.handler(request, incoming)
-                await incoming.discard()
+                                         self.scratch)
+                try:
+                    reply = await self.handler(request, incoming)
+                    await incoming.discard()
+                finally:
+                    incoming.release()
                 try:
                     body = pickle.dumps(reply)
                 except Exception as exc:  # the handler answers picklable replies only
@@ -466,10 +506,11 @@ class BulkLane:
             assert endpoint is not None
             await loop.sock_sendall(sock, _REQUEST.pack(endpoint["token"], len(header),
                                                         payload) + header)
-            scratch = self._scratches.get(sock)
-            if scratch is None:
-                scratch = self._scratches[sock] = np.empty(SCRATCH_BYTES, np.uint8)
-            await _send_arrays(sock, arrays, scratch)
+            scratch = self.scratch.take()
+            try:
+                await _send_arrays(sock, arrays, scratch)
+            finally:
+                self.scratch.give(scratch)
             head = bytearray(_REPLY.size)
             await _recv_exactly(sock, memoryview(head))
             body = bytearray(_REPLY.unpack(head)[0])
@@ -530,15 +571,16 @@ class BulkLane:
             self._drop(sock)
 
     def close_idle(self) -> None:
-        """Close the pooled connections that no call uses (no run is going on)."""
+        """Close the pooled connections that no call uses, and let the kept scratch
+        buffers go (no run is going on)."""
         for socks in self._idle.values():
             for sock in socks:
                 self._drop(sock)
         self._idle.clear()
+        self.scratch.clear()
 
     def _drop(self, sock: socket.socket) -> None:
         self._busy.discard(sock)
-        self._scratches.pop(sock, None)
         sock.close()
 
     async def close(self) -> None:
@@ -560,6 +602,7 @@ class BulkLane:
         self._idle.clear()
         for sock in list(self._busy):
             self._drop(sock)
+        self.scratch.clear()
 
     @property
     def connections(self) -> int:

@@ -313,3 +313,19 @@ async def test_a_lane_that_cannot_be_reached_falls_back_to_the_comms(c, s, a, b)
 
 def test_the_lane_is_configurable():
     assert dask.config.get("dask_services.bulk-lane") is True
+
+
+def test_scratch_buffers_are_lent_and_a_few_kept_until_no_run_is_left():
+    pool = _bulk.ScratchPool()
+    lent = [pool.take() for _ in range(_bulk.SCRATCH_KEPT + 2)]
+    assert all(s.nbytes == _bulk.SCRATCH_BYTES for s in lent)
+    for s in lent:
+        pool.give(s)
+    again = [pool.take() for _ in range(_bulk.SCRATCH_KEPT)]
+    assert all(any(a is s for s in lent) for a in again)  # reused: no fresh pages
+    for a in again:
+        pool.give(a)
+    lane = BulkLane("127.0.0.1", _no_handler, _no_endpoint)
+    lane.scratch = pool
+    lane.close_idle()
+    assert pool.take() is not lent[0] and not any(pool.take() is s for s in lent)
