@@ -124,12 +124,16 @@ class IncomingBuffers:
         return len(self.shapes)
 
     async def read_into(self, destinations: Sequence[np.ndarray]) -> None:
+        """Write the arrays sent, in order, into ``destinations``: writeable arrays of the
+        same shapes and dtypes (views into larger arrays are fine).  ``ValueError`` naming
+        the first that does not match; ``RuntimeError`` if the arrays were read already."""
         destinations = list(destinations)
         self._check(destinations)
         self._read = True
         await self._read_into(destinations)
 
     async def arrays(self) -> list[np.ndarray]:
+        """The arrays sent, each in a new array of its own."""
         out = [np.empty(s, d) for s, d in zip(self.shapes, self.dtypes, strict=True)]
         await self.read_into(out)
         return out
