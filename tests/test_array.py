@@ -250,6 +250,30 @@ async def test_every_dtype_on_a_cluster_and_culled_outputs(c, s, a, b):
     await assert_nothing_left(s, [a, b])
 
 
+@pytest.mark.parametrize("fraction", [None, 1e-9])
+@pytest.mark.parametrize("lane", [True, False])
+@service_cluster(timeout=90)
+async def test_chunks_of_another_dtype_than_the_graph_says_are_cast_to_it(c, s, a, b, lane,
+                                                                          fraction):
+    """Chunks that are float64 in a graph that says int64 (a map_blocks given the wrong
+    dtype): every piece, packed or not, on the lane or not, in place or buffered, is cast
+    to the graph's dtype as it is written, never its bits read as the other dtype."""
+    base = np.arange(400 * 1200, dtype="f8").reshape(400, 1200) / 3
+    settings = {"dask_services.bulk-lane": lane,  # an exchange, not copy or merge tasks
+                "dask_services.rechunk.copy-max-inputs": 0,
+                "dask_services.rechunk.merge-region-max": 0}
+    if fraction is not None:
+        settings["dask_services.rechunk.buffer-fraction"] = fraction
+    with dask.config.set(settings):
+        x = da.from_array(base, chunks=(100, 1200)).map_blocks(lambda b: b + 0.5, dtype="i8")
+        # 100 x 100 pieces of 80 kB travel alone, 100 x 10 ones of 8 kB packed
+        for new in [(400, 100), (400, 10)]:
+            got = await c.compute(x.rechunk(new, method="service"))
+            assert got.dtype == np.int64
+            np.testing.assert_array_equal(got, (base + 0.5).astype("i8"))
+    await assert_nothing_left(s, [a, b])
+
+
 @service_cluster(timeout=90)
 async def test_outputs_stream_before_the_last_input_is_handed_off(c, s, a, b):
     # 100-row chunks to 150-row chunks: independent regions of 300 rows

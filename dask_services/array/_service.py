@@ -374,7 +374,7 @@ def as_buffers(batches: list[list[Piece | PackedPieces]]) -> tuple[list, Buffers
     for batch in batches:
         for item in batch:
             if isinstance(item, PackedPieces):
-                meta.append(("packed", item.index))
+                meta.append(("packed", item.index, item.dtype))
                 arrays.append(item.buffer)
             else:
                 meta.append(("piece", item[0], item[1]))
@@ -382,10 +382,9 @@ def as_buffers(batches: list[list[Piece | PackedPieces]]) -> tuple[list, Buffers
     return meta, Buffers(arrays)
 
 
-def from_buffers(meta: list[tuple], arrays: list[np.ndarray], dtype: np.dtype
-                 ) -> list[Piece | PackedPieces]:
+def from_buffers(meta: list[tuple], arrays: list[np.ndarray]) -> list[Piece | PackedPieces]:
     """The batch that ``as_buffers`` sent, from its arrays as received."""
-    return [PackedPieces(dtype, m[1], a) if m[0] == "packed" else (m[1], m[2], a)
+    return [PackedPieces(m[2], m[1], a) if m[0] == "packed" else (m[1], m[2], a)
             for m, a in zip(meta, arrays, strict=True)]
 
 
@@ -599,21 +598,30 @@ class ArrayRechunk(PeerExchange):
         assembled in place, with no buffer of their own; else received as arrays."""
         if self.outputs is None:
             arrays = await incoming.arrays()
-            await self.receive([from_buffers(meta, arrays, np.dtype(self.dtype))])
+            await self.receive([from_buffers(meta, arrays)])
             return
         destinations: list[np.ndarray] = []
         direct: list[tuple[Index, int]] = []
+        # a piece whose dtype is not its chunk's (a graph whose meta says another dtype than
+        # its chunks have) is read into an array of its own and cast on writing, as
+        # assigning it would
+        casts: list[tuple[np.ndarray, np.ndarray]] = []
         for m, shape, dtype in zip(meta, incoming.shapes, incoming.dtypes, strict=True):
             if m[0] == "piece":
                 destination = self._output(m[1])[region(m[2], shape)]
+                if destination.dtype != dtype:
+                    casts.append((destination, np.empty(shape, dtype)))
+                    destination = casts[-1][1]
                 direct.append((m[1], int(destination.nbytes)))
             else:
                 destination = np.empty(shape, dtype)
             destinations.append(destination)
         await incoming.read_into(destinations)
-        packed = [PackedPieces(np.dtype(self.dtype), m[1], a)
+        for chunk_region, piece in casts:
+            chunk_region[...] = piece
+        packed = [PackedPieces(m[2], m[1], a)
                   for m, a in zip(meta, destinations, strict=True) if m[0] == "packed"]
-        del destinations
+        del destinations, casts
         received = direct
         if packed:
             received = received + await self._write([packed], sum(len(p) for p in packed),
