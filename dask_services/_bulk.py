@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import socket
@@ -49,8 +50,8 @@ _REPLY = struct.Struct("<Q")
 # it is written or read (the lane keeps a few for the next call until no run is left)
 SCRATCH_BYTES = 256 * 1024
 SCRATCH_KEPT = 4
-# pooled connections kept per peer worker between calls
-IDLE_PER_PEER = 4
+# connections open at once to one peer worker (calls beyond wait their turn)
+CONNECTIONS_PER_PEER = 4
 # a contiguous run at least this long is written from (read into) its array directly
 DIRECT_FROM = 64 * 1024
 # arrays already in memory are copied into their destinations on the event loop up to this
@@ -414,7 +415,9 @@ class BulkLane:
         self._accepting: asyncio.Task | None = None
         self._serving: set[asyncio.Task] = set()
         self._endpoints: dict[str, dict | None] = {}
-        self._idle: dict[str, list[socket.socket]] = {}
+        self._idle: dict[str, list[tuple[socket.socket, bytes]]] = {}  # with their tokens
+        self._slots: dict[str, asyncio.Semaphore] = {}
+        self._asking: dict[str, asyncio.Future] = {}
         self._busy: set[socket.socket] = set()
         self.scratch = ScratchPool()
         self._closed = False
@@ -499,17 +502,27 @@ class BulkLane:
 
     async def call(self, address: str, request: dict, arrays: Sequence[np.ndarray]) -> Any:
         """Send ``request`` and ``arrays`` to the lane of the worker at ``address``; its
-        handler's reply.  ``OSError`` if the connection fails."""
-        sock = await self._connection(address)
+        handler's reply.  ``OSError`` if the connection fails.
+
+        At most ``CONNECTIONS_PER_PEER`` calls to one worker are on their way at once, the
+        others wait their turn in the order they came (calls of one channel come in the
+        order of their sequence numbers, which the receiver starts them in): every
+        concurrent run and peer call opening its own connection ran a worker out of file
+        descriptors."""
+        slots = self._slots.get(address)
+        if slots is None:
+            slots = self._slots[address] = asyncio.Semaphore(CONNECTIONS_PER_PEER)
+        async with slots:
+            return await self._call(address, request, arrays)
+
+    async def _call(self, address: str, request: dict, arrays: Sequence[np.ndarray]) -> Any:
+        sock, token = await self._connection(address)
         try:
             header = pickle.dumps({**request, "shapes": [a.shape for a in arrays],
                                    "dtypes": [a.dtype for a in arrays]})
             payload = sum(int(a.nbytes) for a in arrays)
             loop = asyncio.get_running_loop()
-            endpoint = self._endpoints[address]
-            assert endpoint is not None
-            await loop.sock_sendall(sock, _REQUEST.pack(endpoint["token"], len(header),
-                                                        payload) + header)
+            await loop.sock_sendall(sock, _REQUEST.pack(token, len(header), payload) + header)
             scratch = self.scratch.take()
             try:
                 await _send_arrays(sock, arrays, scratch)
@@ -525,33 +538,46 @@ class BulkLane:
             raise
         self._busy.discard(sock)
         idle = self._idle.setdefault(address, [])
-        if self._closed or len(idle) >= IDLE_PER_PEER or not self.keep_idle():
+        if self._closed or not self.keep_idle():
             self._drop(sock)
         else:
-            idle.append(sock)
+            idle.append((sock, token))
         reply = pickle.loads(body)
         if isinstance(reply, tuple) and reply and reply[0] == "lane-error":
             raise RuntimeError(f"the reply of a bulk call could not be sent: {reply[1]}")
         return reply
 
     async def available(self, address: str) -> bool:
-        """Whether the worker at ``address`` takes bulk calls on its lane."""
+        """Whether the worker at ``address`` takes bulk calls on its lane (asked once;
+        calls asking together wait for the same answer, in the order they asked)."""
         if address not in self._endpoints:
-            self._endpoints[address] = await self.endpoint_of(address)
-        return self._endpoints[address] is not None
+            asking = self._asking.get(address)
+            if asking is None:
+                asking = self._asking[address] = asyncio.ensure_future(
+                    self.endpoint_of(address))
+                asking.add_done_callback(functools.partial(self._asked, address))
+            await asyncio.shield(asking)
+        return self._endpoints.get(address) is not None
 
-    async def _connection(self, address: str) -> socket.socket:
+    def _asked(self, address: str, asking: asyncio.Future) -> None:
+        if self._asking.get(address) is asking:
+            del self._asking[address]
+        if not asking.cancelled() and asking.exception() is None:
+            self._endpoints[address] = asking.result()
+
+    async def _connection(self, address: str) -> tuple[socket.socket, bytes]:
         idle = self._idle.get(address, [])
         while idle:
-            sock = idle.pop()
+            sock, token = idle.pop()
             if _still_open(sock):
                 self._busy.add(sock)
-                return sock
+                return sock, token
             self._drop(sock)
         if not await self.available(address):
             raise ConnectionRefusedError(f"the worker at {address} has no bulk lane")
-        endpoint = self._endpoints[address]
-        assert endpoint is not None
+        endpoint = self._endpoints.get(address)
+        if endpoint is None:  # forgotten meanwhile: a call to it failed
+            raise ConnectionResetError(f"the bulk lane of {address} failed")
         family = socket.AF_INET6 if ":" in endpoint["host"] else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         self._busy.add(sock)
@@ -566,19 +592,19 @@ class BulkLane:
         except BaseException:
             self._drop(sock)
             raise
-        return sock
+        return sock, endpoint["token"]
 
     def refuse(self, address: str) -> None:
         """Send nothing more to ``address`` on the lane (it could not be reached)."""
         self._endpoints[address] = None
-        for sock in self._idle.pop(address, []):
+        for sock, _ in self._idle.pop(address, []):
             self._drop(sock)
 
     def close_idle(self) -> None:
         """Close the pooled connections that no call uses, and let the kept scratch
         buffers go (no run is going on)."""
         for socks in self._idle.values():
-            for sock in socks:
+            for sock, _ in socks:
                 self._drop(sock)
         self._idle.clear()
         self.scratch.clear()
@@ -601,7 +627,7 @@ class BulkLane:
                     await task
         self._serving.clear()
         for socks in self._idle.values():
-            for sock in socks:
+            for sock, _ in socks:
                 self._drop(sock)
         self._idle.clear()
         for sock in list(self._busy):

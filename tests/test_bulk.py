@@ -329,3 +329,36 @@ def test_scratch_buffers_are_lent_and_a_few_kept_until_no_run_is_left():
     lane.scratch = pool
     lane.close_idle()
     assert pool.take() is not lent[0] and not any(pool.take() is s for s in lent)
+
+
+def test_calls_to_one_worker_share_a_few_connections_and_keep_their_order():
+    """Every concurrent call opening a connection of its own ran workers out of file
+    descriptors (many runs at once): at most CONNECTIONS_PER_PEER are open to a peer, and
+    the calls waiting for one start in the order they were made."""
+    started: list[int] = []
+    release = asyncio.Event()
+    open_at_once: list[int] = []
+
+    async def handler(request: dict, incoming: IncomingBuffers) -> Any:
+        started.append(request["n"])
+        open_at_once.append(len(receiver._serving))
+        if len(started) == _bulk.CONNECTIONS_PER_PEER:
+            release.set()
+        await release.wait()
+        return request["n"]
+
+    async def main() -> list[Any]:
+        nonlocal receiver
+        receiver, sender = await _lanes(handler)
+        try:
+            calls = [sender.call("tcp://peer:1", {"n": n}, [np.arange(n, dtype="f8")])
+                     for n in range(40)]
+            return await asyncio.gather(*calls)
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    receiver: Any = None
+    assert asyncio.run(main()) == list(range(40))
+    assert max(open_at_once) == _bulk.CONNECTIONS_PER_PEER
+    assert started == list(range(40))
