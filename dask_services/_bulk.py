@@ -37,7 +37,9 @@ import struct
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
+import dask.config
 import numpy as np
+from dask.utils import parse_timedelta
 from distributed.comm.addressing import parse_address, parse_host_port
 from distributed.protocol import pickle
 
@@ -50,6 +52,8 @@ _REPLY = struct.Struct("<Q")
 # it is written or read (the lane keeps a few for the next call until no run is left)
 SCRATCH_BYTES = 256 * 1024
 SCRATCH_KEPT = 4
+# seconds between attempts to accept a connection after an error (out of file descriptors)
+ACCEPT_RETRY_DELAY = 0.1
 # connections open at once to one peer worker (calls beyond wait their turn)
 CONNECTIONS_PER_PEER = 4
 # a contiguous run at least this long is written from (read into) its array directly
@@ -115,6 +119,7 @@ class IncomingBuffers:
         self.shapes = [tuple(s) for s in shapes]
         self.dtypes = [np.dtype(d) for d in dtypes]
         self._read = False
+        self._over = False  # the method returned
 
     @property
     def nbytes(self) -> int:
@@ -140,6 +145,9 @@ class IncomingBuffers:
         return out
 
     def _check(self, destinations: list[np.ndarray]) -> None:
+        if self._over:
+            raise RuntimeError("these buffers can no longer be read: the method they were "
+                               "sent to has returned (read them within the method)")
         if self._read:
             raise RuntimeError("these buffers were read already: read them once")
         if len(destinations) != len(self.shapes):
@@ -158,6 +166,11 @@ class IncomingBuffers:
     async def _read_into(self, destinations: list[np.ndarray]) -> None:
         raise NotImplementedError
 
+    def method_returned(self) -> None:
+        """The method the buffers were sent to has returned: they can no longer be read
+        (on the lane the connection goes on to the next call)."""
+        self._over = True
+
     async def discard(self) -> None:
         """Skip what was not read (called once the method returned)."""
 
@@ -168,6 +181,10 @@ class ArraysInMemory(IncomingBuffers):
     def __init__(self, arrays: list[np.ndarray]) -> None:
         super().__init__([a.shape for a in arrays], [a.dtype for a in arrays])
         self._arrays = arrays
+
+    def method_returned(self) -> None:
+        super().method_returned()
+        self._arrays = []
 
     async def _read_into(self, destinations: list[np.ndarray]) -> None:
         arrays, self._arrays = self._arrays, []
@@ -287,8 +304,9 @@ class ScratchPool:
     """Scratch buffers lent to the calls being written or read; ``SCRATCH_KEPT`` given
     back are kept for the next ones (fresh memory costs a page fault per 4 KiB written)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: Callable[[], bool] = lambda: True) -> None:
         self._free: list[np.ndarray] = []
+        self._keep = keep  # whether buffers given back are kept (a run is going on)
 
     def take(self) -> np.ndarray:
         while self._free:
@@ -298,7 +316,7 @@ class ScratchPool:
         return np.empty(SCRATCH_BYTES, np.uint8)
 
     def give(self, scratch: np.ndarray) -> None:
-        if len(self._free) < SCRATCH_KEPT:
+        if len(self._free) < SCRATCH_KEPT and self._keep():
             self._free.append(scratch)
 
     def clear(self) -> None:
@@ -392,9 +410,23 @@ def lane_host(address: str) -> str | None:
 
 
 def _tune(sock: socket.socket) -> None:
+    """Non-blocking, no Nagle delay, and a peer that stops answering detected within
+    ``distributed.comm.timeouts.tcp`` as distributed's comms do (keepalive probes, and
+    unacknowledged data given up on)."""
     sock.setblocking(False)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    timeout = int(parse_timedelta(dask.config.get("distributed.comm.timeouts.tcp")) or 0)
+    probes = 10
+    if timeout < probes + 1:
+        return
+    idle = max(2, timeout // 4)
+    with contextlib.suppress(AttributeError, OSError):  # Linux only
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL,
+                        max(1, (timeout - idle) // probes))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, probes)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, timeout * 1000)
 
 
 class BulkLane:
@@ -419,8 +451,8 @@ class BulkLane:
         self._slots: dict[str, asyncio.Semaphore] = {}
         self._asking: dict[str, asyncio.Future] = {}
         self._busy: set[socket.socket] = set()
-        self.scratch = ScratchPool()
         self._closed = False
+        self.scratch = ScratchPool(lambda: not self._closed and self.keep_idle())
 
     # ------------------------------------------------------------- receiving side
 
@@ -451,11 +483,18 @@ class BulkLane:
     async def _accept(self) -> None:
         loop = asyncio.get_running_loop()
         assert self._listener is not None
-        while True:
+        while not self._closed:
             try:
                 sock, _ = await loop.sock_accept(self._listener)
-            except OSError:  # closed
-                return
+            except OSError as exc:
+                if self._closed or self._listener.fileno() < 0:
+                    return
+                # out of file descriptors or buffers, or a connection aborted before it
+                # was taken: the peers' connections wait in the backlog meanwhile
+                logger.warning("dask_services: the bulk lane could not accept a connection "
+                               "(%s); trying again", exc)
+                await asyncio.sleep(ACCEPT_RETRY_DELAY)
+                continue
             _tune(sock)
             task = asyncio.ensure_future(self._serve(sock))
             self._serving.add(task)
@@ -573,6 +612,7 @@ class BulkLane:
                 self._busy.add(sock)
                 return sock, token
             self._drop(sock)
+        fresh = address not in self._endpoints
         if not await self.available(address):
             raise ConnectionRefusedError(f"the worker at {address} has no bulk lane")
         endpoint = self._endpoints.get(address)
@@ -587,8 +627,10 @@ class BulkLane:
                 sock, (endpoint["host"], endpoint["port"])), self.connect_timeout)
         except (TimeoutError, OSError) as exc:
             self._drop(sock)
+            self._endpoints.pop(address, None)  # asked again next time
             raise LaneUnreachable(f"the bulk lane of {address} at {endpoint['host']}:"
-                                  f"{endpoint['port']}: {type(exc).__name__}: {exc}") from exc
+                                  f"{endpoint['port']}: {type(exc).__name__}: {exc}",
+                                  fresh) from exc
         except BaseException:
             self._drop(sock)
             raise
@@ -642,7 +684,13 @@ class BulkLane:
 
 
 class LaneUnreachable(ConnectionError):
-    """A worker's lane could not be connected to (its ordinary comm may still work)."""
+    """A worker's lane could not be connected to (its ordinary comm may still work).
+    ``fresh``: its endpoint had just been asked for (the worker answered), so the lane,
+    not the worker, is what cannot be reached."""
+
+    def __init__(self, message: str, fresh: bool) -> None:
+        super().__init__(message)
+        self.fresh = fresh
 
 
 def _still_open(sock: socket.socket) -> bool:

@@ -24,7 +24,7 @@ import dask.config
 from dask.typing import Key
 from dask.utils import parse_timedelta
 
-from dask_services._bulk import as_incoming
+from dask_services._bulk import IncomingBuffers, as_incoming, buffers_of
 from dask_services._counters import Traffic, size_of
 from dask_services._known_sizes import checked_nbytes, remember
 from dask_services._payload import known_arguments_nbytes
@@ -227,6 +227,10 @@ class PeerHandle:
             if not is_rpc_method(cls, name):
                 # Refused before it takes a sequence number: the channel stays as it was.
                 return _raise(RPCRefused(_refusal(cls, name)))
+            try:
+                buffers_of(args, kwargs)  # at most one Buffers argument, on every path
+            except TypeError as exc:
+                return _raise(exc)
             seq = self._source.next_seq_out.get(self.id, 0)
             self._source.next_seq_out[self.id] = seq + 1
             return self._host.call_peer(self._source, self.id, seq, name, args, kwargs)
@@ -501,6 +505,8 @@ class ServiceHost:
         task = asyncio.current_task()
         assert task is not None
         inst.hooks[task] = method
+        args: tuple = ()
+        kwargs: dict = {}
         try:
             # a Buffers argument reaches the method as IncomingBuffers (_bulk.py)
             args, kwargs = as_incoming(*await arguments())
@@ -508,6 +514,9 @@ class ServiceHost:
             return await getattr(inst.service, method)(*args, **kwargs)
         finally:
             inst.hooks.pop(task, None)
+            for arg in (*args, *kwargs.values()):
+                if isinstance(arg, IncomingBuffers):
+                    arg.method_returned()  # read later, it would take the next call's bytes
 
     @staticmethod
     def _count(sender: Instance | None, receiver: Instance | None, nbytes: int) -> None:

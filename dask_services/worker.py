@@ -129,25 +129,33 @@ class WorkerEnvironment(Environment):
                        seq: int, method: str, args: tuple, kwargs: dict) -> Any:
         call = f"{method}() from {source} to {target}"
         lane = self.ext.lane
-        if lane is not None and buffers_of(args, kwargs) is not None \
-                and dask.config.get("dask_services.bulk-lane"):
-            try:
-                on_lane = await lane.available(address)
-            except OSError as exc:
-                raise PeerUnreachableError(
-                    f"{call}: the connection to {address} failed ({type(exc).__name__}: "
-                    f"{exc}); the worker left or died") from exc
-            if on_lane:
+        # (a call with two Buffers was refused before it took its sequence number)
+        if lane is not None and dask.config.get("dask_services.bulk-lane") \
+                and buffers_of(args, kwargs) is not None:
+            for attempt in range(2):
+                try:
+                    on_lane = await lane.available(address)
+                except OSError as exc:
+                    raise PeerUnreachableError(
+                        f"{call}: the connection to {address} failed "
+                        f"({type(exc).__name__}: {exc}); the worker left or died") from exc
+                if not on_lane:
+                    break
                 try:
                     return await self._send_on_lane(address, target, source, run_id, seq,
                                                     method, args, kwargs)
                 except _NotPicklable:
-                    pass  # the ordinary path says so, and the call takes its turn
+                    break  # the ordinary path says so, and the call takes its turn
                 except LaneUnreachable as exc:
-                    # a firewall may let distributed's ports through and not the lane's
-                    logger.warning("dask_services: %s; sending to that worker through "
-                                   "distributed's comms", exc)
-                    lane.refuse(address)
+                    if exc.fresh or attempt:
+                        # the worker answered, its lane cannot be reached: a firewall may
+                        # let distributed's ports through and not the lane's
+                        logger.warning("dask_services: %s; sending to that worker through "
+                                       "distributed's comms", exc)
+                        lane.refuse(address)
+                        break
+                    # a lane known from before: ask the worker again (if it died, that
+                    # fails as PeerUnreachableError; if it is back, with a new lane)
         unsent: PeerCallError | None = None
         nbytes = 0
         try:

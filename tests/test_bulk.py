@@ -362,3 +362,114 @@ def test_calls_to_one_worker_share_a_few_connections_and_keep_their_order():
     assert asyncio.run(main()) == list(range(40))
     assert max(open_at_once) == _bulk.CONNECTIONS_PER_PEER
     assert started == list(range(40))
+
+
+class Careless(Service):
+    """Makes the mistakes the rules refuse: a call with two ``Buffers``; and keeping the
+    ``IncomingBuffers`` to read after the method returned.  Its output: what each
+    mistake raised, and the arrays of the calls that followed them."""
+
+    async def start(self, *args: Any, **kwargs: Any) -> None:
+        self.kept: list[IncomingBuffers] = []
+        self.got: list[np.ndarray] = []
+        self.raised: list[str] = []
+
+    async def add_key(self, key, data) -> None:
+        for sid in sorted(self.peers):
+            try:
+                await self.peers[sid].take(Buffers([data]), more=Buffers([data]))
+            except TypeError as exc:
+                self.raised.append(str(exc))
+            await self.peers[sid].keep(Buffers([data]))
+            await self.peers[sid].take(Buffers([data[::2]]))
+
+    @rpc
+    async def take(self, incoming: IncomingBuffers, more: Any = None) -> None:
+        self.got.extend(await incoming.arrays())
+
+    @rpc
+    async def keep(self, incoming: IncomingBuffers) -> None:
+        self.kept.append(incoming)  # read later: refused
+
+    async def all_inputs_done(self) -> None:
+        for incoming in self.kept:
+            try:
+                await incoming.arrays()
+            except RuntimeError as exc:
+                self.raised.append(str(exc))
+        for key in self.concierge.wanted_outputs:
+            await self.concierge.produce_key(key, (self.id, self.raised, self.got))
+
+
+@pytest.mark.parametrize("lane", [True, False])
+@service_cluster()
+async def test_mistakes_with_buffers_fail_alone_and_later_calls_go_on(c, s, a, b, lane):
+    """Two Buffers in one call are refused before the call takes its turn (it left a gap
+    in the channel's order, and every later call waited for ever); buffers read after
+    their method returned are refused (on the lane that read took the next call's
+    bytes)."""
+    with dask.config.set({"dask_services.bulk-lane": lane}):
+        outs = service_task(Careless, [dask.delayed(block)(i) for i in range(4)], outputs=2)
+        results = await c.gather(c.compute(outs))
+    raised = [m for _, r, _ in results for m in r]
+    got = [g for *_, gs in results for g in gs]
+    assert sum("at most one Buffers" in m for m in raised) == 4 * 2  # per input and peer
+    assert sum("the method they were sent to has returned" in m for m in raised) == 4 * 2
+    expected = sorted(block(i)[::2].sum() for i in range(4) for _ in range(2))
+    assert sorted(g.sum() for g in got) == pytest.approx(expected)
+    del outs
+    await assert_nothing_left(s, [a, b])
+
+
+def block_of_objects(i: int) -> np.ndarray:
+    out = np.empty((100, 40), dtype=object)
+    out[:] = block(i)
+    return out
+
+
+@service_cluster()
+async def test_chunks_of_objects_in_an_array_of_numbers_travel_pickled(c, s, a, b):
+    import dask.array as da
+
+    x = da.concatenate([da.from_delayed(dask.delayed(block_of_objects)(i), (100, 40),
+                                        dtype="f8") for i in range(4)])
+    with dask.config.set({"dask_services.rechunk.copy-max-inputs": 0,
+                          "dask_services.rechunk.merge-region-max": 0}):
+        got = await c.compute(x.rechunk((400, 4), method="service"))
+    np.testing.assert_array_equal(got, np.concatenate([block(i) for i in range(4)]))
+    await assert_nothing_left(s, [a, b])
+
+
+def test_the_lane_keeps_accepting_after_running_out_of_file_descriptors():
+    import errno
+
+    calls = 0
+
+    async def handler(request: dict, incoming: IncomingBuffers) -> Any:
+        return "ok"
+
+    async def main() -> Any:
+        receiver, sender = await _lanes(handler)
+        loop = asyncio.get_running_loop()
+        accept = type(loop).sock_accept
+
+        async def first_fails(self: Any, sock: socket.socket) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise OSError(errno.EMFILE, "Too many open files")
+            return await accept(self, sock)
+
+        try:
+            with mock.patch.object(type(loop), "sock_accept", first_fails), \
+                    mock.patch.object(_bulk, "ACCEPT_RETRY_DELAY", 0.01):
+                receiver._accepting.cancel()  # started before the patch: start again
+                receiver._accepting = asyncio.ensure_future(receiver._accept())
+                return await asyncio.wait_for(
+                    sender.call("tcp://peer:1", {}, [np.zeros(3)]), 10)
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    assert asyncio.run(main()) == "ok"
+    assert calls >= 2

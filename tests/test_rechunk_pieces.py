@@ -62,6 +62,11 @@ def test_only_small_pieces_for_peers_are_packed():
     # large pieces for peers stay views too: the lane copies their strided parts as it
     # sends them (_bulk.py)
     assert all(type(item) is tuple and item[2].base is not None for item in out["peer"])
+    # ... unless the peers' share of the chunk is under half: a view would hold the whole
+    # chunk for a small piece, so the strided pieces for peers are copied
+    few = {(0, 0): "here", (0, 1): "here", (0, 2): "here", (0, 3): "peer"}
+    (alone,) = pieces_by_destination(block, (0, 0), overlaps, few, "here")["peer"]
+    assert alone[2].base is None and alone[2].flags.c_contiguous
     small = np.zeros((6, 4))
     out = pieces_by_destination(small, (0, 0), overlaps, owner, "here")
     (packed,) = out["peer"]

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from dask.sizeof import sizeof
 
-from dask_services._bulk import Buffers, IncomingBuffers
+from dask_services._bulk import ArraysInMemory, Buffers, IncomingBuffers
 from dask_services._exchange import PeerExchange
 from dask_services._memory import (
     HUGE_PAGE_ADVICE_FROM,
@@ -342,21 +342,27 @@ def pieces_by_destination(block: np.ndarray, index: Index,
     """The pieces of the input chunk at ``index`` that wanted outputs need, grouped by the
     instance owning their output.  Pieces stay views of the input chunk: they are sent as
     ``Buffers``, whose strided parts the sender copies as it writes them (``_bulk.py``).
-    Small ones are copied into one buffer per peer (``PackedPieces``); and for object
-    arrays, which travel pickled, a strided piece is copied here, in a worker thread (pickle
-    would copy it on the event loop)."""
+    Small ones are copied into one buffer per peer (``PackedPieces``); and where the
+    peers' share is under half the chunk, or for object arrays, which travel pickled, a
+    strided piece is copied here, in a worker thread (pickle would copy it on the event
+    loop)."""
     out: dict[ServiceId, list[Piece | PackedPieces]] = {}
     small: dict[ServiceId, list[Piece]] = {}
     packs = not block.dtype.hasobject
-    for j, offset, piece in slice_block(block, index, overlaps):
-        sid = owner.get(j)
-        if sid is None:
-            continue
+    pieces = [(owner[j], j, offset, piece)
+              for j, offset, piece in slice_block(block, index, overlaps) if j in owner]
+    # A view keeps its whole input chunk in memory until it is sent, while the send window
+    # counts only the view's bytes: where the peers' share is under half the chunk, the
+    # strided pieces for them are copied (as objects always are), so that what is held
+    # stays within twice what the window counts.
+    views = packs and 2 * sum(p.nbytes for sid, _, _, p in pieces if sid != here) \
+        >= block.nbytes
+    for sid, j, offset, piece in pieces:
         if sid != here:
             if packs and piece.nbytes < PACK_BELOW:
                 small.setdefault(sid, []).append((j, offset, piece))
                 continue
-            if not packs and not piece.flags.c_contiguous:
+            if not views and not piece.flags.c_contiguous:
                 piece = np.ascontiguousarray(piece)
         out.setdefault(sid, []).append((j, offset, piece))
     for sid, pieces in small.items():
@@ -366,9 +372,11 @@ def pieces_by_destination(block: np.ndarray, index: Index,
     return out
 
 
-def as_buffers(batches: list[list[Piece | PackedPieces]]) -> tuple[list, Buffers]:
+def as_buffers(batches: list[list[Piece | PackedPieces]]) -> tuple[list, Buffers | list]:
     """The pieces of ``batches`` as the arguments of ``receive_pieces``: what each array
-    is (an output index and offset, or a packed buffer's index) and the arrays."""
+    is (an output index and offset, or a packed buffer's index) and the arrays, as
+    ``Buffers`` (a plain list, pickled, if a chunk of objects came in an array that says
+    another dtype)."""
     meta: list[tuple] = []
     arrays: list[np.ndarray] = []
     for batch in batches:
@@ -379,6 +387,8 @@ def as_buffers(batches: list[list[Piece | PackedPieces]]) -> tuple[list, Buffers
             else:
                 meta.append(("piece", item[0], item[1]))
                 arrays.append(item[2])
+    if any(a.dtype.hasobject for a in arrays):
+        return meta, arrays
     return meta, Buffers(arrays)
 
 
@@ -517,8 +527,8 @@ class ArrayRechunk(PeerExchange):
     config_section = "rechunk"
     # output_keys come in the order of their chunk indices (C order); the names are not read
     outputs_by_position = True
-    # the pieces sent are views into input chunks, which stay in memory until their
-    # hand-off returns: trimming after sends would give back little, at a cost
+    # the pieces sent are mostly views into input chunks, which stay in memory until every
+    # piece of theirs is sent: trimming after sends would give back little, at a cost
     trim_after_sends = False
 
     async def start(self, id, key, peers, input_keys, output_keys, concierge, leader, *,
@@ -592,10 +602,13 @@ class ArrayRechunk(PeerExchange):
         await self.receive(batches)
 
     @rpc
-    async def receive_pieces(self, meta: list[tuple], incoming: IncomingBuffers) -> None:
+    async def receive_pieces(self, meta: list[tuple], incoming: IncomingBuffers | list
+                             ) -> None:
         """Peer RPC: the pieces of several input chunks for this instance, as ``Buffers``
         (``as_buffers``): written straight into their output chunks where those are
         assembled in place, with no buffer of their own; else received as arrays."""
+        if isinstance(incoming, list):  # objects, pickled
+            incoming = ArraysInMemory(incoming)
         if self.outputs is None:
             arrays = await incoming.arrays()
             await self.receive([from_buffers(meta, arrays)])
