@@ -14,7 +14,7 @@ from dask_services import (
     dataframe,  # noqa: F401  (registers the "service" shuffle method)
 )
 from dask_services import config as _config  # noqa: F401  (registers config defaults)
-from dask_services._bulk import Buffers, IncomingBuffers
+from dask_services._buffers import Buffers, IncomingBuffers
 from dask_services._spill import OutOfDiskError
 from dask_services._status import status
 from dask_services.client import install, install_async, service_task, story, submit

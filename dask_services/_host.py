@@ -24,7 +24,7 @@ import dask.config
 from dask.typing import Key
 from dask.utils import parse_timedelta
 
-from dask_services._bulk import IncomingBuffers, as_incoming, buffers_of
+from dask_services._buffers import IncomingBuffers, as_incoming, buffers_of
 from dask_services._counters import Traffic, size_of
 from dask_services._known_sizes import checked_nbytes, remember
 from dask_services._payload import known_arguments_nbytes
@@ -508,7 +508,7 @@ class ServiceHost:
         args: tuple = ()
         kwargs: dict = {}
         try:
-            # a Buffers argument reaches the method as IncomingBuffers (_bulk.py)
+            # a Buffers argument reaches the method as IncomingBuffers (_buffers.py)
             args, kwargs = as_incoming(*await arguments())
             await inst.started.wait()
             return await getattr(inst.service, method)(*args, **kwargs)

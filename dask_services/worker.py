@@ -13,7 +13,7 @@ import asyncio
 import gc
 import logging
 import shutil
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -27,14 +27,8 @@ from distributed.protocol.serialize import to_serialize
 from distributed.utils import sync
 from tornado.ioloop import PeriodicCallback
 
-from dask_services._bulk import (
-    BulkLane,
-    IncomingBuffers,
-    LaneUnreachable,
-    buffers_of,
-    lane_host,
-    put_slot,
-)
+from dask_services._buffers import IncomingBuffers, buffers_of, put_slot
+from dask_services._bulk import BulkLane, LaneUnreachable, lane_host
 from dask_services._counters import CounterReports, Traffic, instance_counters, size_of
 from dask_services._host import Environment, InstanceSpec, ServiceHost, make_directory
 from dask_services._memory import release_freed_memory
@@ -460,25 +454,44 @@ class ServiceWorkerPlugin(WorkerPlugin):
                           method: str, payload: Any, unsent: str | None = None) -> Any:
         call = f"{method}() from {source} to {target}"
 
+        async def load() -> tuple[tuple, dict]:
+            if unsent is not None:
+                raise PeerCallError(unsent)
+            return await unpack(unwrap(payload), f"the arguments of {call}")
+
+        async def encode(result: Any) -> tuple[Any, int]:
+            packed = await pack(result, f"the result of {call}")
+            return to_serialize(packed), packed.nbytes
+
+        return await self._answer(target, source, run_id, seq, method, load, encode,
+                                  None if unsent is not None
+                                  else getattr(unwrap(payload), "nbytes", 0))
+
+    async def _answer(self, target: str, source: str, run_id: int, seq: int, method: str,
+                      load: Callable[[], Awaitable[tuple[tuple, dict]]],
+                      encode: Callable[[Any], Awaitable[tuple[Any, int]]],
+                      nbytes: int | None) -> Any:
+        """Run a peer call that came in (``service_rpc``, or on the bulk lane) and answer
+        it: ``encode(result)`` gives the reply and its bytes; ``load()`` the arguments,
+        of ``nbytes`` bytes (None: the call carries none, it was not sent)."""
         taken: int | None = None  # the bytes counted as received once the call took its turn
 
         async def arguments() -> tuple[tuple, dict]:
             nonlocal taken
-            if unsent is not None:
-                raise PeerCallError(unsent)
-            # the call has taken its turn: its bytes are received (_counters.py)
-            taken = getattr(unwrap(payload), "nbytes", 0)
-            _traffic(self.host, target).bytes_received += taken
-            return await unpack(unwrap(payload), f"the arguments of {call}")
+            if nbytes is not None:
+                # the call has taken its turn: its bytes are received (_counters.py)
+                taken = nbytes
+                _traffic(self.host, target).bytes_received += taken
+            return await load()
 
         try:
             with as_worker(self.worker):  # get_worker() in the method, as in a task
                 result = await self.host.deliver(ServiceId(target), ServiceId(source), run_id,
                                                  seq, method, arguments)
-            packed = await pack(result, f"the result of {call}")
+            reply, sent = await encode(result)
             if result is not None:
-                _traffic(self.host, target).bytes_sent += packed.nbytes
-            return to_serialize(packed)
+                _traffic(self.host, target).bytes_sent += sent
+            return reply
         except StaleRunError as exc:
             # Routine at the end of a run (a peer's last call races the stop): answered, not
             # logged as a handler failure.  Stale before its turn (refused), or in the method
@@ -506,15 +519,9 @@ class ServiceWorkerPlugin(WorkerPlugin):
     async def _lane_call(self, request: dict, incoming: IncomingBuffers) -> dict:
         """A peer call that came on the bulk lane: as ``service_rpc``, with ``incoming`` in
         place of its ``Buffers`` argument."""
-        target, source = request["target"], request["source"]
-        method = request["method"]
-        call = f"{method}() from {source} to {target}"
-        taken: int | None = None
+        call = f"{request['method']}() from {request['source']} to {request['target']}"
 
-        async def arguments() -> tuple[tuple, dict]:
-            nonlocal taken
-            taken = incoming.nbytes + len(request["args"])
-            _traffic(self.host, target).bytes_received += taken
+        async def load() -> tuple[tuple, dict]:
             try:
                 args, kwargs = pickle.loads(request["args"])
             except Exception as exc:
@@ -523,27 +530,17 @@ class ServiceWorkerPlugin(WorkerPlugin):
                     f"{type(exc).__name__}: {exc}") from exc
             return put_slot(args, kwargs, incoming)
 
-        try:
-            with as_worker(self.worker):
-                result = await self.host.deliver(ServiceId(target), ServiceId(source),
-                                                 request["run_id"], request["seq"], method,
-                                                 arguments)
+        async def encode(result: Any) -> tuple[Any, int]:
             try:
                 body = pickle.dumps(result)
             except Exception as exc:
                 raise PeerCallError(f"the result of {call} could not be serialized: "
                                     f"{type(exc).__name__}: {exc}") from exc
-            if result is not None:
-                _traffic(self.host, target).bytes_sent += len(body)
-            return {_RESULT: body}
-        except StaleRunError as exc:
-            return {_STALE: str(exc), _TAKEN: taken is not None}
-        except asyncio.CancelledError:
-            if taken is not None:
-                _traffic(self.host, target).bytes_received -= taken
-            raise
-        except Exception as exc:
-            return {_RAISED: dumps_exception(exc)}
+            return {_RESULT: body}, len(body)
+
+        return await self._answer(request["target"], request["source"], request["run_id"],
+                                  request["seq"], request["method"], load, encode,
+                                  incoming.nbytes + len(request["args"]))
 
     async def service_add_key(self, comm: Any, target: str, key: Key, payload: Any) -> bool:
         sid = ServiceId(target)

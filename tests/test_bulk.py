@@ -18,14 +18,8 @@ from hypothesis.extra import numpy as hnp
 from utils import assert_nothing_left, service_cluster
 
 from dask_services import Buffers, IncomingBuffers, Service, _bulk, rpc, service_task
-from dask_services._bulk import (
-    ArraysInMemory,
-    BulkLane,
-    LaneUnreachable,
-    as_incoming,
-    buffers_of,
-    parts,
-)
+from dask_services._buffers import ArraysInMemory, as_incoming, buffers_of
+from dask_services._bulk import BulkLane, LaneUnreachable, parts
 
 pytestmark = pytest.mark.timeout(120)
 

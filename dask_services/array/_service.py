@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from dask.sizeof import sizeof
 
-from dask_services._bulk import ArraysInMemory, Buffers, IncomingBuffers
+from dask_services._buffers import ArraysInMemory, Buffers, IncomingBuffers
 from dask_services._exchange import PeerExchange
 from dask_services._memory import (
     HUGE_PAGE_ADVICE_FROM,
