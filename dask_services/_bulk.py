@@ -22,6 +22,7 @@ its ordinary (authenticated, where the cluster is) comm, before anything is unpi
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
@@ -113,6 +114,38 @@ async def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
         if n == 0:
             raise ConnectionResetError("the peer closed the connection mid-message")
         view = view[n:]
+
+
+class Slots:
+    """At most ``n`` holders at once, given their turn in the order their tickets were
+    taken, whatever the order in which they come to wait."""
+
+    def __init__(self, n: int) -> None:
+        self.free = n
+        self.line: collections.deque[asyncio.Future] = collections.deque()
+
+    def ticket(self) -> asyncio.Future:
+        ticket = asyncio.get_running_loop().create_future()
+        if self.free and not self.line:
+            self.free -= 1
+            ticket.set_result(None)
+        else:
+            self.line.append(ticket)
+        return ticket
+
+    def done_with(self, ticket: asyncio.Future) -> None:
+        if not ticket.done():
+            ticket.cancel()  # still in line: skipped
+        elif not ticket.cancelled():
+            self._next()
+
+    def _next(self) -> None:
+        while self.line:
+            ticket = self.line.popleft()
+            if not ticket.done():
+                ticket.set_result(None)
+                return
+        self.free += 1
 
 
 class ScratchPool:
@@ -263,7 +296,7 @@ class BulkLane:
         self._serving: set[asyncio.Task] = set()
         self._endpoints: dict[str, dict | None] = {}
         self._idle: dict[str, list[tuple[socket.socket, bytes]]] = {}  # with their tokens
-        self._slots: dict[str, asyncio.Semaphore] = {}
+        self._slots: dict[str, Slots] = {}
         self._asking: dict[str, asyncio.Future] = {}
         self._busy: set[socket.socket] = set()
         self._closed = False
@@ -354,20 +387,42 @@ class BulkLane:
 
     # ------------------------------------------------------------- sending side
 
-    async def call(self, address: str, request: dict, arrays: Sequence[np.ndarray]) -> Any:
+    def ticket(self, address: str) -> asyncio.Future:
+        """A place in the line of calls to the worker at ``address``: take it before the
+        call's first ``await`` (calls of one channel are made in the order of their sequence
+        numbers, which the receiver starts them in), pass it to :meth:`call`, give it back
+        with :meth:`done_with`."""
+        slots = self._slots.get(address)
+        if slots is None:
+            slots = self._slots[address] = Slots(CONNECTIONS_PER_PEER)
+        return slots.ticket()
+
+    def done_with(self, address: str, ticket: asyncio.Future) -> None:
+        """The call holding ``ticket`` is over (or went another way)."""
+        self._slots[address].done_with(ticket)
+
+    async def call(self, address: str, request: dict, arrays: Sequence[np.ndarray],
+                   ticket: asyncio.Future | None = None) -> Any:
         """Send ``request`` and ``arrays`` to the lane of the worker at ``address``; its
         handler's reply.  ``OSError`` if the connection fails.
 
-        At most ``CONNECTIONS_PER_PEER`` calls to one worker are on their way at once, the
-        others wait their turn in the order they came (calls of one channel come in the
-        order of their sequence numbers, which the receiver starts them in): every
-        concurrent run and peer call opening its own connection ran a worker out of file
-        descriptors."""
-        slots = self._slots.get(address)
-        if slots is None:
-            slots = self._slots[address] = asyncio.Semaphore(CONNECTIONS_PER_PEER)
-        async with slots:
+        At most ``CONNECTIONS_PER_PEER`` calls to one worker are on their way at once,
+        the others wait their turn in the order of their tickets (:meth:`ticket`; one is
+        taken here if none is given).  Every concurrent run and peer call opening its own
+        connection ran a worker out of file descriptors; and the turns must follow the
+        tickets, not the order in which calls come to wait: a call that found the peer's
+        lane already known overtook earlier ones still waiting for it, and with every
+        connection held by calls the receiver kept waiting for an earlier one (whose turn
+        never came), a rechunk hung."""
+        own = ticket is None
+        if ticket is None:
+            ticket = self.ticket(address)
+        try:
+            await ticket
             return await self._call(address, request, arrays)
+        finally:
+            if own:
+                self.done_with(address, ticket)
 
     async def _call(self, address: str, request: dict, arrays: Sequence[np.ndarray]) -> Any:
         sock, token = await self._connection(address)

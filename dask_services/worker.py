@@ -126,30 +126,15 @@ class WorkerEnvironment(Environment):
         # (a call with two Buffers was refused before it took its sequence number)
         if lane is not None and dask.config.get("dask_services.bulk-lane") \
                 and buffers_of(args, kwargs) is not None:
-            for attempt in range(2):
-                try:
-                    on_lane = await lane.available(address)
-                except OSError as exc:
-                    raise PeerUnreachableError(
-                        f"{call}: the connection to {address} failed "
-                        f"({type(exc).__name__}: {exc}); the worker left or died") from exc
-                if not on_lane:
-                    break
-                try:
-                    return await self._send_on_lane(address, target, source, run_id, seq,
-                                                    method, args, kwargs)
-                except _NotPicklable:
-                    break  # the ordinary path says so, and the call takes its turn
-                except LaneUnreachable as exc:
-                    if exc.fresh or attempt:
-                        # the worker answered, its lane cannot be reached: a firewall may
-                        # let distributed's ports through and not the lane's
-                        logger.warning("dask_services: %s; sending to that worker through "
-                                       "distributed's comms", exc)
-                        lane.refuse(address)
-                        break
-                    # a lane known from before: ask the worker again (if it died, that
-                    # fails as PeerUnreachableError; if it is back, with a new lane)
+            # its place in the line to that worker, before the first await (_bulk.py)
+            ticket = lane.ticket(address)
+            try:
+                return await self._send_with_ticket(address, target, source, run_id, seq,
+                                                    method, args, kwargs, ticket)
+            except _NotOnLane:
+                pass
+            finally:
+                lane.done_with(address, ticket)
         unsent: PeerCallError | None = None
         nbytes = 0
         try:
@@ -196,9 +181,43 @@ class WorkerEnvironment(Environment):
             traffic.bytes_received += getattr(unwrap(response), "nbytes", 0)
         return result
 
+    async def _send_with_ticket(self, address: str, target: ServiceId, source: ServiceId,
+                                run_id: int, seq: int, method: str, args: tuple,
+                                kwargs: dict, ticket: asyncio.Future) -> Any:
+        """A call with ``Buffers`` on the bulk lane, holding ``ticket``; ``_NotOnLane`` if
+        it must go through distributed's comms instead."""
+        call = f"{method}() from {source} to {target}"
+        lane = self.ext.lane
+        assert lane is not None
+        for attempt in range(2):
+            try:
+                on_lane = await lane.available(address)
+            except OSError as exc:
+                raise PeerUnreachableError(
+                    f"{call}: the connection to {address} failed "
+                    f"({type(exc).__name__}: {exc}); the worker left or died") from exc
+            if not on_lane:
+                raise _NotOnLane
+            try:
+                return await self._send_on_lane(address, target, source, run_id, seq,
+                                                method, args, kwargs, ticket)
+            except _NotPicklable:
+                raise _NotOnLane from None  # the ordinary path says so, in its turn
+            except LaneUnreachable as exc:
+                if exc.fresh or attempt:
+                    # the worker answered, its lane cannot be reached: a firewall may let
+                    # distributed's ports through and not the lane's
+                    logger.warning("dask_services: %s; sending to that worker through "
+                                   "distributed's comms", exc)
+                    lane.refuse(address)
+                    raise _NotOnLane from None
+                # a lane known from before: ask the worker again (if it died, that fails
+                # as PeerUnreachableError; if it is back, with a new lane)
+        raise _NotOnLane
+
     async def _send_on_lane(self, address: str, target: ServiceId, source: ServiceId,
-                            run_id: int, seq: int, method: str, args: tuple, kwargs: dict
-                            ) -> Any:
+                            run_id: int, seq: int, method: str, args: tuple, kwargs: dict,
+                            ticket: asyncio.Future) -> Any:
         """A call with a ``Buffers`` argument, on the bulk lane (``_bulk.py``).  Raises
         ``_NotPicklable`` before sending anything if its other arguments cannot be pickled
         (the ordinary path then answers that, taking the call's turn)."""
@@ -218,7 +237,7 @@ class WorkerEnvironment(Environment):
         try:
             response = await lane.call(address, {
                 "target": str(target), "source": str(source), "run_id": run_id, "seq": seq,
-                "method": method, "args": packed}, buffers.arrays)
+                "method": method, "args": packed}, buffers.arrays, ticket)
         except LaneUnreachable:
             traffic.bytes_sent -= nbytes
             raise
@@ -255,6 +274,10 @@ class WorkerEnvironment(Environment):
 
 class _NotPicklable(Exception):
     """The arguments of a call for the bulk lane cannot be pickled."""
+
+
+class _NotOnLane(Exception):
+    """A call with ``Buffers`` goes through distributed's comms after all."""
 
 
 def service_threads(worker: Worker) -> ThreadPoolExecutor:

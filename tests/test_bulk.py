@@ -467,3 +467,58 @@ def test_the_lane_keeps_accepting_after_running_out_of_file_descriptors():
 
     assert asyncio.run(main()) == "ok"
     assert calls >= 2
+
+
+def test_turns_on_the_connections_follow_the_tickets_not_the_order_of_waiting():
+    """The receiver starts a channel's calls in the order of their sequence numbers; a
+    call that held one of the few connections while an earlier one waited for a turn
+    hung the rechunk (the earlier call had been slower to come to wait: it was still
+    asking for the peer's lane).  Turns go by tickets, taken in the calls' order."""
+    turn = 0
+    changed = asyncio.Condition()
+
+    async def handler(request: dict, incoming: IncomingBuffers) -> Any:
+        nonlocal turn
+        async with changed:  # as ServiceHost.deliver: in the order of the calls
+            await changed.wait_for(lambda: turn == request["n"])
+            turn += 1
+            changed.notify_all()
+        return request["n"]
+
+    async def main() -> list[Any]:
+        receiver, sender = await _lanes(handler)
+        try:
+            tickets = [sender.ticket("tcp://peer:1") for _ in range(12)]
+
+            async def call(n: int) -> Any:
+                try:
+                    return await sender.call("tcp://peer:1", {"n": n}, [np.zeros(n)],
+                                             tickets[n])
+                finally:
+                    sender.done_with("tcp://peer:1", tickets[n])
+
+            # coming to wait in reverse order
+            calls = [call(n) for n in reversed(range(12))]
+            return await asyncio.wait_for(asyncio.gather(*calls), 20)
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    assert asyncio.run(main()) == list(reversed(range(12)))
+
+
+def test_slots_give_turns_in_ticket_order_and_skip_abandoned_tickets():
+    async def main() -> list[int]:
+        slots = _bulk.Slots(2)
+        tickets = [slots.ticket() for _ in range(5)]
+        assert [t.done() for t in tickets] == [True, True, False, False, False]
+        slots.done_with(tickets[3])  # abandoned while in line: skipped
+        slots.done_with(tickets[1])
+        assert tickets[2].done() and not tickets[4].done()
+        slots.done_with(tickets[0])
+        assert tickets[4].done()
+        slots.done_with(tickets[2])
+        slots.done_with(tickets[4])
+        return [slots.free, len(slots.line)]
+
+    assert asyncio.run(main()) == [2, 0]
