@@ -146,29 +146,41 @@ class WorkerEnvironment(Environment):
             # The call has its sequence number: the receiver must still take its turn, or
             # every later call on this channel would wait for it.
             payload, unsent = None, exc
-        # Bytes of peer calls (_counters.py): sent now, taken back if the call never
-        # reached the instance.
+        response = await self._exchange(address, call, source, nbytes, lambda: (
+            self.ext.worker.rpc(address).service_rpc(
+                target=str(target), source=str(source), run_id=run_id, seq=seq,
+                method=method, payload=payload,
+                unsent=str(unsent) if unsent is not None else None)))
+        if unsent is not None:
+            raise unsent
+        result = await unpack(unwrap(response), f"the result of {call}")
+        if result is not None:
+            _traffic(self.ext.host, source).bytes_received += getattr(
+                unwrap(response), "nbytes", 0)
+        return result
+
+    async def _exchange(self, address: str, call: str, source: ServiceId, nbytes: int,
+                        send: Callable[[], Awaitable[Any]]) -> Any:
+        """``send()`` a peer call (through the comms or on the lane) and its answer, checked
+        for the stale-run and raised forms.  Bytes of peer calls (_counters.py): sent now,
+        taken back if the call never reached the instance.  A broken connection is
+        ``PeerUnreachableError``, but for ``LaneUnreachable``, which the caller handles."""
         traffic = _traffic(self.ext.host, source)
         traffic.in_flight += nbytes
         traffic.bytes_sent += nbytes
         try:
-            response = await self.ext.worker.rpc(address).service_rpc(
-                target=str(target), source=str(source), run_id=run_id, seq=seq,
-                method=method, payload=payload,
-                unsent=str(unsent) if unsent is not None else None,
-            )
+            response = await send()
+        except LaneUnreachable:
+            traffic.bytes_sent -= nbytes
+            raise
         except OSError as exc:  # CommClosedError, a refused or timed-out connection
             traffic.bytes_sent -= nbytes
-            raise PeerUnreachableError(
-                f"{call}: the connection to {address} failed ({type(exc).__name__}: "
-                f"{exc}); the worker left or died") from exc
+            raise _unreachable(call, address, exc) from exc
         except Exception:
             traffic.bytes_sent -= nbytes
             raise
         finally:
             traffic.in_flight -= nbytes
-        if unsent is not None:
-            raise unsent
         if isinstance(response, dict):
             if _STALE in response:
                 if not response.get(_TAKEN):  # refused: its bytes never reached the callee
@@ -176,10 +188,7 @@ class WorkerEnvironment(Environment):
                 raise StaleRunError(response[_STALE])
             if _RAISED in response:
                 raise loads_exception(response[_RAISED])
-        result = await unpack(unwrap(response), f"the result of {call}")
-        if result is not None:
-            traffic.bytes_received += getattr(unwrap(response), "nbytes", 0)
-        return result
+        return response
 
     async def _send_with_ticket(self, address: str, target: ServiceId, source: ServiceId,
                                 run_id: int, seq: int, method: str, args: tuple,
@@ -193,9 +202,7 @@ class WorkerEnvironment(Environment):
             try:
                 on_lane = await lane.available(address)
             except OSError as exc:
-                raise PeerUnreachableError(
-                    f"{call}: the connection to {address} failed "
-                    f"({type(exc).__name__}: {exc}); the worker left or died") from exc
+                raise _unreachable(call, address, exc) from exc
             if not on_lane:
                 raise _NotOnLane
             try:
@@ -230,46 +237,30 @@ class WorkerEnvironment(Environment):
             raise _NotPicklable from exc
         lane = self.ext.lane
         assert lane is not None
-        nbytes = buffers.nbytes + len(packed)
-        traffic = _traffic(self.ext.host, source)
-        traffic.in_flight += nbytes
-        traffic.bytes_sent += nbytes
-        try:
-            response = await lane.call(address, {
-                "target": str(target), "source": str(source), "run_id": run_id, "seq": seq,
-                "method": method, "args": packed}, buffers.arrays, ticket)
-        except LaneUnreachable:
-            traffic.bytes_sent -= nbytes
-            raise
-        except OSError as exc:
-            traffic.bytes_sent -= nbytes
-            raise PeerUnreachableError(
-                f"{call}: the connection to {address} failed ({type(exc).__name__}: "
-                f"{exc}); the worker left or died") from exc
-        except BaseException:
-            traffic.bytes_sent -= nbytes
-            raise
-        finally:
-            traffic.in_flight -= nbytes
-        if _STALE in response:
-            if not response.get(_TAKEN):
-                traffic.bytes_sent -= nbytes
-            raise StaleRunError(response[_STALE])
-        if _RAISED in response:
-            raise loads_exception(response[_RAISED])
+        response = await self._exchange(
+            address, call, source, buffers.nbytes + len(packed), lambda: lane.call(
+                address, {"target": str(target), "source": str(source), "run_id": run_id,
+                          "seq": seq, "method": method, "args": packed},
+                buffers.arrays, ticket))
         try:
             result = pickle.loads(response[_RESULT])
         except Exception as exc:
             raise PeerCallError(f"the result of {call} could not be deserialized: "
                                 f"{type(exc).__name__}: {exc}") from exc
         if result is not None:
-            traffic.bytes_received += len(response[_RESULT])
+            _traffic(self.ext.host, source).bytes_received += len(response[_RESULT])
         return result
 
     async def run_in_executor(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(
             self.ext.executor, in_current_context(fn), *args
         )
+
+
+def _unreachable(call: str, address: str, exc: BaseException) -> PeerUnreachableError:
+    return PeerUnreachableError(
+        f"{call}: the connection to {address} failed ({type(exc).__name__}: {exc}); the "
+        "worker left or died")
 
 
 class _NotPicklable(Exception):
