@@ -118,6 +118,7 @@ class PeerStream:
         # them, and how many of its batches are in flight
         self._queued: dict[ServiceId, list[Any]] = {}
         self._queued_bytes: dict[ServiceId, int] = {}
+        self._queued_held: dict[ServiceId, int] = {}
         self._batch_method: dict[ServiceId, str] = {}
         self._busy: dict[ServiceId, int] = {}
         self._drains: set[asyncio.Task] = set()
@@ -131,18 +132,23 @@ class PeerStream:
 
     @property
     def in_flight(self) -> int:
-        """Bytes in flight, and waiting to be sent (``send_batched``)."""
-        return self.window.in_flight + sum(self._queued_bytes.values())
+        """Bytes held by sends in flight, and waiting to be sent (``send_batched``)."""
+        return self.window.in_flight + sum(self._queued_held.values())
 
     def _others(self) -> list[ServiceId]:
         return [sid for sid in self.service.peers if sid != self.service.id]
 
-    async def send_batched(self, sid: ServiceId, nbytes: int, method: str, item: Any) -> None:
-        """Deliver ``item`` to peer ``sid``'s ``method``, which takes a list of items: at
-        once if no batch to ``sid`` is in flight, else with the next batch (see the module
-        docstring)."""
+    async def send_batched(self, sid: ServiceId, nbytes: int, method: str, item: Any,
+                           held: int | None = None) -> None:
+        """Deliver ``item`` (``nbytes`` of data) to peer ``sid``'s ``method``, which takes
+        a list of items: at once if no batch to ``sid`` is in flight, else with the next
+        batch (see the module docstring).  ``held``: the bytes that ``item`` keeps in
+        memory until it is sent, charged to the window (default ``nbytes``; more where it
+        is views of something larger)."""
         self._queued.setdefault(sid, []).append(item)
         self._queued_bytes[sid] = self._queued_bytes.get(sid, 0) + nbytes
+        self._queued_held[sid] = self._queued_held.get(sid, 0) + (
+            nbytes if held is None else held)
         self._batch_method[sid] = method
         if self._queued_bytes[sid] >= self.coalesce_bytes:
             await self._send_queued(sid)
@@ -169,6 +175,7 @@ class PeerStream:
             timer.cancel()
         items = self._queued.pop(sid, None)
         nbytes = self._queued_bytes.pop(sid, 0)
+        held = self._queued_held.pop(sid, 0)
         if not items:
             return
         self._busy[sid] = self._busy.get(sid, 0) + 1
@@ -186,7 +193,7 @@ class PeerStream:
                     self._drain(sid)  # what waited for this delivery goes now
 
         try:
-            await self.window.send(nbytes, deliver)
+            await self.window.send(held, deliver)
         except BaseException:
             self._busy[sid] -= 1
             raise
@@ -241,6 +248,7 @@ class PeerStream:
         self._lingering.clear()
         self._queued.clear()
         self._queued_bytes.clear()
+        self._queued_held.clear()
         for drain in self._drains:
             drain.cancel()
         self.window.cancel()

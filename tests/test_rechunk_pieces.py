@@ -12,9 +12,12 @@ from hypothesis import strategies as st
 
 from dask_services.array._service import (
     PACK_BELOW,
+    VIEWS_FROM_SHARE,
     PackedPieces,
     axis_overlaps,
     batch_bytes,
+    held_by_sends,
+    keeps_views,
     output_indices,
     pieces_by_destination,
     unpacked,
@@ -62,10 +65,15 @@ def test_only_small_pieces_for_peers_are_packed():
     # large pieces for peers stay views too: the lane copies their strided parts as it
     # sends them (_bulk.py)
     assert all(type(item) is tuple and item[2].base is not None for item in out["peer"])
-    # ... unless the peers' share of the chunk is under half: a view would hold the whole
-    # chunk for a small piece, so the strided pieces for peers are copied
-    few = {(0, 0): "here", (0, 1): "here", (0, 2): "here", (0, 3): "peer"}
-    (alone,) = pieces_by_destination(block, (0, 0), overlaps, few, "here")["peer"]
+    # ... where the peers' share of the chunk is a quarter or more
+    quarter = {(0, 0): "here", (0, 1): "here", (0, 2): "here", (0, 3): "peer"}
+    (view,) = pieces_by_destination(block, (0, 0), overlaps, quarter, "here")["peer"]
+    assert view[2].base is not None
+    # ... and under it they are copied: a view would hold the whole chunk for a small piece
+    wide = np.zeros((PACK_BELOW // 8, 5))
+    overlaps5, _ = row_to_column_blocks(*wide.shape, 1)
+    few = {(0, j): "here" for j in range(4)} | {(0, 4): "peer"}
+    (alone,) = pieces_by_destination(wide, (0, 0), overlaps5, few, "here")["peer"]
     assert alone[2].base is None and alone[2].flags.c_contiguous
     small = np.zeros((6, 4))
     out = pieces_by_destination(small, (0, 0), overlaps, owner, "here")
@@ -80,6 +88,24 @@ def test_only_small_pieces_for_peers_are_packed():
     assert all(type(item) is tuple and item[2].flags.c_contiguous
                for item in pieces_by_destination(objects, (0, 0), overlaps, owner,
                                                  "here")["peer"])
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 10**9), st.lists(st.integers(0, 10**8), min_size=1, max_size=16))
+def test_views_charge_their_whole_chunk_to_the_sends_that_hold_it(chunk, batches):
+    peers = sum(batches)
+    if peers > chunk:
+        chunk = peers
+    charged = [held_by_sends(n, peers, chunk) for n in batches]
+    assert all(c >= n for c, n in zip(charged, batches, strict=True))
+    if keeps_views(peers, chunk):
+        # the chunk, held by its views until the last is sent, is charged in full (no more
+        # than one byte too much per batch, from rounding up) ...
+        assert chunk <= sum(charged) <= chunk + len(batches)
+        assert all(c <= n / VIEWS_FROM_SHARE + 1 for c, n in zip(charged, batches,
+                                                                strict=True))
+    else:  # ... and copied pieces hold only themselves
+        assert charged == batches
 
 
 def test_write_into_writes_every_piece_where_it_goes():

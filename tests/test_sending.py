@@ -179,6 +179,29 @@ def test_batched_sends_go_at_once_and_wait_only_while_one_is_in_flight():
     asyncio.run(main())
 
 
+def test_batched_sends_charge_the_window_with_what_they_hold():
+    async def main():
+        service = TwoInstances()
+        stream = PeerStream(service, limit=100, trim=False, linger=0)
+        stream.sender_done(ServiceId("other"))
+        other = ServiceId("other")
+        # views of a chunk of 60 bytes: 30 bytes of data hold all 60 until sent
+        await stream.send_batched(other, 30, "take", "a", held=60)
+        await until(lambda: len(service.peer.calls) == 1)
+        assert stream.window.in_flight == 60
+        await stream.send_batched(other, 10, "take", "b", held=50)
+        assert stream.in_flight == 110  # waiting ones count what they hold
+        service.peer.gates[0].set()
+        # "b" fits only once "a" is delivered: 60 + 50 > 100
+        await until(lambda: len(service.peer.calls) == 2)
+        assert stream.window.in_flight == 50
+        service.peer.open_all()
+        await stream.finish()
+        assert stream.in_flight == 0
+
+    asyncio.run(main())
+
+
 def test_a_batched_send_lingers_so_that_the_next_ones_go_with_it():
     async def main():
         stream, peer = batched_stream(linger=0.01)

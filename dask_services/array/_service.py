@@ -279,6 +279,11 @@ def slice_block(block: np.ndarray, index: Index,
 # pieces for a peer smaller than this travel copied into one buffer per input and peer
 # (``PackedPieces``); larger ones as arrays of their own
 PACK_BELOW = 64 * 1024
+# an input chunk's strided pieces for peers stay views where the peers' share of the chunk
+# is at least this; a view holds its whole chunk until sent, so the send window is charged
+# the chunk's bytes (``held_by_sends``: at most 1 / this times what the pieces carry); under
+# it, the few bytes for peers are copied and the chunk let go
+VIEWS_FROM_SHARE = 0.25
 
 
 class PackedPieces:
@@ -343,20 +348,16 @@ def pieces_by_destination(block: np.ndarray, index: Index,
     instance owning their output.  Pieces stay views of the input chunk: they are sent as
     ``Buffers``, whose strided parts the sender copies as it writes them (``_bulk.py``).
     Small ones are copied into one buffer per peer (``PackedPieces``); and where the
-    peers' share is under half the chunk, or for object arrays, which travel pickled, a
-    strided piece is copied here, in a worker thread (pickle would copy it on the event
-    loop)."""
+    peers' share is under ``VIEWS_FROM_SHARE`` of the chunk (``keeps_views``), or for
+    object arrays, which travel pickled, a strided piece is copied here, in a worker
+    thread (pickle would copy it on the event loop)."""
     out: dict[ServiceId, list[Piece | PackedPieces]] = {}
     small: dict[ServiceId, list[Piece]] = {}
     packs = not block.dtype.hasobject
     pieces = [(owner[j], j, offset, piece)
               for j, offset, piece in slice_block(block, index, overlaps) if j in owner]
-    # A view keeps its whole input chunk in memory until it is sent, while the send window
-    # counts only the view's bytes: where the peers' share is under half the chunk, the
-    # strided pieces for them are copied (as objects always are), so that what is held
-    # stays within twice what the window counts.
-    views = packs and 2 * sum(p.nbytes for sid, _, _, p in pieces if sid != here) \
-        >= block.nbytes
+    views = packs and keeps_views(
+        sum(p.nbytes for sid, _, _, p in pieces if sid != here), block.nbytes)
     for sid, j, offset, piece in pieces:
         if sid != here:
             if packs and piece.nbytes < PACK_BELOW:
@@ -370,6 +371,22 @@ def pieces_by_destination(block: np.ndarray, index: Index,
             PackedPieces.of(pieces) if len(pieces) > 1
             else (pieces[0][0], pieces[0][1], np.ascontiguousarray(pieces[0][2])))
     return out
+
+
+def keeps_views(peers_bytes: int, chunk_bytes: int) -> bool:
+    """Whether an input chunk's strided pieces for peers stay views (``True`` where the
+    peers' share of it is at least ``VIEWS_FROM_SHARE``)."""
+    return peers_bytes >= VIEWS_FROM_SHARE * chunk_bytes
+
+
+def held_by_sends(batch_bytes: int, peers_bytes: int, chunk_bytes: int) -> int:
+    """The bytes that a batch of ``batch_bytes`` for one peer keeps in memory until it is
+    sent: views hold their whole input chunk, so the chunk's bytes are charged to its
+    batches for peers in proportion to their size (at most ``1 / VIEWS_FROM_SHARE`` times
+    their bytes); copied pieces hold only themselves."""
+    if not peers_bytes or not keeps_views(peers_bytes, chunk_bytes):
+        return batch_bytes
+    return max(batch_bytes, -(-batch_bytes * chunk_bytes // peers_bytes))
 
 
 def as_buffers(batches: list[list[Piece | PackedPieces]]) -> tuple[list, Buffers | list]:
@@ -584,14 +601,19 @@ class ArrayRechunk(PeerExchange):
             pieces_by_destination, block, self.index_of[key], self.overlaps, self.owner,
             self.id
         )
+        chunk_bytes = int(block.nbytes) if not block.dtype.hasobject else 0
         del block
+        sizes = {sid: batch_bytes(batch) for sid, batch in by_destination.items()}
+        peers_bytes = sum(n for sid, n in sizes.items() if sid != self.id)
         for sid, batch in by_destination.items():
             if sid == self.id:
                 await self.receive([batch])
                 continue
-            nbytes = batch_bytes(batch)
+            nbytes = sizes[sid]
             self.sent_bytes += nbytes
-            await self.stream.send_batched(sid, nbytes, self.batch_method, batch)
+            await self.stream.send_batched(
+                sid, nbytes, self.batch_method, batch,
+                held=held_by_sends(nbytes, peers_bytes, chunk_bytes))
 
     @rpc
     async def receive_many(self, batches: list[list[Piece | PackedPieces]]) -> None:
