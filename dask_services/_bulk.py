@@ -11,7 +11,8 @@ the copies themselves (``design/array-rechunk.md``).
 
 So between workers with ``tcp://`` addresses a call with a ``Buffers`` argument
 (``_buffers.py``) takes a lane of its own (:class:`BulkLane`): a plain TCP connection per
-call in flight (at most ``CONNECTIONS_PER_PEER`` to a worker), pooled, on which the sender
+call in flight (at most ``CONNECTIONS_PER_PEER`` to a worker, ``CONNECTIONS_TOTAL`` in all),
+pooled (at most ``IDLE_KEPT`` idle), on which the sender
 writes a small header and then every array's bytes, contiguous runs straight from the
 array and strided parts through a reused scratch buffer, and the receiver reads them
 straight into the destinations (strided ones through a reused scratch buffer of its own).
@@ -51,8 +52,12 @@ SCRATCH_BYTES = 256 * 1024
 SCRATCH_KEPT = 4
 # seconds between attempts to accept a connection after an error (out of file descriptors)
 ACCEPT_RETRY_DELAY = 0.1
-# connections open at once to one peer worker (calls beyond wait their turn)
+# connections in use at once to one peer worker, and to all of them (calls beyond wait
+# their turn); and idle ones kept open for later calls, over all peers (the least recently
+# used closed first), so that a worker with hundreds of peers keeps few file descriptors
 CONNECTIONS_PER_PEER = 4
+CONNECTIONS_TOTAL = 64
+IDLE_KEPT = 32
 # a contiguous run at least this long is written from (read into) its array directly
 DIRECT_FROM = 64 * 1024
 
@@ -146,6 +151,23 @@ class Slots:
                 ticket.set_result(None)
                 return
         self.free += 1
+
+
+class Turn:
+    """A call's place in two lines at once: the calls to its peer worker, and all calls
+    from this worker (``Slots``, both taken together, so both give turns in the same
+    order).  Awaiting it waits for both."""
+
+    def __init__(self, peer: asyncio.Future, total: asyncio.Future) -> None:
+        self.peer = peer
+        self.total = total
+
+    def __await__(self) -> Any:
+        return self._both().__await__()
+
+    async def _both(self) -> None:
+        await self.peer
+        await self.total
 
 
 class ScratchPool:
@@ -296,7 +318,11 @@ class BulkLane:
         self._serving: set[asyncio.Task] = set()
         self._endpoints: dict[str, dict | None] = {}
         self._idle: dict[str, list[tuple[socket.socket, bytes]]] = {}  # with their tokens
+        # every idle connection and its peer, the least recently used first
+        self._idle_order: collections.OrderedDict[socket.socket, str] = \
+            collections.OrderedDict()
         self._slots: dict[str, Slots] = {}
+        self._all_slots = Slots(CONNECTIONS_TOTAL)
         self._asking: dict[str, asyncio.Future] = {}
         self._busy: set[socket.socket] = set()
         self._closed = False
@@ -387,33 +413,36 @@ class BulkLane:
 
     # ------------------------------------------------------------- sending side
 
-    def ticket(self, address: str) -> asyncio.Future:
-        """A place in the line of calls to the worker at ``address``: take it before the
-        call's first ``await`` (calls of one channel are made in the order of their sequence
-        numbers, which the receiver starts them in), pass it to :meth:`call`, give it back
-        with :meth:`done_with`."""
+    def ticket(self, address: str) -> Turn:
+        """A place in the lines of calls to the worker at ``address`` and of all calls:
+        take it before the call's first ``await`` (calls of one channel are made in the
+        order of their sequence numbers, which the receiver starts them in), pass it to
+        :meth:`call`, give it back with :meth:`done_with`."""
         slots = self._slots.get(address)
         if slots is None:
             slots = self._slots[address] = Slots(CONNECTIONS_PER_PEER)
-        return slots.ticket()
+        return Turn(slots.ticket(), self._all_slots.ticket())
 
-    def done_with(self, address: str, ticket: asyncio.Future) -> None:
+    def done_with(self, address: str, ticket: Turn) -> None:
         """The call holding ``ticket`` is over (or went another way)."""
-        self._slots[address].done_with(ticket)
+        self._slots[address].done_with(ticket.peer)
+        self._all_slots.done_with(ticket.total)
 
     async def call(self, address: str, request: dict, arrays: Sequence[np.ndarray],
-                   ticket: asyncio.Future | None = None) -> Any:
+                   ticket: Turn | None = None) -> Any:
         """Send ``request`` and ``arrays`` to the lane of the worker at ``address``; its
         handler's reply.  ``OSError`` if the connection fails.
 
-        At most ``CONNECTIONS_PER_PEER`` calls to one worker are on their way at once,
-        the others wait their turn in the order of their tickets (:meth:`ticket`; one is
-        taken here if none is given).  Every concurrent run and peer call opening its own
-        connection ran a worker out of file descriptors; and the turns must follow the
-        tickets, not the order in which calls come to wait: a call that found the peer's
-        lane already known overtook earlier ones still waiting for it, and with every
-        connection held by calls the receiver kept waiting for an earlier one (whose turn
-        never came), a rechunk hung."""
+        At most ``CONNECTIONS_PER_PEER`` calls to one worker, and ``CONNECTIONS_TOTAL``
+        to all, are on their way at once; the others wait their turn in the order of
+        their tickets (:meth:`ticket`; one is taken here if none is given).  Every
+        concurrent run and peer call opening its own connection ran a worker out of file
+        descriptors; and the turns must follow the tickets, not the order in which calls
+        come to wait: a call that found the peer's lane already known overtook earlier
+        ones still waiting for it, and with every connection held by calls the receiver
+        kept waiting for an earlier one (whose turn never came), a rechunk hung.  (With
+        both lines in ticket order, the earliest call not yet answered always holds a
+        place in both: its channel's earlier calls are answered.)"""
         own = ticket is None
         if ticket is None:
             ticket = self.ticket(address)
@@ -446,15 +475,31 @@ class BulkLane:
             self._endpoints.pop(address, None)  # asked again: the worker may be new
             raise
         self._busy.discard(sock)
-        idle = self._idle.setdefault(address, [])
         if self._closed or not self.keep_idle():
             self._drop(sock)
         else:
-            idle.append((sock, token))
+            self._keep(address, sock, token)
         reply = pickle.loads(body)
         if isinstance(reply, tuple) and reply and reply[0] == "lane-error":
             raise RuntimeError(f"the reply of a bulk call could not be sent: {reply[1]}")
         return reply
+
+    def _keep(self, address: str, sock: socket.socket, token: bytes) -> None:
+        """``sock`` idle, kept for the next call to ``address``; past ``IDLE_KEPT`` idle
+        connections, the least recently used one is closed."""
+        self._idle.setdefault(address, []).append((sock, token))
+        self._idle_order[sock] = address
+        while len(self._idle_order) > IDLE_KEPT:
+            oldest, peer = self._idle_order.popitem(last=False)
+            self._idle[peer] = [(s, t) for s, t in self._idle[peer] if s is not oldest]
+            self._drop(oldest)
+
+    def _unkeep(self, address: str) -> list[tuple[socket.socket, bytes]]:
+        """The idle connections to ``address``, no longer kept."""
+        socks = self._idle.pop(address, [])
+        for sock, _ in socks:
+            self._idle_order.pop(sock, None)
+        return socks
 
     async def available(self, address: str) -> bool:
         """Whether the worker at ``address`` takes bulk calls on its lane (asked once;
@@ -478,6 +523,7 @@ class BulkLane:
         idle = self._idle.get(address, [])
         while idle:
             sock, token = idle.pop()
+            self._idle_order.pop(sock, None)
             if _still_open(sock):
                 self._busy.add(sock)
                 return sock, token
@@ -509,16 +555,15 @@ class BulkLane:
     def refuse(self, address: str) -> None:
         """Send nothing more to ``address`` on the lane (it could not be reached)."""
         self._endpoints[address] = None
-        for sock, _ in self._idle.pop(address, []):
+        for sock, _ in self._unkeep(address):
             self._drop(sock)
 
     def close_idle(self) -> None:
         """Close the pooled connections that no call uses, and let the kept scratch
         buffers go (no run is going on)."""
-        for socks in self._idle.values():
-            for sock, _ in socks:
+        for address in list(self._idle):
+            for sock, _ in self._unkeep(address):
                 self._drop(sock)
-        self._idle.clear()
         self.scratch.clear()
 
     def _drop(self, sock: socket.socket) -> None:
@@ -538,10 +583,9 @@ class BulkLane:
                 with contextlib.suppress(BaseException):
                     await task
         self._serving.clear()
-        for socks in self._idle.values():
-            for sock, _ in socks:
+        for address in list(self._idle):
+            for sock, _ in self._unkeep(address):
                 self._drop(sock)
-        self._idle.clear()
         for sock in list(self._busy):
             self._drop(sock)
         self.scratch.clear()

@@ -28,7 +28,7 @@ from distributed.utils import sync
 from tornado.ioloop import PeriodicCallback
 
 from dask_services._buffers import IncomingBuffers, buffers_of, put_slot
-from dask_services._bulk import BulkLane, LaneUnreachable, lane_host
+from dask_services._bulk import BulkLane, LaneUnreachable, Turn, lane_host
 from dask_services._counters import CounterReports, Traffic, instance_counters, size_of
 from dask_services._host import Environment, InstanceSpec, ServiceHost, make_directory
 from dask_services._memory import release_freed_memory
@@ -192,7 +192,7 @@ class WorkerEnvironment(Environment):
 
     async def _send_with_ticket(self, address: str, target: ServiceId, source: ServiceId,
                                 run_id: int, seq: int, method: str, args: tuple,
-                                kwargs: dict, ticket: asyncio.Future) -> Any:
+                                kwargs: dict, ticket: Turn) -> Any:
         """A call with ``Buffers`` on the bulk lane, holding ``ticket``; ``_NotOnLane`` if
         it must go through distributed's comms instead."""
         call = f"{method}() from {source} to {target}"
@@ -224,7 +224,7 @@ class WorkerEnvironment(Environment):
 
     async def _send_on_lane(self, address: str, target: ServiceId, source: ServiceId,
                             run_id: int, seq: int, method: str, args: tuple, kwargs: dict,
-                            ticket: asyncio.Future) -> Any:
+                            ticket: Turn) -> Any:
         """A call with a ``Buffers`` argument, on the bulk lane (``_bulk.py``).  Raises
         ``_NotPicklable`` before sending anything if its other arguments cannot be pickled
         (the ordinary path then answers that, taking the call's turn)."""

@@ -522,3 +522,59 @@ def test_slots_give_turns_in_ticket_order_and_skip_abandoned_tickets():
         return [slots.free, len(slots.line)]
 
     assert asyncio.run(main()) == [2, 0]
+
+
+def test_calls_to_many_workers_share_a_bounded_number_of_connections():
+    """A worker with hundreds of peers opened up to CONNECTIONS_PER_PEER connections to
+    each and kept them all: calls in use over all peers are bounded, in ticket order, and
+    of the idle ones only the most recently used are kept."""
+    started: list[tuple[str, int]] = []
+    in_use: list[int] = []
+    release = asyncio.Event()
+
+    async def handler(request: dict, incoming: IncomingBuffers) -> Any:
+        started.append((request["peer"], request["n"]))
+        in_use.append(len(started) - len(answered))
+        if len(started) == 3:
+            release.set()
+        await release.wait()
+        answered.append(request["n"])
+        return request["peer"], request["n"]
+
+    answered: list[int] = []
+
+    receivers: list[BulkLane] = []
+
+    async def main() -> tuple[list[Any], int, list[int]]:
+        peers = [f"tcp://peer:{i}" for i in range(6)]
+        endpoints = {}
+        for peer in peers:
+            receivers.append(BulkLane("127.0.0.1", handler, _no_endpoint))
+            endpoints[peer] = receivers[-1].endpoint()
+
+        async def endpoint_of(address: str) -> dict | None:
+            return endpoints[address]
+
+        sender = BulkLane("127.0.0.1", _no_handler, endpoint_of)
+        try:
+            calls = [sender.call(peer, {"peer": peer, "n": n}, [np.zeros(4)])
+                     for n in range(3) for peer in peers]
+            got = await asyncio.wait_for(asyncio.gather(*calls), 20)
+            idle = sender.connections
+            kept = sorted(int(p.rsplit(":", 1)[1]) for p, socks in sender._idle.items()
+                          for _ in socks)
+            return got, idle, kept
+        finally:
+            await sender.close()
+            for receiver in receivers:
+                await receiver.close()
+
+    with mock.patch.object(_bulk, "CONNECTIONS_TOTAL", 3), \
+            mock.patch.object(_bulk, "IDLE_KEPT", 2):
+        got, idle, kept = asyncio.run(main())
+    order = [(f"tcp://peer:{i}", n) for n in range(3) for i in range(6)]
+    assert got == order
+    assert max(in_use) == 3  # never more in use than CONNECTIONS_TOTAL
+    assert started == order  # turns in the order the calls were made
+    assert idle == 2
+    assert len(kept) == 2 and set(kept) <= set(range(6))
