@@ -127,15 +127,20 @@ class Slots:
 
     def __init__(self, n: int) -> None:
         self.free = n
-        self.line: collections.deque[asyncio.Future] = collections.deque()
+        self.line: collections.deque[tuple[asyncio.Future, Callable[[], None] | None]] = \
+            collections.deque()
 
-    def ticket(self) -> asyncio.Future:
+    def ticket(self, on_turn: Callable[[], None] | None = None) -> asyncio.Future:
+        """A ticket, done when its holder's turn comes; ``on_turn`` is called at that
+        moment (before any other ticket is given out or taken)."""
         ticket = asyncio.get_running_loop().create_future()
         if self.free and not self.line:
             self.free -= 1
             ticket.set_result(None)
+            if on_turn is not None:
+                on_turn()
         else:
-            self.line.append(ticket)
+            self.line.append((ticket, on_turn))
         return ticket
 
     def done_with(self, ticket: asyncio.Future) -> None:
@@ -146,28 +151,43 @@ class Slots:
 
     def _next(self) -> None:
         while self.line:
-            ticket = self.line.popleft()
+            ticket, on_turn = self.line.popleft()
             if not ticket.done():
                 ticket.set_result(None)
+                if on_turn is not None:
+                    on_turn()
                 return
         self.free += 1
 
 
 class Turn:
-    """A call's place in two lines at once: the calls to its peer worker, and all calls
-    from this worker (``Slots``, both taken together, so both give turns in the same
-    order).  Awaiting it waits for both."""
+    """A call's place in the line of calls to its peer worker and then, once its turn
+    there has come, in the line of all calls from this worker (a call waiting for its
+    peer holds no place among all: a peer with a backlog does not hold up the others).
+    Both give turns in the order their tickets were taken, and the second ticket is taken
+    the moment the first one's turn comes, so a channel's calls keep their order in both.
+    Awaiting it waits for both."""
 
-    def __init__(self, peer: asyncio.Future, total: asyncio.Future) -> None:
-        self.peer = peer
-        self.total = total
+    def __init__(self, peer_slots: Slots, all_slots: Slots) -> None:
+        self._all_slots = all_slots
+        self.total: asyncio.Future | None = None
+        self.peer = peer_slots.ticket(on_turn=self._peer_turn)
+
+    def _peer_turn(self) -> None:
+        self.total = self._all_slots.ticket()
 
     def __await__(self) -> Any:
         return self._both().__await__()
 
     async def _both(self) -> None:
         await self.peer
+        assert self.total is not None
         await self.total
+
+    def give_back(self, peer_slots: Slots) -> None:
+        peer_slots.done_with(self.peer)
+        if self.total is not None:
+            self._all_slots.done_with(self.total)
 
 
 class ScratchPool:
@@ -421,12 +441,11 @@ class BulkLane:
         slots = self._slots.get(address)
         if slots is None:
             slots = self._slots[address] = Slots(CONNECTIONS_PER_PEER)
-        return Turn(slots.ticket(), self._all_slots.ticket())
+        return Turn(slots, self._all_slots)
 
     def done_with(self, address: str, ticket: Turn) -> None:
         """The call holding ``ticket`` is over (or went another way)."""
-        self._slots[address].done_with(ticket.peer)
-        self._all_slots.done_with(ticket.total)
+        ticket.give_back(self._slots[address])
 
     async def call(self, address: str, request: dict, arrays: Sequence[np.ndarray],
                    ticket: Turn | None = None) -> Any:
@@ -440,9 +459,9 @@ class BulkLane:
         descriptors; and the turns must follow the tickets, not the order in which calls
         come to wait: a call that found the peer's lane already known overtook earlier
         ones still waiting for it, and with every connection held by calls the receiver
-        kept waiting for an earlier one (whose turn never came), a rechunk hung.  (With
-        both lines in ticket order, the earliest call not yet answered always holds a
-        place in both: its channel's earlier calls are answered.)"""
+        kept waiting for an earlier one (whose turn never came), a rechunk hung.  (A call
+        that holds a place among all calls came after its channel's earlier calls in both
+        lines, so they hold places too or are answered: the earliest of them goes on.)"""
         own = ticket is None
         if ticket is None:
             ticket = self.ticket(address)

@@ -578,3 +578,41 @@ def test_calls_to_many_workers_share_a_bounded_number_of_connections():
     assert started == order  # turns in the order the calls were made
     assert idle == 2
     assert len(kept) == 2 and set(kept) <= set(range(6))
+
+
+def test_calls_waiting_for_a_busy_peer_do_not_hold_up_the_others():
+    """A call waiting for one of its peer's connections held a place among all calls: ten
+    calls to a peer whose handler was slow took every place, and a call to another peer
+    waited for them."""
+    release_a = asyncio.Event()
+
+    async def handler(request: dict, incoming: IncomingBuffers) -> Any:
+        if request["peer"] == "a":
+            await release_a.wait()
+        return request["peer"]
+
+    async def main() -> bool:
+        receivers = {peer: BulkLane("127.0.0.1", handler, _no_endpoint) for peer in "ab"}
+        endpoints = {f"tcp://{peer}:1": r.endpoint() for peer, r in receivers.items()}
+
+        async def endpoint_of(address: str) -> dict | None:
+            return endpoints[address]
+
+        sender = BulkLane("127.0.0.1", _no_handler, endpoint_of)
+        try:
+            to_a = [asyncio.ensure_future(sender.call("tcp://a:1", {"peer": "a"},
+                                                      [np.zeros(2)])) for _ in range(10)]
+            to_b = await asyncio.wait_for(
+                sender.call("tcp://b:1", {"peer": "b"}, [np.zeros(2)]), 10)
+            a_waiting = not any(c.done() for c in to_a)
+            release_a.set()
+            assert await asyncio.wait_for(asyncio.gather(*to_a), 10) == ["a"] * 10
+            return to_b == "b" and a_waiting
+        finally:
+            await sender.close()
+            for receiver in receivers.values():
+                await receiver.close()
+
+    with mock.patch.object(_bulk, "CONNECTIONS_TOTAL", 8), \
+            mock.patch.object(_bulk, "CONNECTIONS_PER_PEER", 2):
+        assert asyncio.run(main())
