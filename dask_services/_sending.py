@@ -48,18 +48,37 @@ class SendWindow:
     async def send(self, nbytes: int, start: Callable[[], Awaitable[Any]]) -> None:
         """Start ``start()`` in the background once ``nbytes`` more fit in the window.
 
-        A send larger than the whole window goes alone.
+        A send larger than the whole window goes alone; one of no bytes (its data held
+        by a :meth:`hold`) goes at once.
         """
-        while True:
-            self._raise_error()
-            if self.in_flight == 0 or self.in_flight + nbytes <= self.limit:
-                break
-            self._room.clear()
-            await self._room.wait()
+        await self._wait_for_room(nbytes)
         self.in_flight += nbytes
         task = asyncio.create_task(self._run(start))
         self._tasks.add(task)
         task.add_done_callback(lambda t: self._finished(t, nbytes))
+
+    async def hold(self, nbytes: int, parts: int) -> Hold:
+        """Count ``nbytes`` in the window, as a send would, once they fit, until
+        ``parts`` deliveries have each called :meth:`Hold.part_done`: memory that several
+        sends keep alive together (views of one array) counted once, for as long as the
+        last of them is on its way."""
+        await self._wait_for_room(nbytes)
+        self.in_flight += nbytes
+        return Hold(self, nbytes, parts)
+
+    def _release(self, nbytes: int) -> None:
+        self.in_flight -= nbytes
+        if self.on_sent is not None and self._error is None:
+            self.on_sent(nbytes)
+        self._room.set()
+
+    async def _wait_for_room(self, nbytes: int) -> None:
+        while True:
+            self._raise_error()
+            if nbytes == 0 or self.in_flight == 0 or self.in_flight + nbytes <= self.limit:
+                return
+            self._room.clear()
+            await self._room.wait()
 
     @staticmethod
     async def _run(start: Callable[[], Awaitable[Any]]) -> None:
@@ -99,6 +118,26 @@ def window_size(configured: int, memory_limit: int | None) -> int:
     return min(configured, memory_limit // 32) if memory_limit else configured
 
 
+class Hold:
+    """Bytes counted in a :class:`SendWindow` until ``parts`` deliveries are done."""
+
+    def __init__(self, window: SendWindow, nbytes: int, parts: int) -> None:
+        self.window = window
+        self.nbytes = nbytes
+        self.parts = parts
+        if parts <= 0:
+            self._let_go()
+
+    def part_done(self) -> None:
+        self.parts -= 1
+        if self.parts == 0:
+            self._let_go()
+
+    def _let_go(self) -> None:
+        self.window._release(self.nbytes)
+        self.nbytes = 0
+
+
 class PeerStream:
     """A service's sends to its peers, and the barrier that ends them.
 
@@ -119,6 +158,7 @@ class PeerStream:
         self._queued: dict[ServiceId, list[Any]] = {}
         self._queued_bytes: dict[ServiceId, int] = {}
         self._queued_held: dict[ServiceId, int] = {}
+        self._queued_holds: dict[ServiceId, list[Hold]] = {}
         self._batch_method: dict[ServiceId, str] = {}
         self._busy: dict[ServiceId, int] = {}
         self._drains: set[asyncio.Task] = set()
@@ -139,16 +179,19 @@ class PeerStream:
         return [sid for sid in self.service.peers if sid != self.service.id]
 
     async def send_batched(self, sid: ServiceId, nbytes: int, method: str, item: Any,
-                           held: int | None = None) -> None:
+                           held: int | None = None, hold: Hold | None = None) -> None:
         """Deliver ``item`` (``nbytes`` of data) to peer ``sid``'s ``method``, which takes
         a list of items: at once if no batch to ``sid`` is in flight, else with the next
         batch (see the module docstring).  ``held``: the bytes that ``item`` keeps in
-        memory until it is sent, charged to the window (default ``nbytes``; more where it
-        is views of something larger)."""
+        memory of its own until it is delivered, counted in the window (default
+        ``nbytes``); ``hold``: a :meth:`SendWindow.hold` counting memory it shares with
+        other items, of which its delivery is one part."""
         self._queued.setdefault(sid, []).append(item)
         self._queued_bytes[sid] = self._queued_bytes.get(sid, 0) + nbytes
         self._queued_held[sid] = self._queued_held.get(sid, 0) + (
             nbytes if held is None else held)
+        if hold is not None:
+            self._queued_holds.setdefault(sid, []).append(hold)
         self._batch_method[sid] = method
         if self._queued_bytes[sid] >= self.coalesce_bytes:
             await self._send_queued(sid)
@@ -176,6 +219,7 @@ class PeerStream:
         items = self._queued.pop(sid, None)
         nbytes = self._queued_bytes.pop(sid, 0)
         held = self._queued_held.pop(sid, 0)
+        holds = self._queued_holds.pop(sid, [])
         if not items:
             return
         self._busy[sid] = self._busy.get(sid, 0) + 1
@@ -189,6 +233,8 @@ class PeerStream:
                     await call(*args)
             finally:
                 self._busy[sid] -= 1
+                for hold in holds:
+                    hold.part_done()
                 if not self._busy[sid] and sid in self._queued:
                     self._drain(sid)  # what waited for this delivery goes now
 
@@ -249,6 +295,7 @@ class PeerStream:
         self._queued.clear()
         self._queued_bytes.clear()
         self._queued_held.clear()
+        self._queued_holds.clear()
         for drain in self._drains:
             drain.cancel()
         self.window.cancel()

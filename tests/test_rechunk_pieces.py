@@ -12,13 +12,12 @@ from hypothesis import strategies as st
 
 from dask_services.array._service import (
     PACK_BELOW,
-    VIEWS_FROM_SHARE,
     PackedPieces,
     axis_overlaps,
     batch_bytes,
-    held_by_sends,
-    keeps_views,
+    is_view,
     output_indices,
+    own_bytes,
     pieces_by_destination,
     unpacked,
     write_into,
@@ -90,22 +89,24 @@ def test_only_small_pieces_for_peers_are_packed():
                                                  "here")["peer"])
 
 
-@settings(max_examples=100, deadline=None)
-@given(st.integers(1, 10**9), st.lists(st.integers(0, 10**8), min_size=1, max_size=16))
-def test_views_charge_their_whole_chunk_to_the_sends_that_hold_it(chunk, batches):
-    peers = sum(batches)
-    if peers > chunk:
-        chunk = peers
-    charged = [held_by_sends(n, peers, chunk) for n in batches]
-    assert all(c >= n for c, n in zip(charged, batches, strict=True))
-    if keeps_views(peers, chunk):
-        # the chunk, held by its views until the last is sent, is charged in full (no more
-        # than one byte too much per batch, from rounding up) ...
-        assert chunk <= sum(charged) <= chunk + len(batches)
-        assert all(c <= n / VIEWS_FROM_SHARE + 1 for c, n in zip(charged, batches,
-                                                                strict=True))
-    else:  # ... and copied pieces hold only themselves
-        assert charged == batches
+def test_under_a_quarter_for_peers_every_piece_for_them_is_copied():
+    """A contiguous view (whole rows) holds its chunk as much as a strided one: where the
+    peers' share is small, their pieces are copied whatever their layout, and only the
+    copies' bytes are in memory of their own."""
+    block = np.arange(1000.0 * 100).reshape(1000, 100)
+    overlaps = [axis_overlaps(o, n) for o, n in zip(((1000,), (100,)), ((900, 100), (100,)),
+                                                     strict=True)]
+    out = pieces_by_destination(block, (0, 0), overlaps, {(0, 0): "here", (1, 0): "peer"},
+                                "here")
+    (rows,) = out["peer"]
+    assert not is_view(rows) and rows[2].flags.c_contiguous
+    np.testing.assert_array_equal(rows[2], block[900:])
+    assert own_bytes(out["peer"]) == rows[2].nbytes
+    assert all(is_view(item) for item in out["here"])
+    # a larger share stays views, with no bytes of their own
+    out = pieces_by_destination(block, (0, 0), overlaps, {(0, 0): "peer", (1, 0): "here"},
+                                "here")
+    assert all(is_view(item) for item in out["peer"]) and own_bytes(out["peer"]) == 0
 
 
 def test_write_into_writes_every_piece_where_it_goes():

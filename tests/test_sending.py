@@ -179,23 +179,30 @@ def test_batched_sends_go_at_once_and_wait_only_while_one_is_in_flight():
     asyncio.run(main())
 
 
-def test_batched_sends_charge_the_window_with_what_they_hold():
+def test_memory_several_sends_keep_alive_is_counted_until_the_last_is_delivered():
+    """Views of one chunk go to several peers and keep the whole chunk until the last
+    of them is delivered: a hold counts the chunk once, for that long, and its sends
+    count only what they hold of their own."""
     async def main():
+        fast, slow = GatedPeer(), GatedPeer()
         service = TwoInstances()
+        service.peers = {service.id: None, ServiceId("fast"): fast, ServiceId("slow"): slow}
         stream = PeerStream(service, limit=100, trim=False, linger=0)
-        stream.sender_done(ServiceId("other"))
-        other = ServiceId("other")
-        # views of a chunk of 60 bytes: 30 bytes of data hold all 60 until sent
-        await stream.send_batched(other, 30, "take", "a", held=60)
-        await until(lambda: len(service.peer.calls) == 1)
-        assert stream.window.in_flight == 60
-        await stream.send_batched(other, 10, "take", "b", held=50)
-        assert stream.in_flight == 110  # waiting ones count what they hold
-        service.peer.gates[0].set()
-        # "b" fits only once "a" is delivered: 60 + 50 > 100
-        await until(lambda: len(service.peer.calls) == 2)
-        assert stream.window.in_flight == 50
-        service.peer.open_all()
+        for sid in ("fast", "slow"):
+            stream.sender_done(ServiceId(sid))
+        hold = await stream.window.hold(60, parts=2)
+        for sid in ("fast", "slow"):
+            await stream.send_batched(ServiceId(sid), 30, "take", sid, held=0, hold=hold)
+        await until(lambda: len(fast.calls) == len(slow.calls) == 1)
+        assert stream.in_flight == 60
+        fast.open_all()
+        await until(lambda: not stream._busy[ServiceId("fast")])
+        assert stream.in_flight == 60  # the slow peer's views still hold the chunk
+        second = asyncio.create_task(stream.window.hold(60, parts=1))
+        await asyncio.sleep(0)
+        assert not second.done()  # 60 + 60 > 100: waits for room
+        slow.open_all()
+        (await second).part_done()
         await stream.finish()
         assert stream.in_flight == 0
 

@@ -279,10 +279,10 @@ def slice_block(block: np.ndarray, index: Index,
 # pieces for a peer smaller than this travel copied into one buffer per input and peer
 # (``PackedPieces``); larger ones as arrays of their own
 PACK_BELOW = 64 * 1024
-# an input chunk's strided pieces for peers stay views where the peers' share of the chunk
-# is at least this; a view holds its whole chunk until sent, so the send window is charged
-# the chunk's bytes (``held_by_sends``: at most 1 / this times what the pieces carry); under
-# it, the few bytes for peers are copied and the chunk let go
+# an input chunk's pieces for peers stay views where the peers' share of the chunk is at
+# least this; views hold their whole chunk until the last is delivered, so the send window
+# counts the chunk's bytes for that long (at most 1 / this times what the pieces carry);
+# under it, the few bytes for peers are copied and the chunk let go
 VIEWS_FROM_SHARE = 0.25
 
 
@@ -349,8 +349,8 @@ def pieces_by_destination(block: np.ndarray, index: Index,
     ``Buffers``, whose strided parts the sender copies as it writes them (``_bulk.py``).
     Small ones are copied into one buffer per peer (``PackedPieces``); and where the
     peers' share is under ``VIEWS_FROM_SHARE`` of the chunk (``keeps_views``), or for
-    object arrays, which travel pickled, a strided piece is copied here, in a worker
-    thread (pickle would copy it on the event loop)."""
+    object arrays, which travel pickled, the pieces for peers are copied here, in a
+    worker thread (pickle would copy a strided one on the event loop)."""
     out: dict[ServiceId, list[Piece | PackedPieces]] = {}
     small: dict[ServiceId, list[Piece]] = {}
     packs = not block.dtype.hasobject
@@ -363,8 +363,8 @@ def pieces_by_destination(block: np.ndarray, index: Index,
             if packs and piece.nbytes < PACK_BELOW:
                 small.setdefault(sid, []).append((j, offset, piece))
                 continue
-            if not views and not piece.flags.c_contiguous:
-                piece = np.ascontiguousarray(piece)
+            if not views:  # (a contiguous view would hold the chunk as well)
+                piece = piece.copy()
         out.setdefault(sid, []).append((j, offset, piece))
     for sid, pieces in small.items():
         out.setdefault(sid, []).append(
@@ -379,14 +379,15 @@ def keeps_views(peers_bytes: int, chunk_bytes: int) -> bool:
     return peers_bytes >= VIEWS_FROM_SHARE * chunk_bytes
 
 
-def held_by_sends(batch_bytes: int, peers_bytes: int, chunk_bytes: int) -> int:
-    """The bytes that a batch of ``batch_bytes`` for one peer keeps in memory until it is
-    sent: views hold their whole input chunk, so the chunk's bytes are charged to its
-    batches for peers in proportion to their size (at most ``1 / VIEWS_FROM_SHARE`` times
-    their bytes); copied pieces hold only themselves."""
-    if not peers_bytes or not keeps_views(peers_bytes, chunk_bytes):
-        return batch_bytes
-    return max(batch_bytes, -(-batch_bytes * chunk_bytes // peers_bytes))
+def is_view(item: Piece | PackedPieces) -> bool:
+    """Whether ``item`` (of ``pieces_by_destination``) is a view of its input chunk."""
+    return type(item) is tuple and item[2].base is not None
+
+
+def own_bytes(batch: list[Piece | PackedPieces]) -> int:
+    """The bytes of ``batch`` in memory of their own (packed or copied pieces), not
+    views of their input chunk."""
+    return batch_bytes([item for item in batch if not is_view(item)])
 
 
 def as_buffers(batches: list[list[Piece | PackedPieces]]) -> tuple[list, Buffers | list]:
@@ -601,19 +602,23 @@ class ArrayRechunk(PeerExchange):
             pieces_by_destination, block, self.index_of[key], self.overlaps, self.owner,
             self.id
         )
-        chunk_bytes = int(block.nbytes) if not block.dtype.hasobject else 0
+        chunk_bytes = int(block.nbytes)
         del block
-        sizes = {sid: batch_bytes(batch) for sid, batch in by_destination.items()}
-        peers_bytes = sum(n for sid, n in sizes.items() if sid != self.id)
+        # views keep the whole chunk until the last of them is delivered: it is counted
+        # in the send window once, for that long (copies count their own bytes)
+        with_views = [sid for sid, batch in by_destination.items()
+                      if sid != self.id and any(map(is_view, batch))]
+        hold = (await self.stream.window.hold(chunk_bytes, len(with_views))
+                if with_views else None)
         for sid, batch in by_destination.items():
             if sid == self.id:
                 await self.receive([batch])
                 continue
-            nbytes = sizes[sid]
+            nbytes = batch_bytes(batch)
             self.sent_bytes += nbytes
-            await self.stream.send_batched(
-                sid, nbytes, self.batch_method, batch,
-                held=held_by_sends(nbytes, peers_bytes, chunk_bytes))
+            await self.stream.send_batched(sid, nbytes, self.batch_method, batch,
+                                           held=own_bytes(batch),
+                                           hold=hold if sid in with_views else None)
 
     @rpc
     async def receive_many(self, batches: list[list[Piece | PackedPieces]]) -> None:
