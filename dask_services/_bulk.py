@@ -494,8 +494,9 @@ class BulkLane:
             self._endpoints.pop(address, None)  # asked again: the worker may be new
             raise
         self._busy.discard(sock)
-        if self._closed or not self.keep_idle():
-            self._drop(sock)
+        if self._closed or not self.keep_idle() or (
+                address in self._endpoints and self._endpoints[address] is None):
+            self._drop(sock)  # (refused meanwhile: nothing more goes there on the lane)
         else:
             self._keep(address, sock, token)
         reply = pickle.loads(body)

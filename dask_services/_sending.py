@@ -159,6 +159,7 @@ class PeerStream:
         self._queued_bytes: dict[ServiceId, int] = {}
         self._queued_held: dict[ServiceId, int] = {}
         self._queued_holds: dict[ServiceId, list[Hold]] = {}
+        self._waiting_held = 0  # of batches taken from the queue, waiting for room
         self._batch_method: dict[ServiceId, str] = {}
         self._busy: dict[ServiceId, int] = {}
         self._drains: set[asyncio.Task] = set()
@@ -173,7 +174,8 @@ class PeerStream:
     @property
     def in_flight(self) -> int:
         """Bytes held by sends in flight, and waiting to be sent (``send_batched``)."""
-        return self.window.in_flight + sum(self._queued_held.values())
+        return (self.window.in_flight + sum(self._queued_held.values())
+                + self._waiting_held)
 
     def _others(self) -> list[ServiceId]:
         return [sid for sid in self.service.peers if sid != self.service.id]
@@ -238,11 +240,14 @@ class PeerStream:
                 if not self._busy[sid] and sid in self._queued:
                     self._drain(sid)  # what waited for this delivery goes now
 
+        self._waiting_held += held  # (neither queued nor in the window while it waits)
         try:
             await self.window.send(held, deliver)
         except BaseException:
             self._busy[sid] -= 1
             raise
+        finally:
+            self._waiting_held -= held
 
     def _drained(self, drain: asyncio.Task) -> None:
         self._drains.discard(drain)

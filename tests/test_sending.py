@@ -209,6 +209,28 @@ def test_memory_several_sends_keep_alive_is_counted_until_the_last_is_delivered(
     asyncio.run(main())
 
 
+def test_a_batch_waiting_for_room_in_the_window_is_counted():
+    async def main():
+        first, second = GatedPeer(), GatedPeer()
+        service = TwoInstances()
+        service.peers = {service.id: None, ServiceId("1"): first, ServiceId("2"): second}
+        stream = PeerStream(service, limit=100, trim=False, linger=0)
+        for sid in ("1", "2"):
+            stream.sender_done(ServiceId(sid))
+        await stream.send_batched(ServiceId("1"), 80, "take", "a")
+        waiting = asyncio.create_task(stream.send_batched(ServiceId("2"), 50, "take", "b"))
+        await until(lambda: stream.in_flight == 130)  # 80 in the window, 50 waiting
+        assert not waiting.done() and second.calls == []
+        first.open_all()
+        await waiting
+        await until(lambda: len(second.calls) == 1)
+        second.open_all()
+        await stream.finish()
+        assert stream.in_flight == 0
+
+    asyncio.run(main())
+
+
 def test_a_batched_send_lingers_so_that_the_next_ones_go_with_it():
     async def main():
         stream, peer = batched_stream(linger=0.01)
