@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 class SendWindow:
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.in_flight = 0
+        self.in_flight = 0  # bytes of the sends started and not yet delivered
+        self.held = 0  # bytes of the holds not yet let go
         self._room = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._error: BaseException | None = None
@@ -48,37 +49,42 @@ class SendWindow:
     async def send(self, nbytes: int, start: Callable[[], Awaitable[Any]]) -> None:
         """Start ``start()`` in the background once ``nbytes`` more fit in the window.
 
-        A send larger than the whole window goes alone; one of no bytes (its data held
-        by a :meth:`hold`) goes at once.
+        A send larger than the whole window goes alone.  Sends wait for each other only,
+        never for holds (:meth:`hold`): a hold is let go by deliveries, which must not
+        wait for it.
         """
-        await self._wait_for_room(nbytes)
+        while True:
+            self._raise_error()
+            if self.in_flight == 0 or self.in_flight + nbytes <= self.limit:
+                break
+            self._room.clear()
+            await self._room.wait()
         self.in_flight += nbytes
         task = asyncio.create_task(self._run(start))
         self._tasks.add(task)
         task.add_done_callback(lambda t: self._finished(t, nbytes))
 
     async def hold(self, nbytes: int, parts: int) -> Hold:
-        """Count ``nbytes`` in the window, as a send would, once they fit, until
-        ``parts`` deliveries have each called :meth:`Hold.part_done`: memory that several
-        sends keep alive together (views of one array) counted once, for as long as the
-        last of them is on its way."""
-        await self._wait_for_room(nbytes)
-        self.in_flight += nbytes
+        """Count ``nbytes`` in the window once they fit beside the sends and the other
+        holds, until ``parts`` deliveries have each called :meth:`Hold.part_done`: memory
+        that several sends keep alive together (views of one array) counted once, for as
+        long as the last of them is on its way.  The sends and the holds each stay within
+        the limit (a larger one alone), so together within twice it."""
+        while True:
+            self._raise_error()
+            taken = self.in_flight + self.held
+            if taken == 0 or taken + nbytes <= self.limit:
+                break
+            self._room.clear()
+            await self._room.wait()
+        self.held += nbytes
         return Hold(self, nbytes, parts)
 
-    def _release(self, nbytes: int) -> None:
-        self.in_flight -= nbytes
+    def _let_go(self, nbytes: int) -> None:
+        self.held -= nbytes
         if self.on_sent is not None and self._error is None:
             self.on_sent(nbytes)
         self._room.set()
-
-    async def _wait_for_room(self, nbytes: int) -> None:
-        while True:
-            self._raise_error()
-            if nbytes == 0 or self.in_flight == 0 or self.in_flight + nbytes <= self.limit:
-                return
-            self._room.clear()
-            await self._room.wait()
 
     @staticmethod
     async def _run(start: Callable[[], Awaitable[Any]]) -> None:
@@ -134,7 +140,7 @@ class Hold:
             self._let_go()
 
     def _let_go(self) -> None:
-        self.window._release(self.nbytes)
+        self.window._let_go(self.nbytes)
         self.nbytes = 0
 
 
@@ -174,8 +180,8 @@ class PeerStream:
     @property
     def in_flight(self) -> int:
         """Bytes held by sends in flight, and waiting to be sent (``send_batched``)."""
-        return (self.window.in_flight + sum(self._queued_held.values())
-                + self._waiting_held)
+        return (self.window.in_flight + self.window.held
+                + sum(self._queued_held.values()) + self._waiting_held)
 
     def _others(self) -> list[ServiceId]:
         return [sid for sid in self.service.peers if sid != self.service.id]

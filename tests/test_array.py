@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import time
@@ -271,6 +272,27 @@ async def test_chunks_of_another_dtype_than_the_graph_says_are_cast_to_it(c, s, 
             got = await c.compute(x.rechunk(new, method="service"))
             assert got.dtype == np.int64
             np.testing.assert_array_equal(got, (base + 0.5).astype("i8"))
+    await assert_nothing_left(s, [a, b])
+
+
+@pytest.mark.parametrize("lane", [True, False])
+@service_cluster(timeout=90)
+async def test_input_chunks_larger_than_the_send_window_go_through(c, s, a, b, lane):
+    """An input chunk larger than the send window holds it alone while its views are on
+    their way; its batches, with packed pieces of their own, must not wait for room only
+    their delivery makes (a 2 GB rechunk through 0.5 GB workers, whose window is 1/32 of
+    the memory limit, hung at its first chunk)."""
+    base = np.arange(800 * 321, dtype="f8").reshape(800, 321)
+    settings = {"dask_services.bulk-lane": lane,
+                "dask_services.rechunk.bytes-in-flight": "100 kB",
+                "dask_services.rechunk.copy-max-inputs": 0,
+                "dask_services.rechunk.merge-region-max": 0}
+    with dask.config.set(settings):
+        x = da.from_array(base, chunks=(200, 321))  # 513 kB chunks
+        # 200 x 64 pieces (102 kB) travel as views, 200 x 1 ones (1.6 kB) packed
+        new = (800, (64, 64, 1, 1, 64, 64, 1, 1, 61))  # each owner gets wide and thin
+        got = await asyncio.wait_for(c.compute(x.rechunk(new, method="service")), 30)
+    np.testing.assert_array_equal(got, base)
     await assert_nothing_left(s, [a, b])
 
 

@@ -209,6 +209,33 @@ def test_memory_several_sends_keep_alive_is_counted_until_the_last_is_delivered(
     asyncio.run(main())
 
 
+def test_sends_never_wait_for_a_hold_that_their_delivery_lets_go():
+    """A chunk larger than the window held it alone, and its own batch (a packed piece
+    of a few bytes) waited for room that only its delivery would make: a 2 GB rechunk
+    through 0.5 GB workers hung.  Sends wait for sends only; holds for both."""
+    async def main():
+        service = TwoInstances()
+        stream = PeerStream(service, limit=100, trim=False, linger=0)
+        stream.sender_done(ServiceId("other"))
+        hold = await stream.window.hold(150, parts=1)  # alone: larger than the window
+        await asyncio.wait_for(
+            stream.send_batched(ServiceId("other"), 60, "take", "a", held=10, hold=hold), 5)
+        await until(lambda: len(service.peer.calls) == 1)
+        # another send goes beside it, as sends did before holds existed
+        await asyncio.wait_for(stream.send_batched(ServiceId("other"), 80, "take", "b"), 5)
+        later = asyncio.create_task(stream.window.hold(1, parts=1))
+        await asyncio.sleep(0)
+        assert not later.done()  # a hold waits for the sends and the other holds
+        service.peer.open_all()
+        await until(lambda: len(service.peer.calls) == 2)
+        service.peer.open_all()
+        (await asyncio.wait_for(later, 5)).part_done()
+        await stream.finish()
+        assert stream.in_flight == 0
+
+    asyncio.run(main())
+
+
 def test_a_batch_waiting_for_room_in_the_window_is_counted():
     async def main():
         first, second = GatedPeer(), GatedPeer()
