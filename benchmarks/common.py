@@ -104,9 +104,11 @@ def new_workers(client: Any, timeout: float = 120) -> None:
     if cluster is None or not hasattr(cluster, "scale"):
         client.restart()
         return
-    # asked of the scheduler each time: the client's scheduler_info() may be a cached copy
-    # from before the last scaling
-    n = client.run_on_scheduler(_worker_count)
+    # the cluster's own count of the workers it runs (after a method that killed workers,
+    # the scheduler may count none while their nannies restart them); else asked of the
+    # scheduler each time: the client's scheduler_info() may be a cached copy from before
+    # the last scaling
+    n = len(getattr(cluster, "worker_spec", ())) or client.run_on_scheduler(_worker_count)
     cluster.scale(0)
     deadline = time.monotonic() + timeout
     while client.run_on_scheduler(_worker_count):

@@ -69,16 +69,20 @@ class SendWindow:
         holds, until ``parts`` deliveries have each called :meth:`Hold.part_done`: memory
         that several sends keep alive together (views of one array) counted once, for as
         long as the last of them is on its way.  The sends and the holds each stay within
-        the limit (a larger one alone), so together within twice it."""
+        the limit, but for one larger than it, which goes alone; bytes still queued per
+        peer (``PeerStream.send_batched``) are in neither."""
         while True:
             self._raise_error()
-            taken = self.in_flight + self.held
-            if taken == 0 or taken + nbytes <= self.limit:
+            if self.fits_hold(nbytes):
                 break
             self._room.clear()
             await self._room.wait()
         self.held += nbytes
         return Hold(self, nbytes, parts)
+
+    def fits_hold(self, nbytes: int) -> bool:
+        taken = self.in_flight + self.held
+        return taken == 0 or taken + nbytes <= self.limit
 
     def _let_go(self, nbytes: int) -> None:
         self.held -= nbytes
@@ -104,6 +108,12 @@ class SendWindow:
         while self._tasks:
             await asyncio.wait(set(self._tasks))
         self._raise_error()
+
+    def fail(self, error: BaseException) -> None:
+        """A send failed before it started: later calls raise ``error`` (the first one)."""
+        if self._error is None:
+            self._error = error
+        self._room.set()
 
     def cancel(self) -> None:
         """Abandon every send; later calls raise ``CancelledError``."""
@@ -177,9 +187,20 @@ class PeerStream:
         # the arguments of a batch's call, made of its items (default: the list itself)
         self.encode: Callable[[list[Any]], tuple] | None = None
 
+    async def hold(self, nbytes: int, parts: int) -> Hold:
+        """:meth:`SendWindow.hold`; a hold that must wait for room first sends what
+        lingers (it would otherwise linger behind the hold, one chunk at a time)."""
+        if not self.window.fits_hold(nbytes):
+            for sid in list(self._lingering):
+                self._lingering.pop(sid).cancel()
+                if not self._busy.get(sid):
+                    self._drain(sid)
+        return await self.window.hold(nbytes, parts)
+
     @property
     def in_flight(self) -> int:
-        """Bytes held by sends in flight, and waiting to be sent (``send_batched``)."""
+        """Bytes held by sends in flight and by holds, and waiting to be sent
+        (``send_batched``)."""
         return (self.window.in_flight + self.window.held
                 + sum(self._queued_held.values()) + self._waiting_held)
 
@@ -231,8 +252,17 @@ class PeerStream:
         if not items:
             return
         self._busy[sid] = self._busy.get(sid, 0) + 1
-        call = getattr(self.service.peers[sid], self._batch_method[sid])
-        args = self.encode(items) if self.encode is not None else (items,)
+        try:
+            call = getattr(self.service.peers[sid], self._batch_method[sid])
+            args = self.encode(items) if self.encode is not None else (items,)
+        except BaseException as exc:
+            # the batch is lost: the run fails with this error (raised from the next send,
+            # hold or flush), and what it held is let go so that nothing waits for it
+            self._busy[sid] -= 1
+            for hold in holds:
+                hold.part_done()
+            self.window.fail(exc)
+            raise
         del items
 
         async def deliver() -> None:
@@ -257,7 +287,8 @@ class PeerStream:
 
     def _drained(self, drain: asyncio.Task) -> None:
         self._drains.discard(drain)
-        # its error, if any, is the window's first error, which flush() and the next
+        # its error, if any, is the window's (set by the window for a failed delivery,
+        # by _send_queued for a batch that could not be made), which flush() and the next
         # send raise; retrieved here so that asyncio does not report it as lost
         if not drain.cancelled():
             drain.exception()

@@ -107,6 +107,12 @@ def test_under_a_quarter_for_peers_every_piece_for_them_is_copied():
     out = pieces_by_destination(block, (0, 0), overlaps, {(0, 0): "peer", (1, 0): "here"},
                                 "here")
     assert all(is_view(item) for item in out["peer"]) and own_bytes(out["peer"]) == 0
+    # a lone small piece (nothing to pack it with) is copied even where contiguous
+    rows = [axis_overlaps(o, n) for o, n in zip(((10,), (4,)), ((9, 1), (4,)), strict=True)]
+    out = pieces_by_destination(np.zeros((10, 4)), (0, 0), rows,
+                                {(0, 0): "here", (1, 0): "peer"}, "here")
+    (lone,) = out["peer"]
+    assert not is_view(lone) and own_bytes(out["peer"]) == lone[2].nbytes
 
 
 def test_write_into_writes_every_piece_where_it_goes():

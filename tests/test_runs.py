@@ -367,6 +367,33 @@ def test_worker_troubles_counts_restarts_and_paused_seconds_within_the_run():
     assert troubles == {"restarts": 1.0, "paused_s": 1.0 + 6.0 + 1.5}
 
 
+def test_new_workers_brings_back_as_many_as_the_cluster_runs_after_workers_died():
+    """A method that killed every worker (p2p through 0.5 GB workers) left the scheduler
+    counting none while the nannies restarted them: the next run's fresh workers were
+    asked for as zero, and the benchmark stopped with a ValueError."""
+    from benchmarks import common
+
+    calls = []
+
+    class Cluster:
+        worker_spec = {0: "spec", 1: "spec"}
+
+        def scale(self, n):
+            calls.append(("scale", n))
+
+    class Client:
+        cluster = Cluster()
+
+        def run_on_scheduler(self, fn):
+            return 0  # every worker gone for the moment
+
+        def wait_for_workers(self, n, timeout):
+            calls.append(("wait", n))
+
+    common.new_workers(Client())
+    assert calls == [("scale", 0), ("scale", 2), ("wait", 2)]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_cli_bench_queries_checks_every_result_against_tasks(capsys):

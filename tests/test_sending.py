@@ -236,6 +236,48 @@ def test_sends_never_wait_for_a_hold_that_their_delivery_lets_go():
     asyncio.run(main())
 
 
+def test_a_batch_that_cannot_be_made_fails_the_stream_and_lets_its_holds_go():
+    """An error making a batch's call (its encoding) was swallowed: its holds were never
+    let go and the next hold waited for ever.  Now it is the stream's error."""
+    async def main():
+        service = TwoInstances()
+        stream = PeerStream(service, limit=100, trim=False, linger=0)
+
+        def encode(items):
+            raise ValueError("cannot encode")
+
+        stream.encode = encode
+        hold = await stream.window.hold(80, parts=1)
+        with pytest.raises(ValueError, match="cannot encode"):
+            await stream.send_batched(ServiceId("other"), 10, "take", "a", held=0,
+                                      hold=hold)
+        assert stream.window.held == 0 and not stream._busy[ServiceId("other")]
+        with pytest.raises(ValueError, match="cannot encode"):
+            await asyncio.wait_for(stream.window.hold(80, parts=1), 5)
+
+    asyncio.run(main())
+
+
+def test_a_hold_that_must_wait_sends_what_lingers_first():
+    """Chunks larger than the window go one at a time, each batch lingering 50 ms behind
+    the hold of the next chunk: a hold that must wait sends the lingering batches."""
+    async def main():
+        service = TwoInstances()
+        stream = PeerStream(service, limit=100, trim=False, linger=3600)
+        stream.sender_done(ServiceId("other"))
+        first = await stream.hold(150, parts=1)
+        await stream.send_batched(ServiceId("other"), 60, "take", "a", held=0, hold=first)
+        assert service.peer.calls == []  # lingering
+        second = asyncio.create_task(stream.hold(150, parts=1))
+        await until(lambda: service.peer.calls == [["a"]])  # sent for the hold
+        service.peer.open_all()
+        (await asyncio.wait_for(second, 5)).part_done()
+        await stream.finish()
+        assert stream.in_flight == 0
+
+    asyncio.run(main())
+
+
 def test_a_batch_waiting_for_room_in_the_window_is_counted():
     async def main():
         first, second = GatedPeer(), GatedPeer()

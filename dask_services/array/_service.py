@@ -347,7 +347,8 @@ def pieces_by_destination(block: np.ndarray, index: Index,
     """The pieces of the input chunk at ``index`` that wanted outputs need, grouped by the
     instance owning their output.  Pieces stay views of the input chunk: they are sent as
     ``Buffers``, whose strided parts the sender copies as it writes them (``_bulk.py``).
-    Small ones are copied into one buffer per peer (``PackedPieces``); and where the
+    Small ones are copied into one buffer per peer (``PackedPieces``, or alone where
+    there is nothing to pack them with); and where the
     peers' share is under ``VIEWS_FROM_SHARE`` of the chunk (``keeps_views``), or for
     object arrays, which travel pickled, the pieces for peers are copied here, in a
     worker thread (pickle would copy a strided one on the event loop)."""
@@ -369,7 +370,7 @@ def pieces_by_destination(block: np.ndarray, index: Index,
     for sid, pieces in small.items():
         out.setdefault(sid, []).append(
             PackedPieces.of(pieces) if len(pieces) > 1
-            else (pieces[0][0], pieces[0][1], np.ascontiguousarray(pieces[0][2])))
+            else (pieces[0][0], pieces[0][1], pieces[0][2].copy()))  # (no view: small)
     return out
 
 
@@ -606,9 +607,9 @@ class ArrayRechunk(PeerExchange):
         del block
         # views keep the whole chunk until the last of them is delivered: it is counted
         # in the send window once, for that long (copies count their own bytes)
-        with_views = [sid for sid, batch in by_destination.items()
-                      if sid != self.id and any(map(is_view, batch))]
-        hold = (await self.stream.window.hold(chunk_bytes, len(with_views))
+        with_views = {sid for sid, batch in by_destination.items()
+                      if sid != self.id and any(map(is_view, batch))}
+        hold = (await self.stream.hold(chunk_bytes, len(with_views))
                 if with_views else None)
         for sid, batch in by_destination.items():
             if sid == self.id:
