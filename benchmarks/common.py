@@ -184,6 +184,11 @@ def cancelled_if_failed(client: Any) -> Iterator[list]:
         futures.clear()
 
 
+# a measured run not done after this many seconds counts as failed (a method whose workers
+# died, and whose nannies lost distributed 2026.8.0's restart race, waited for ever)
+RUN_TIMEOUT = 600.0
+
+
 def raise_first_error(futures: list) -> None:
     """``wait(futures)`` returns whatever state they end in: raise the first one's error."""
     for future in futures:

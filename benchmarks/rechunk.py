@@ -41,6 +41,7 @@ from collections import defaultdict
 from typing import Any
 
 from benchmarks.common import (
+    RUN_TIMEOUT,
     Measurement,
     cancelled_if_failed,
     fresh_input,
@@ -125,7 +126,7 @@ def run_case(client: Any, label: str, shape: tuple, old: tuple, new: tuple,
              consumers: tuple[str, ...] = ("none",), dtype: str = "float64",
              ) -> list[Measurement]:
     import dask.array as da
-    from distributed import as_completed, get_task_stream, wait
+    from distributed import get_task_stream, wait
 
     base = held(client)
 
@@ -157,16 +158,15 @@ def run_case(client: Any, label: str, shape: tuple, old: tuple, new: tuple,
                             if consumer == "none":
                                 persisted = client.persist(z)
                                 running += client.futures_of(persisted)
-                                completed = as_completed(running)
-                                next(completed)
+                                wait(running, timeout=RUN_TIMEOUT,
+                                     return_when="FIRST_COMPLETED")
                                 first.append(time.perf_counter() - start)
-                                wait(running)
-                                completed.clear()  # it holds the futures (and results)
+                                wait(running, timeout=RUN_TIMEOUT)
                                 raise_first_error(running)
-                                del persisted, completed
+                                del persisted
                             else:
                                 running.append(client.compute(z))
-                                running[0].result()
+                                running[0].result(timeout=RUN_TIMEOUT)
                     except Exception as exc:  # noqa: BLE001 - reported as a failed run
                         failed = True
                         print(f"rechunk {label} with {method} failed: {exc!r}",

@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from benchmarks.common import (
+    RUN_TIMEOUT,
     Measurement,
     cancelled_if_failed,
     cpu_seconds,
@@ -210,12 +211,12 @@ def run_case(client: Any, label: str, nbytes: int, npartitions: int, methods: li
                     if consumer == "none":
                         persisted = client.persist(shuffled)
                         running += client.futures_of(persisted)
-                        wait(persisted)
+                        wait(persisted, timeout=RUN_TIMEOUT)
                         raise_first_error(running)
                         del persisted
                     else:
                         running.append(client.compute(shuffled))
-                        running[0].result()
+                        running[0].result(timeout=RUN_TIMEOUT)
 
             failed = False
             since = time.time()
