@@ -145,9 +145,10 @@ class TwoInstances:
         self.peers = {self.id: None, ServiceId("other"): self.peer}
 
 
-def batched_stream(fail: bool = False, coalesce_bytes: int = 2**20, linger: float = 0):
+def batched_stream(fail: bool = False, coalesce_bytes: int = 2**20, linger: float = 0,
+                   limit: int = 10**9):
     service = TwoInstances(fail)
-    stream = PeerStream(service, limit=10**9, trim=False, coalesce_bytes=coalesce_bytes,
+    stream = PeerStream(service, limit=limit, trim=False, coalesce_bytes=coalesce_bytes,
                         linger=linger)
     stream.sender_done(ServiceId("other"))  # the other side has nothing for us
     return stream, service.peer
@@ -179,24 +180,30 @@ def test_batched_sends_go_at_once_and_wait_only_while_one_is_in_flight():
     asyncio.run(main())
 
 
+def stream_to_two_peers(limit: int) -> tuple[PeerStream, GatedPeer, GatedPeer]:
+    """A stream to peers ``"1"`` and ``"2"``, which have nothing for it."""
+    first, second = GatedPeer(), GatedPeer()
+    service = TwoInstances()
+    service.peers = {service.id: None, ServiceId("1"): first, ServiceId("2"): second}
+    stream = PeerStream(service, limit=limit, trim=False, linger=0)
+    for sid in ("1", "2"):
+        stream.sender_done(ServiceId(sid))
+    return stream, first, second
+
+
 def test_memory_several_sends_keep_alive_is_counted_until_the_last_is_delivered():
     """Views of one chunk go to several peers and keep the whole chunk until the last
     of them is delivered: a hold counts the chunk once, for that long, and its sends
     count only what they hold of their own."""
     async def main():
-        fast, slow = GatedPeer(), GatedPeer()
-        service = TwoInstances()
-        service.peers = {service.id: None, ServiceId("fast"): fast, ServiceId("slow"): slow}
-        stream = PeerStream(service, limit=100, trim=False, linger=0)
-        for sid in ("fast", "slow"):
-            stream.sender_done(ServiceId(sid))
+        stream, fast, slow = stream_to_two_peers(limit=100)
         hold = await stream.window.hold(60, parts=2)
-        for sid in ("fast", "slow"):
+        for sid in ("1", "2"):
             await stream.send_batched(ServiceId(sid), 30, "take", sid, held=0, hold=hold)
         await until(lambda: len(fast.calls) == len(slow.calls) == 1)
         assert stream.in_flight == 60
         fast.open_all()
-        await until(lambda: not stream._busy[ServiceId("fast")])
+        await until(lambda: not stream._busy[ServiceId("1")])
         assert stream.in_flight == 60  # the slow peer's views still hold the chunk
         second = asyncio.create_task(stream.window.hold(60, parts=1))
         await asyncio.sleep(0)
@@ -214,21 +221,19 @@ def test_sends_never_wait_for_a_hold_that_their_delivery_lets_go():
     of a few bytes) waited for room that only its delivery would make: a 2 GB rechunk
     through 0.5 GB workers hung.  Sends wait for sends only; holds for both."""
     async def main():
-        service = TwoInstances()
-        stream = PeerStream(service, limit=100, trim=False, linger=0)
-        stream.sender_done(ServiceId("other"))
+        stream, peer = batched_stream(limit=100)
         hold = await stream.window.hold(150, parts=1)  # alone: larger than the window
         await asyncio.wait_for(
             stream.send_batched(ServiceId("other"), 60, "take", "a", held=10, hold=hold), 5)
-        await until(lambda: len(service.peer.calls) == 1)
+        await until(lambda: len(peer.calls) == 1)
         # another send goes beside it, as sends did before holds existed
         await asyncio.wait_for(stream.send_batched(ServiceId("other"), 80, "take", "b"), 5)
         later = asyncio.create_task(stream.window.hold(1, parts=1))
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # (the task runs until it waits: a hold with room would end)
         assert not later.done()  # a hold waits for the sends and the other holds
-        service.peer.open_all()
-        await until(lambda: len(service.peer.calls) == 2)
-        service.peer.open_all()
+        peer.open_all()
+        await until(lambda: len(peer.calls) == 2)
+        peer.open_all()
         (await asyncio.wait_for(later, 5)).part_done()
         await stream.finish()
         assert stream.in_flight == 0
@@ -240,8 +245,7 @@ def test_a_batch_that_cannot_be_made_fails_the_stream_and_lets_its_holds_go():
     """An error making a batch's call (its encoding) was swallowed: its holds were never
     let go and the next hold waited for ever.  Now it is the stream's error."""
     async def main():
-        service = TwoInstances()
-        stream = PeerStream(service, limit=100, trim=False, linger=0)
+        stream, _ = batched_stream(limit=100)
 
         def encode(items):
             raise ValueError("cannot encode")
@@ -262,15 +266,13 @@ def test_a_hold_that_must_wait_sends_what_lingers_first():
     """Chunks larger than the window go one at a time, each batch lingering 50 ms behind
     the hold of the next chunk: a hold that must wait sends the lingering batches."""
     async def main():
-        service = TwoInstances()
-        stream = PeerStream(service, limit=100, trim=False, linger=3600)
-        stream.sender_done(ServiceId("other"))
+        stream, peer = batched_stream(limit=100, linger=3600)
         first = await stream.hold(150, parts=1)
         await stream.send_batched(ServiceId("other"), 60, "take", "a", held=0, hold=first)
-        assert service.peer.calls == []  # lingering
+        assert peer.calls == []  # lingering
         second = asyncio.create_task(stream.hold(150, parts=1))
-        await until(lambda: service.peer.calls == [["a"]])  # sent for the hold
-        service.peer.open_all()
+        await until(lambda: peer.calls == [["a"]])  # sent for the hold
+        peer.open_all()
         (await asyncio.wait_for(second, 5)).part_done()
         await stream.finish()
         assert stream.in_flight == 0
@@ -280,12 +282,7 @@ def test_a_hold_that_must_wait_sends_what_lingers_first():
 
 def test_a_batch_waiting_for_room_in_the_window_is_counted():
     async def main():
-        first, second = GatedPeer(), GatedPeer()
-        service = TwoInstances()
-        service.peers = {service.id: None, ServiceId("1"): first, ServiceId("2"): second}
-        stream = PeerStream(service, limit=100, trim=False, linger=0)
-        for sid in ("1", "2"):
-            stream.sender_done(ServiceId(sid))
+        stream, first, second = stream_to_two_peers(limit=100)
         await stream.send_batched(ServiceId("1"), 80, "take", "a")
         waiting = asyncio.create_task(stream.send_batched(ServiceId("2"), 50, "take", "b"))
         await until(lambda: stream.in_flight == 130)  # 80 in the window, 50 waiting
