@@ -348,10 +348,10 @@ def pieces_by_destination(block: np.ndarray, index: Index,
     instance owning their output.  Pieces stay views of the input chunk: they are sent as
     ``Buffers``, whose strided parts the sender copies as it writes them (``_bulk.py``).
     Small ones are copied into one buffer per peer (``PackedPieces``, or alone where
-    there is nothing to pack them with); and where the
-    peers' share is under ``VIEWS_FROM_SHARE`` of the chunk (``keeps_views``), or for
-    object arrays, which travel pickled, the pieces for peers are copied here, in a
-    worker thread (pickle would copy a strided one on the event loop)."""
+    there is nothing to pack them with); and where the peers' share is under
+    ``VIEWS_FROM_SHARE`` of the chunk (``keeps_views``), or for object arrays, which
+    travel pickled, the pieces for peers are copied here, in a worker thread (pickle
+    would copy a strided one on the event loop)."""
     out: dict[ServiceId, list[Piece | PackedPieces]] = {}
     small: dict[ServiceId, list[Piece]] = {}
     packs = not block.dtype.hasobject
@@ -375,8 +375,8 @@ def pieces_by_destination(block: np.ndarray, index: Index,
 
 
 def keeps_views(peers_bytes: int, chunk_bytes: int) -> bool:
-    """Whether an input chunk's strided pieces for peers stay views (``True`` where the
-    peers' share of it is at least ``VIEWS_FROM_SHARE``)."""
+    """Whether an input chunk's pieces for peers stay views (``True`` where the peers'
+    share of it is at least ``VIEWS_FROM_SHARE``; else they are copied)."""
     return peers_bytes >= VIEWS_FROM_SHARE * chunk_bytes
 
 
