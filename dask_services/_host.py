@@ -231,9 +231,7 @@ class PeerHandle:
                 buffers_of(args, kwargs)  # at most one Buffers argument, on every path
             except TypeError as exc:
                 return _raise(exc)
-            seq = self._source.next_seq_out.get(self.id, 0)
-            self._source.next_seq_out[self.id] = seq + 1
-            return self._host.call_peer(self._source, self.id, seq, name, args, kwargs)
+            return _started_call(self, name, args, kwargs)
 
         call.__name__ = name
         return call
@@ -562,6 +560,17 @@ def _refusal(cls: type, method: str) -> str:
 
 async def _raise(exc: BaseException) -> Any:
     raise exc
+
+
+async def _started_call(handle: PeerHandle, name: str, args: tuple, kwargs: dict) -> Any:
+    """A peer call takes its sequence number when it starts (its first step, once awaited
+    or made a task), not when its coroutine is made: a call made and never awaited, or
+    awaited after one made later, would otherwise leave a number the receiver waits for
+    before every later call of the channel."""
+    source = handle._source
+    seq = source.next_seq_out.get(handle.id, 0)
+    source.next_seq_out[handle.id] = seq + 1
+    return await handle._host.call_peer(source, handle.id, seq, name, args, kwargs)
 
 
 def _call_answered(outgoing: set[asyncio.Future], call: asyncio.Future) -> None:

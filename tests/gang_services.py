@@ -65,6 +65,19 @@ class Sharded(dask_services.Service):
         await asyncio.gather(*sends)
         return await self.ranks[1].get_log()
 
+    @dask_services.endpoint(ranks="first")
+    async def out_of_order(self) -> list[int]:
+        """A call to rank 1 made and never awaited, then two awaited in the reverse of the
+        order they were made in, then one more: rank 1's log of these calls."""
+        before = len(await self.ranks[1].get_log())
+        forgotten = self.ranks[1].append(-1)
+        first, second = self.ranks[1].append(1), self.ranks[1].append(2)
+        forgotten.close()
+        await second
+        await first
+        await self.ranks[1].append(3)
+        return (await self.ranks[1].get_log())[before:]
+
     @dask_services.endpoint
     def sync_total(self, x: int) -> int:
         self.calls += 1

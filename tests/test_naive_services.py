@@ -87,7 +87,8 @@ EXPECTED = {
 
 class ChannelCheck(Service):
     """The leader interleaves failing calls with ordered ``record`` calls to one peer, first
-    one at a time, then all at once, and produces what happened."""
+    one at a time, then all at once, then awaits calls out of the order they were made in,
+    and produces what happened."""
 
     async def start(self, id, key, peers, input_keys, output_keys, concierge, leader,
                     cases=(), **kwargs: Any) -> None:
@@ -118,11 +119,21 @@ class ChannelCheck(Service):
         calls.append(peer.record(n))
         n += 1
         together = await asyncio.gather(*calls, return_exceptions=True)
+        expected = list(range(n))
+        # Out of order: a call made and never awaited, then two awaited in the reverse of
+        # the order they were made in. Each starts when awaited, and the channel goes on.
+        forgotten = peer.record(-1)
+        first, second = peer.record(n), peer.record(n + 1)
+        forgotten.close()
+        await second
+        await first
+        await peer.record(n + 2)
+        expected += [n + 1, n, n + 2]
         self.report = {
             "errors": errors,
             "together": [type(r).__name__ for r in together[1::2]],
             "log": await peer.log_of(),
-            "expected_log": list(range(n)),
+            "expected_log": expected,
         }
 
     async def all_inputs_done(self) -> None:

@@ -70,6 +70,7 @@ async def test_gang_ranks_all_gather_and_first_rank_endpoints(c, s, *workers):
     assert len(counts) == 2 and all(a == b for a, b in counts)
     assert sum(a for a, _ in counts) == 21
     assert await svc.ordered.route(50) == list(range(50))
+    assert await svc.out_of_order.route() == [2, 1, 3]  # each call starts when awaited
     assert sorted(await svc.sync_total.fanout(5)) == [5, 5]  # rank 0's result
     rows = await svc.replicas()
     assert [r["state"] for r in rows] == ["healthy", "healthy"]

@@ -97,11 +97,7 @@ class RankHandle:
                 return _raise(RPCRefused(
                     f"{cls.__name__}.{name} is not callable by other ranks: only methods "
                     "marked with @dask_services.rpc are"))
-            gang = self._rep.gang
-            assert gang is not None
-            seq = gang.next_seq_out.get(self.rank, 0)
-            gang.next_seq_out[self.rank] = seq + 1
-            return _send_rank_rpc(self._ext, self._rep, self.rank, seq, name, args, kwargs)
+            return _started_rank_call(self, name, args, kwargs)
 
         call.__name__ = name
         return call
@@ -181,6 +177,17 @@ async def _instance(ext: ReplicaWorker, sid: ServiceId, timeout: float) -> Hoste
 
 
 # ------------------------------------------------------------------ rank -> rank RPC
+
+
+async def _started_rank_call(handle: RankHandle, name: str, args: tuple, kwargs: dict) -> Any:
+    """A rank call takes its sequence number when it starts, not when its coroutine is
+    made (as peer calls do): one made and never awaited, or awaited after a later one,
+    would leave a number every later call to that rank waits for."""
+    gang = handle._rep.gang
+    assert gang is not None
+    seq = gang.next_seq_out.get(handle.rank, 0)
+    gang.next_seq_out[handle.rank] = seq + 1
+    return await _send_rank_rpc(handle._ext, handle._rep, handle.rank, seq, name, args, kwargs)
 
 
 async def _send_rank_rpc(ext: ReplicaWorker, rep: HostedReplica, target: int, seq: int,
