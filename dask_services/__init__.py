@@ -31,6 +31,7 @@ from dask_services.replicated import (
 from dask_services.service import (
     Concierge,
     OutputLostError,
+    OutputsNotProducedError,
     PeerCallError,
     PeerHandle,
     PeerUnreachableError,
@@ -56,6 +57,7 @@ __all__ = [
     "IncomingBuffers",
     "OutOfDiskError",
     "OutputLostError",
+    "OutputsNotProducedError",
     "PeerCallError",
     "PeerHandle",
     "PeerUnreachableError",

@@ -16,7 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -81,6 +81,9 @@ class Environment(abc.ABC):
 
     @abc.abstractmethod
     def produced(self, spec: InstanceSpec, key: Key, value: Any) -> None: ...
+
+    def hooks_returned(self, spec: InstanceSpec) -> None:
+        """The instance's ``all_inputs_done`` returned without failing."""
 
     @abc.abstractmethod
     async def send_rpc(
@@ -153,7 +156,19 @@ class InstanceConcierge(Concierge):
                 f"{self._instance.spec.service_key!r}"
             ) from None
 
-    async def produce_key(self, key: Key, value: Any, *, nbytes: int | None = None) -> bool:
+    def produce_key(self, key: Key, value: Any, *, nbytes: int | None = None
+                    ) -> Coroutine[Any, Any, bool]:
+        # Produced at once, in the call: the coroutine returned only waits for memory. An
+        # output whose ``await`` was forgotten is produced all the same (with Python's
+        # "never awaited" warning) rather than waited for by its dependents for ever.
+        return self._produce_key_awaited(self._produce(key, value, nbytes))
+
+    async def _produce_key_awaited(self, kept: bool) -> bool:
+        if kept:
+            await self._host.env.memory_backpressure()
+        return kept
+
+    def _produce(self, key: Key, value: Any, nbytes: int | None) -> bool:
         if nbytes is not None:
             nbytes = checked_nbytes(nbytes)
         inst = self._instance
@@ -184,7 +199,6 @@ class InstanceConcierge(Concierge):
         if nbytes is not None:
             remember(value, nbytes)
         self._host.env.produced(inst.spec, key, value)
-        await self._host.env.memory_backpressure()
         return True
 
     def input_nbytes(self, key: Key) -> int | None:
@@ -311,8 +325,8 @@ class ServiceHost:
     async def all_inputs_done(self, sid: ServiceId) -> None:
         """Runs after ``all_started`` has returned on this instance."""
         inst = self.instances.get(sid)
-        if inst is not None:
-            await self._hook(inst, self._all_inputs_done, inst)
+        if inst is not None and await self._hook(inst, self._all_inputs_done, inst):
+            self.env.hooks_returned(inst.spec)
 
     async def _all_inputs_done(self, inst: Instance) -> None:
         await inst.all_started_returned.wait()
@@ -374,7 +388,7 @@ class ServiceHost:
             for call in list(inst.outgoing):
                 call.cancel()
         try:
-            stopped = asyncio.ensure_future(_awaited(inst.service.stop()))
+            stopped = asyncio.ensure_future(_stopped(inst.service))
             await asyncio.wait({stopped}, timeout=grace)
             if not stopped.done():
                 stopped.cancel()
@@ -428,6 +442,10 @@ class ServiceHost:
                     self.env.restart(inst.spec, str(lost))
                 else:
                     self.env.failed(inst.spec, exc)
+            return False
+        except BaseException as exc:  # SystemExit, KeyboardInterrupt... raised by the hook
+            if not inst.stopping:
+                self.env.failed(inst.spec, contained(exc, inst.service, _hook_name(fn)))
             return False
         finally:
             inst.hooks.pop(task, None)
@@ -509,7 +527,12 @@ class ServiceHost:
             # a Buffers argument reaches the method as IncomingBuffers (_buffers.py)
             args, kwargs = as_incoming(*await arguments())
             await inst.started.wait()
-            return await getattr(inst.service, method)(*args, **kwargs)
+            try:
+                return await getattr(inst.service, method)(*args, **kwargs)
+            except (Exception, asyncio.CancelledError):
+                raise
+            except BaseException as exc:  # SystemExit, KeyboardInterrupt...
+                raise contained(exc, inst.service, method) from exc
         finally:
             inst.hooks.pop(task, None)
             for arg in (*args, *kwargs.values()):
@@ -560,6 +583,33 @@ def _refusal(cls: type, method: str) -> str:
 
 async def _raise(exc: BaseException) -> Any:
     raise exc
+
+
+async def _stopped(service: Service) -> None:
+    """``service.stop()``, with what it raises contained (``contained``)."""
+    try:
+        await _awaited(service.stop())
+    except (Exception, asyncio.CancelledError):
+        raise
+    except BaseException as exc:
+        raise contained(exc, service, "stop") from exc
+
+
+def contained(exc: BaseException, service: Any, method: str) -> Exception:
+    """What the run fails with when ``method`` of ``service`` raised ``exc``: ``exc`` if it
+    is an ``Exception``; otherwise (``SystemExit``, ``KeyboardInterrupt``, a
+    ``BaseException`` of the service's own) a ``RuntimeError`` caused by it.  The hooks
+    and ``@rpc`` methods run on the worker's event loop, which such an exception would
+    stop (the worker gone, the run restarted on a new one to fail the same way) or
+    leave without an answer."""
+    if isinstance(exc, Exception):
+        return exc
+    error = RuntimeError(
+        f"{type(service).__name__}.{method}() raised {exc!r}, which is not an Exception: "
+        "it would stop the worker's event loop, where services run; raise an Exception "
+        "to fail the run")
+    error.__cause__ = exc
+    return error
 
 
 async def _started_call(handle: PeerHandle, name: str, args: tuple, kwargs: dict) -> Any:

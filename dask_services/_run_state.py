@@ -15,6 +15,7 @@ Lifecycle of one run::
 
     (no run) --RunNeeded--> STARTING --all InstanceStarted--> RUNNING
     RUNNING --all InputHandedOff--> INPUTS_DONE --all wanted OutputProduced--> FINISHED
+    INPUTS_DONE --all HooksReturned, then no OutputProduced for a while--> FAILED
     any live phase --RunFailed--> FAILED
     any live phase --RestartRequested / participant WorkerLost / OutputLost /
                      WantedGrew / OutputsWanted / OutputWaiting--> (no run; next RunNeeded)
@@ -38,7 +39,12 @@ from typing import Any, ClassVar
 import dask.config
 from dask.typing import Key
 
-from dask_services.service import ProduceKeyError, ServiceId, TooManyRestarts
+from dask_services.service import (
+    OutputsNotProducedError,
+    ProduceKeyError,
+    ServiceId,
+    TooManyRestarts,
+)
 
 _stimuli = itertools.count(1)
 
@@ -104,6 +110,8 @@ class Run:
     handed_off: set[Key] = field(default_factory=set)
     produced: dict[Key, str] = field(default_factory=dict)
     landed: set[Key] = field(default_factory=set)  # produced and in memory (or gone)
+    # instances whose ``all_inputs_done`` returned (without failing)
+    returned: set[ServiceId] = field(default_factory=set)
     concluded: bool = False
 
     def __post_init__(self) -> None:
@@ -211,6 +219,25 @@ class OutputProduced:
     key: Key
     worker: str
     stimulus_id: str = _stimulus_field("output-produced")
+
+
+@dataclass(frozen=True)
+class HooksReturned:
+    """Instance ``id``'s ``all_inputs_done`` returned without failing."""
+
+    run_id: int
+    id: ServiceId
+    stimulus_id: str = _stimulus_field("hooks-returned")
+
+
+@dataclass(frozen=True)
+class UnproducedChecked:
+    """The wait asked for by :class:`WatchUnproduced` is over: ``produced`` outputs had
+    been produced when it began."""
+
+    run_id: int
+    produced: int
+    stimulus_id: str = _stimulus_field("unproduced-checked")
 
 
 @dataclass(frozen=True)
@@ -354,6 +381,8 @@ Event = (
     | InstanceStarted
     | InputHandedOff
     | OutputProduced
+    | HooksReturned
+    | UnproducedChecked
     | OutputLanded
     | OutputNotNeeded
     | OutputLost
@@ -426,6 +455,17 @@ class DropOutput:
 
 
 @dataclass(frozen=True)
+class WatchUnproduced:
+    """Every hook of the run returned and wanted outputs are not produced: wait
+    ``dask_services.unproduced-timeout``, then answer with :class:`UnproducedChecked`
+    (``produced``: the outputs produced now)."""
+
+    run_id: int
+    produced: int
+    stimulus_id: str = _action_stimulus()
+
+
+@dataclass(frozen=True)
 class StopInstances:
     run: RunSnapshot
     reason: str
@@ -465,6 +505,7 @@ Action = (
     | BroadcastInputsDone
     | ReleaseOutput
     | DropOutput
+    | WatchUnproduced
     | StopInstances
     | NotifyServiceTask
     | RescheduleServiceTask
@@ -475,7 +516,7 @@ Action = (
 # milestones, so that a large run's routine never pushes its start out of the story.
 ROUTINE: frozenset[type] = frozenset({
     HandOffScheduled, InstanceStarted, InputHandedOff, OutputProduced, OutputLanded,
-    OutputNotNeeded, OutputWaiting, ReleaseOutput, DropOutput,
+    OutputNotNeeded, OutputWaiting, ReleaseOutput, DropOutput, HooksReturned,
 })
 
 
@@ -761,6 +802,33 @@ class ServiceTaskMachine:
         run.produced[ev.key] = ev.worker
         return [ReleaseOutput(ev.key, ev.worker), *self._maybe_finished(run)]
 
+    def _on_HooksReturned(self, ev: HooksReturned) -> list[Action]:
+        run = self._current(ev.run_id)
+        if run is None or ev.id not in run.worker_of or ev.id in run.returned:
+            return []
+        run.returned.add(ev.id)
+        if run.phase is Phase.INPUTS_DONE and len(run.returned) == len(run.ids):
+            # Nothing of the service is bound to run any more; outputs may still come from
+            # work its hooks left behind, as long as some keep coming.
+            return [WatchUnproduced(run.run_id, len(run.produced))]
+        return []
+
+    def _on_UnproducedChecked(self, ev: UnproducedChecked) -> list[Action]:
+        run = self._current(ev.run_id)
+        if run is None or run.phase is not Phase.INPUTS_DONE:
+            return []
+        if len(run.produced) > ev.produced:  # progress: wait once more
+            return [WatchUnproduced(run.run_id, len(run.produced))]
+        missing = [key for key in run.wanted if key not in run.produced]
+        return self._fail(run, OutputsNotProducedError(
+            f"service task {self.key!r}: every instance of run {run.run_id} returned from "
+            f"all_inputs_done, and {len(missing)} of the {len(run.wanted)} wanted outputs "
+            f"were not produced, e.g. {missing[:3]!r}, nor any other output since. A "
+            "service must produce every key of `concierge.wanted_outputs`, once, with "
+            "`await concierge.produce_key(key, value)` (e.g. each on the instance "
+            "`concierge.owner(key)` names). If it produces outputs later, from work its "
+            "hooks started, raise the `dask_services.unproduced-timeout` config value."))
+
     def _reject_produced(self, run: Run, ev: OutputProduced) -> list[Action]:
         if ev.key not in run.wanted_set:
             return self._fail(
@@ -987,6 +1055,7 @@ class ServiceTaskMachine:
         assert set(run.owners.values()) <= sids
         assert list(run.owners) == list(run.wanted)
         assert run.started <= sids
+        assert run.returned <= sids
         assert run.handed_off <= self.input_key_set
         assert set(run.produced) <= run.wanted_set
         assert run.landed <= set(run.produced)

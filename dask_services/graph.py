@@ -25,7 +25,7 @@ from typing import Any
 from dask._task_spec import Task, TaskRef
 from dask.typing import Key
 
-from dask_services.service import OutputLostError, Service, ServiceGraphError
+from dask_services.service import OutputsNotProducedError, Service, ServiceGraphError
 
 PARTICIPANTS = frozenset({"all", "input-holders"})  # ``ServiceDefinition.participants``
 
@@ -150,7 +150,11 @@ def _claim_output(produced: dict | None, key: Key) -> Any:
         try:
             return produced[key]
         except KeyError:
-            raise OutputLostError(f"the service did not produce output {key!r}") from None
+            raise OutputsNotProducedError(
+                f"the service did not produce output {key!r}: every hook of its run "
+                "returned, and nothing of the run was left to produce it; a service must "
+                "produce every key of `concierge.wanted_outputs` with "
+                "`await concierge.produce_key(key, value)`") from None
     from dask_services.worker import claim_output_on_worker
 
     return claim_output_on_worker(key)

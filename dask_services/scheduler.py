@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import dask
 from dask.typing import Key
+from dask.utils import parse_timedelta
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 from distributed.protocol.serialize import ToPickle
@@ -116,6 +117,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         self.observers: list[RunObserver] = []  # e.g. the diagnostics (``_observe.py``)
         # stories of forgotten service tasks: key -> their machine's stories
         self.archive: OrderedDict[Key, OrderedDict[int | None, rs.RunStory]] = OrderedDict()
+        self.timers: set[asyncio.TimerHandle] = set()  # WatchUnproduced waits under way
 
     # ------------------------------------------------------------- set-up
 
@@ -129,6 +131,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             "service-produced": self._guard(self._on_produced),
             "service-failed": self._guard(self._on_failed),
             "service-restart": self._guard(self._on_restart),
+            "service-hooks-returned": self._guard(self._on_hooks_returned),
         })
         scheduler.handlers["service_run_info"] = self.run_info
         scheduler.handlers["service_story"] = self.story
@@ -152,6 +155,9 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
 
     async def close(self) -> None:
         self.observers.clear()
+        for timer in self.timers:
+            timer.cancel()
+        self.timers.clear()
 
     def _guard(self, handler: Any) -> Any:
         def run(**msg: Any) -> None:
@@ -541,6 +547,11 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         self._event(service_key, rs.RestartRequested(
             run_id, reason, stimulus_id=rs.new_stimulus_id(f"service-restart-{worker}")))
 
+    def _on_hooks_returned(self, service_key: Key, run_id: int, id: str,
+                           worker: str = "") -> None:
+        self._event(service_key, rs.HooksReturned(
+            run_id, ServiceId(id), stimulus_id=rs.new_stimulus_id(f"hooks-returned-{id}")))
+
     def _event(self, service_key: Key, event: rs.Event) -> None:
         """Feed ``event`` to the machine of ``service_key`` (if it still has one) and carry
         out its actions."""
@@ -579,6 +590,21 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
     def _do_drop(self, service_key: Key, action: rs.DropOutput) -> None:
         self._send(action.worker, {"op": "service-drop-output", "key": action.key})
 
+    def _do_watch_unproduced(self, service_key: Key, action: rs.WatchUnproduced) -> None:
+        timeout = dask.config.get("dask_services.unproduced-timeout", "60s")
+        if timeout is None or timeout is False:
+            return  # wait for ever, as asked
+
+        def check() -> None:
+            self.timers.discard(timer)
+            self._event(service_key, rs.UnproducedChecked(
+                action.run_id, action.produced,
+                stimulus_id=rs.new_stimulus_id("unproduced-checked")))
+
+        timer = asyncio.get_running_loop().call_later(
+            parse_timedelta(timeout), self._later, check)
+        self.timers.add(timer)
+
     def _do_stop(self, service_key: Key, action: rs.StopInstances) -> None:
         self._apply_stop(action.run, action.reason)
 
@@ -601,6 +627,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         rs.BroadcastInputsDone: _do_inputs_done,
         rs.ReleaseOutput: _do_release,
         rs.DropOutput: _do_drop,
+        rs.WatchUnproduced: _do_watch_unproduced,
         rs.StopInstances: _do_stop,
         rs.NotifyServiceTask: _do_notify,
         rs.RescheduleServiceTask: _do_reschedule,

@@ -7,7 +7,7 @@ plugin decides when.
 from __future__ import annotations
 
 import abc
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 from dask.typing import Key
@@ -103,13 +103,18 @@ class Concierge(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def produce_key(self, key: Key, value: Any, *, nbytes: int | None = None) -> bool:
-        """Hand ``value`` back to the graph as the result of output ``key``.
+    def produce_key(self, key: Key, value: Any, *, nbytes: int | None = None
+                    ) -> Coroutine[Any, Any, bool]:
+        """Hand ``value`` back to the graph as the result of output ``key``:
+        ``await concierge.produce_key(key, value)``.
 
         The key reaches memory on this instance's worker; its dependents may start while
-        the service still runs.  While the worker is paused for lack of memory this waits,
-        so a service producing many outputs cannot outrun their consumers.  Each wanted
-        output may be produced once per run, by any instance.
+        the service still runs.  The output is produced when the method is called (and
+        errors raised there); the coroutine it returns waits while the worker is paused
+        for lack of memory, so a service producing many outputs cannot outrun their
+        consumers.  An ``await`` forgotten skips that wait (Python warns that the
+        coroutine was never awaited) but loses no output.  Each wanted output may be
+        produced once per run, by any instance.
 
         Returns True when the value was kept, and False (dropping it, with a debug log
         line) when ``key`` is one of ``output_keys`` that this run does not need: culled,
@@ -279,3 +284,9 @@ class TooManyRestarts(ServiceError):
 
 class OutputLostError(ServiceError):
     """A produced output was asked for on a worker that does not hold it."""
+
+
+class OutputsNotProducedError(OutputLostError):
+    """Every hook of a run returned and wanted outputs were not produced: on a cluster once
+    ``dask_services.unproduced-timeout`` passed without any output produced, under dask's
+    local schedulers once nothing of the run is left to run."""

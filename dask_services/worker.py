@@ -109,6 +109,10 @@ class WorkerEnvironment(Environment):
         self._send({"op": "service-produced", "service_key": spec.service_key,
                     "run_id": spec.run_id, "key": key})
 
+    def hooks_returned(self, spec: InstanceSpec) -> None:
+        self._send({"op": "service-hooks-returned", "service_key": spec.service_key,
+                    "run_id": spec.run_id, "id": str(spec.id)})
+
     async def memory_backpressure(self) -> None:
         # A paused worker (memory above distributed.worker.memory.pause) runs no tasks, so
         # nothing consumes produced outputs: what was produced goes to disk before the

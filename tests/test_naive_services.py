@@ -519,6 +519,135 @@ class ProducesNothing(Service):
         pass
 
 
+class ForgetsToAwaitProduceKey(Service):
+    async def add_key(self, key, data):
+        self.total = getattr(self, "total", 0) + data
+
+    async def all_inputs_done(self):
+        totals = await asyncio.gather(*(p.total_of() for p in self.peers.values()))
+        for key in self.concierge.wanted_outputs:
+            if self.concierge.owner(key) == self.id:
+                self.concierge.produce_key(key, sum(totals))  # the await forgotten
+
+    @rpc
+    async def total_of(self) -> int:
+        return getattr(self, "total", 0)
+
+
+@service_cluster(config={"dask_services.unproduced-timeout": "200ms"})
+async def test_outputs_never_produced_fail_with_what_to_do_instead_of_waiting(c, s, a, b):
+    outs = c.compute(dask_services.service_task(ProducesNothing, [dask.delayed(1)],
+                                                outputs=3))
+    for out in outs:
+        exc = await assert_errs(out, dask_services.OutputsNotProducedError,
+                                "3 of the 3 wanted outputs were not produced")
+        assert "await concierge.produce_key(key, value)" in str(exc)
+        assert "dask_services.unproduced-timeout" in str(exc)
+    del outs, out, exc
+    await assert_nothing_left(s, [a, b])
+
+
+@service_cluster(config={"dask_services.unproduced-timeout": "200ms"})
+async def test_a_forgotten_await_on_produce_key_loses_no_output(c, s, a, b):
+    xs = [dask.delayed(inc)(i) for i in range(6)]
+    with pytest.warns(RuntimeWarning, match="was never awaited"):
+        outs = c.compute(dask_services.service_task(ForgetsToAwaitProduceKey, xs,
+                                                    outputs=4))
+        assert await c.gather(outs) == [21] * 4
+        del outs
+        gc.collect()  # the coroutines not awaited warn when they are collected
+    await assert_nothing_left(s, [a, b])
+
+
+def test_a_forgotten_await_on_produce_key_under_the_local_scheduler():
+    xs = [dask.delayed(inc)(i) for i in range(6)]
+    with pytest.warns(RuntimeWarning, match="was never awaited"):
+        outs = dask_services.service_task(ForgetsToAwaitProduceKey, xs, outputs=4)
+        assert dask.compute(*outs, scheduler="sync") == (21,) * 4
+        gc.collect()
+
+
+class ExitsInAddKey(Service):
+    async def add_key(self, key, data):
+        raise SystemExit(3)
+
+
+class InterruptedWhenInputsAreDone(Service):
+    async def add_key(self, key, data):
+        pass
+
+    def all_inputs_done(self):
+        raise KeyboardInterrupt
+
+
+class PeerMethodExits(Service):
+    """The leader calls ``exits`` on the other instance, which raises ``SystemExit``; the
+    caller lets the error out."""
+
+    async def add_key(self, key, data):
+        pass
+
+    async def all_inputs_done(self):
+        if self.id == self.leader:
+            others = [sid for sid in self.peers if sid != self.id]
+            await self.peers[others[0] if others else self.id].exits()
+
+    @rpc
+    async def exits(self):
+        raise SystemExit("bye")
+
+
+class ExitsWhenStopped(Service):
+    async def add_key(self, key, data):
+        pass
+
+    async def all_inputs_done(self):
+        for key in self.concierge.wanted_outputs:
+            if self.concierge.owner(key) == self.id:
+                await self.concierge.produce_key(key, key)
+
+    async def stop(self):
+        raise SystemExit(4)
+
+
+@pytest.mark.parametrize("service, match", [
+    (ExitsInAddKey, "ExitsInAddKey.add_key() raised SystemExit(3)"),
+    (InterruptedWhenInputsAreDone,
+     "InterruptedWhenInputsAreDone.all_inputs_done() raised KeyboardInterrupt()"),
+    (PeerMethodExits, "PeerMethodExits.exits() raised SystemExit('bye')"),
+])
+@service_cluster()
+async def test_a_system_exit_out_of_a_service_fails_the_run_not_the_worker(c, s, a, b,
+                                                                            service, match):
+    xs = [dask.delayed(inc)(i) for i in range(2)]
+    outs = c.compute(dask_services.service_task(service, xs, outputs=2))
+    for out in outs:
+        exc = await assert_errs(out, RuntimeError, match)
+        assert "raise an Exception to fail the run" in str(exc)
+    del outs, out, exc
+    assert a.status.name == b.status.name == "running"
+    await assert_nothing_left(s, [a, b])
+
+
+@service_cluster()
+async def test_a_system_exit_out_of_stop_is_logged_and_the_worker_goes_on(c, s, a, b):
+    with captured_logger("dask_services") as log:
+        outs = c.compute(dask_services.service_task(ExitsWhenStopped, [dask.delayed(1)],
+                                                    outputs=2))
+        assert len(await c.gather(outs)) == 2
+        del outs
+        await assert_nothing_left(s, [a, b])
+    assert "ExitsWhenStopped.stop() raised SystemExit(4)" in log.getvalue()
+    assert a.status.name == b.status.name == "running"
+    assert await c.submit(inc, 1) == 2
+
+
+def test_a_system_exit_out_of_a_service_under_the_local_scheduler():
+    outs = dask_services.service_task(ExitsInAddKey, [dask.delayed(1)], outputs=1)
+    with pytest.raises(RuntimeError, match=r"add_key\(\) raised SystemExit\(3\)"):
+        dask.compute(*outs, scheduler="sync")
+
+
 @service_cluster()
 async def test_a_class_that_cannot_be_instantiated_fails_its_outputs(c, s, a, b):
     outs = c.compute(dask_services.service_task(NeedsArguments, [dask.delayed(1)],
@@ -543,7 +672,7 @@ async def test_a_cancelled_error_out_of_a_hook_fails_the_run(c, s, a, b):
 @pytest.mark.parametrize("service, error, match", [
     (NeedsArguments, TypeError, "missing 1 required positional argument"),
     (CancelsItsHelper, RuntimeError, "raised asyncio.CancelledError"),
-    (ProducesNothing, dask_services.OutputLostError, "did not produce output"),
+    (ProducesNothing, dask_services.OutputsNotProducedError, "did not produce output"),
 ])
 def test_naive_mistakes_raise_under_the_local_scheduler(service, error, match):
     outs = dask_services.service_task(service, [dask.delayed(1)], outputs=2)

@@ -58,6 +58,11 @@ class Naive(dask_services.Service):
         RUNS["exit"] += 1
         sys.exit("leaving")
 
+    @dask_services.endpoint(batch_size=4)
+    async def batch_exits(self, requests):
+        RUNS["batch exit"] += 1
+        sys.exit("leaving with a batch")
+
     @dask_services.endpoint
     async def peers_async(self):
         return sorted(self.peers)
@@ -162,7 +167,10 @@ async def test_an_endpoint_letting_out_cancelled_error_or_system_exit_fails_its_
         await svc.awaits_a_cancelled_task.route()
     with pytest.raises(RuntimeError, match="exits raised SystemExit: leaving"):
         await svc.exits.route()
-    assert RUNS == {"cancelled": 1, "exit": 1}  # neither was re-sent
+    with pytest.raises(RuntimeError, match=r"batch_exits raised SystemExit\('leaving with a "
+                                           r"batch'\), which is not an Exception"):
+        await svc.batch_exits.route(1)
+    assert RUNS == {"cancelled": 1, "exit": 1, "batch exit": 1}  # none was re-sent
     assert all(w.status.name == "running" for w in workers)
     assert await svc.echo.route(1) == 1
     await svc.shutdown()

@@ -8,7 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dask_services import _run_state as rs
-from dask_services.service import ProduceKeyError, ServiceId, TooManyRestarts
+from dask_services.service import (
+    OutputsNotProducedError,
+    ProduceKeyError,
+    ServiceId,
+    TooManyRestarts,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -60,6 +65,61 @@ def test_happy_path():
     assert m.handle(rs.OutputLanded("o0")) == []
     assert m.handle(rs.OutputLanded("o1")) == []
     assert kinds(m.handle(rs.ServiceTaskProcessing(WORKERS[1]))) == ["NotifyServiceTask"]
+
+
+def inputs_done(m, run_id=1):
+    start_all(m, run_id)
+    for k in INPUTS:
+        m.handle(rs.InputHandedOff(run_id, k))
+    assert m.run.phase is rs.Phase.INPUTS_DONE
+
+
+def test_outputs_not_produced_once_every_hook_returned_fail_the_run():
+    m = machine()
+    need(m)
+    inputs_done(m)
+    first, second = m.run.ids.values()
+    assert m.handle(rs.HooksReturned(1, first)) == []
+    assert m.handle(rs.HooksReturned(1, first)) == []  # told twice: once counts
+    m.handle(rs.OutputProduced(1, "o0", WORKERS[0]))
+    assert m.handle(rs.HooksReturned(1, second)) == [rs.WatchUnproduced(1, 1)]
+    # no output produced meanwhile: the run fails, naming what is missing and the fix
+    actions = m.handle(rs.UnproducedChecked(1, 1))
+    assert kinds(actions) == ["StopInstances", "Log"]
+    assert m.run.phase is rs.Phase.FAILED
+    (error,) = m.pending_outcome
+    assert isinstance(error, OutputsNotProducedError)
+    assert "1 of the 2 wanted outputs were not produced, e.g. ['o1']" in str(error)
+    assert "concierge.produce_key" in str(error)
+    assert "dask_services.unproduced-timeout" in str(error)
+    assert kinds(m.handle(rs.ServiceTaskProcessing(WORKERS[0]))) == ["NotifyServiceTask"]
+
+
+def test_outputs_produced_after_the_hooks_returned_keep_the_run_going():
+    m = machine()
+    need(m)
+    inputs_done(m)
+    for sid in list(m.run.ids.values()):
+        actions = m.handle(rs.HooksReturned(1, sid))
+    assert actions == [rs.WatchUnproduced(1, 0)]
+    m.handle(rs.OutputProduced(1, "o0", WORKERS[0]))
+    # progress since the wait began: another wait, counted from now
+    assert m.handle(rs.UnproducedChecked(1, 0)) == [rs.WatchUnproduced(1, 1)]
+    assert kinds(m.handle(rs.OutputProduced(1, "o1", WORKERS[1]))) == [
+        "ReleaseOutput", "StopInstances", "Log"]
+    # the run finished: the last wait's end changes nothing
+    assert m.handle(rs.UnproducedChecked(1, 1)) == []
+    assert m.run.phase is rs.Phase.FINISHED
+
+
+def test_hooks_returned_of_another_run_or_instance_are_ignored():
+    m = machine()
+    need(m)
+    inputs_done(m)
+    assert m.handle(rs.HooksReturned(2, ServiceId("p-1.0"))) == []
+    assert m.handle(rs.HooksReturned(1, ServiceId("p-9.0"))) == []
+    assert m.handle(rs.UnproducedChecked(2, 0)) == []
+    assert m.run.returned == set() and m.run.live
 
 
 def test_barrier_waits_for_all_started():
@@ -179,6 +239,9 @@ EVENTS = st.one_of(
     st.builds(rs.OutputProduced, st.integers(1, 3), st.sampled_from(OUTPUTS + ["zz"]),
               st.sampled_from(WORKERS)),
     st.builds(rs.OutputLanded, st.sampled_from(OUTPUTS)),
+    st.builds(rs.HooksReturned, st.integers(1, 3), st.sampled_from(
+        [ServiceId(f"p-{r}.{i}") for r in range(1, 4) for i in range(2)])),
+    st.builds(rs.UnproducedChecked, st.integers(1, 3), st.integers(0, 2)),
     st.builds(rs.RunFailed, st.integers(1, 3), st.just(ValueError("x"))),
     st.builds(rs.RestartRequested, st.integers(1, 3), st.just("r")),
     st.builds(rs.WorkerLost, st.sampled_from(WORKERS)),

@@ -116,7 +116,15 @@ class Batcher:
                 if not fut.done():
                     fut.cancel()
             raise
-        except Exception as e:
+        except BaseException as e:
+            if not isinstance(e, Exception):
+                # SystemExit, KeyboardInterrupt...: let out of this task, it would stop the
+                # worker's event loop; the batch's callers get it as their error instead
+                error = RuntimeError(
+                    f"batched endpoint {self.name} raised {e!r}, which is not an "
+                    "Exception; raise an Exception to fail the calls")
+                error.__cause__ = e
+                e = error
             for _, fut in items:
                 if not fut.done():
                     fut.set_exception(e)
