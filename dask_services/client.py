@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -65,14 +66,26 @@ def _check_service_class(service_class: Any) -> None:
 def _output_names(outputs: int | Sequence[Key], name: str, token: str) -> tuple[Key, ...]:
     if isinstance(outputs, bool) or outputs is None:
         raise TypeError("outputs must be a number of outputs or a list of output keys")
-    if isinstance(outputs, int):
+    if isinstance(outputs, numbers.Integral):
         if outputs < 0:
             raise ValueError(f"outputs must be >= 0, got {outputs}")
-        return tuple((f"{name}-output-{token}", i) for i in range(outputs))
-    names = tuple(outputs)
+        return tuple((f"{name}-output-{token}", i) for i in range(int(outputs)))
+    if isinstance(outputs, (str, bytes)):
+        raise TypeError(
+            f"outputs={outputs!r} is a string, which would make one output per character: "
+            f"pass the number of outputs, or a list of output keys (outputs=[{outputs!r}])")
+    try:
+        names = tuple(outputs)
+    except TypeError:
+        raise TypeError("outputs must be a number of outputs or a list of output keys, got "
+                        f"a {type(outputs).__name__}") from None
     for k in names:
         if not isinstance(k, (str, int, tuple)):
             raise TypeError(f"output key {k!r} is not a valid dask key (str, int or tuple)")
+    if len(set(names)) != len(names):
+        twice = sorted({str(k) for k in names if names.count(k) > 1})
+        raise ServiceGraphError(f"output keys given twice to service_task(): {twice[:5]}; "
+                                "each output key must be unique")
     return names
 
 

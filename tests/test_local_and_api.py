@@ -52,6 +52,14 @@ def test_service_task_validates_its_arguments():
         dask_services.service_task(AllReduce, [1, 2], outputs=1)
     with pytest.raises(ValueError, match="outputs must be >= 0"):
         dask_services.service_task(AllReduce, [], outputs=-1)
+    with pytest.raises(TypeError, match=r"is a string.*outputs=\['total'\]"):
+        dask_services.service_task(AllReduce, [], outputs="total")
+    with pytest.raises(TypeError, match="a number of outputs or a list of output keys, got "
+                                        "a float"):
+        dask_services.service_task(AllReduce, [], outputs=2.0)
+    with pytest.raises(dask_services.ServiceGraphError, match=r"given twice.*\['a'\]"):
+        dask_services.service_task(AllReduce, [], outputs=["a", "b", "a"])
+    assert len(dask_services.service_task(AllReduce, [], outputs=np.int64(3))) == 3
     x = dask.delayed(inc)(1)
     with pytest.raises(dask_services.ServiceGraphError, match="given twice"):
         dask_services.service_task(AllReduce, [x, x], outputs=1)
