@@ -161,12 +161,22 @@ class InstanceConcierge(Concierge):
         # Produced at once, in the call: the coroutine returned only waits for memory. An
         # output whose ``await`` was forgotten is produced all the same (with Python's
         # "never awaited" warning) rather than waited for by its dependents for ever.
+        # Called off the event loop (a service thread making the coroutine for
+        # ``asyncio.run_coroutine_threadsafe``), the output is produced where the coroutine
+        # runs: the run's state and the worker's streams belong to the loop's thread.
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return self._produce_key_on_loop(key, value, nbytes)
         return self._produce_key_awaited(self._produce(key, value, nbytes))
 
     async def _produce_key_awaited(self, kept: bool) -> bool:
         if kept:
             await self._host.env.memory_backpressure()
         return kept
+
+    async def _produce_key_on_loop(self, key: Key, value: Any, nbytes: int | None) -> bool:
+        return await self._produce_key_awaited(self._produce(key, value, nbytes))
 
     def _produce(self, key: Key, value: Any, nbytes: int | None) -> bool:
         if nbytes is not None:

@@ -113,8 +113,10 @@ class Concierge(abc.ABC):
         errors raised there); the coroutine it returns waits while the worker is paused
         for lack of memory, so a service producing many outputs cannot outrun their
         consumers.  An ``await`` forgotten skips that wait (Python warns that the
-        coroutine was never awaited) but loses no output.  Each wanted output may be
-        produced once per run, by any instance.
+        coroutine was never awaited) but loses no output.  Called off the event loop (a
+        service thread making the coroutine for ``asyncio.run_coroutine_threadsafe``), it
+        produces when the coroutine runs on the loop.  Each wanted output may be produced
+        once per run, by any instance.
 
         Returns True when the value was kept, and False (dropping it, with a debug log
         line) when ``key`` is one of ``output_keys`` that this run does not need: culled,

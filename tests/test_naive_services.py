@@ -559,6 +559,47 @@ async def test_a_forgotten_await_on_produce_key_loses_no_output(c, s, a, b):
     await assert_nothing_left(s, [a, b])
 
 
+class ProducesFromAThread(Service):
+    """Builds and produces its outputs in a service thread, handing each produce_key
+    coroutine to the event loop with ``asyncio.run_coroutine_threadsafe``."""
+
+    async def add_key(self, key, data):
+        pass
+
+    async def all_inputs_done(self):
+        loop = asyncio.get_running_loop()
+        mine = [k for k in self.concierge.wanted_outputs if self.concierge.owner(k) == self.id]
+
+        def work():
+            for key in mine:
+                coro = self.concierge.produce_key(key, key[1] * 10)
+                asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+        await self.concierge.run_in_executor(work)
+
+
+@service_cluster()
+async def test_produce_key_made_in_a_thread_produces_on_the_event_loop(c, s, a, b,
+                                                                      monkeypatch):
+    from dask_services.worker import WorkerEnvironment
+
+    threads = []
+    produced = WorkerEnvironment.produced
+
+    def recording(self, spec, key, value):
+        threads.append(threading.current_thread())
+        return produced(self, spec, key, value)
+
+    monkeypatch.setattr(WorkerEnvironment, "produced", recording)
+    xs = [dask.delayed(inc)(i) for i in range(4)]
+    outs = c.compute(dask_services.service_task(ProducesFromAThread, xs, outputs=4))
+    assert await c.gather(outs) == [0, 10, 20, 30]
+    assert len(threads) == 4
+    assert all(t is threading.main_thread() for t in threads), threads
+    del outs
+    await assert_nothing_left(s, [a, b])
+
+
 def test_a_forgotten_await_on_produce_key_under_the_local_scheduler():
     xs = [dask.delayed(inc)(i) for i in range(6)]
     with pytest.warns(RuntimeWarning, match="was never awaited"):
