@@ -126,6 +126,19 @@ class InstanceConcierge(Concierge):
     def __init__(self, host: ServiceHost, instance: Instance) -> None:
         self._host = host
         self._instance = instance
+        # the loop that owns the run's state: error() and restart() called from a service
+        # thread are carried out there
+        self._loop = asyncio.get_running_loop()
+
+    def _on_loop(self, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            fn(*args)
+        else:
+            self._loop.call_soon_threadsafe(fn, *args)
 
     @property
     def run_id(self) -> int:
@@ -219,10 +232,10 @@ class InstanceConcierge(Concierge):
             raise TypeError(
                 f"concierge.error() takes an exception, e.g. "
                 f"concierge.error(ValueError({exc!r})); got a {type(exc).__name__}")
-        self._host.env.failed(self._instance.spec, exc)
+        self._on_loop(self._host.env.failed, self._instance.spec, exc)
 
     def restart(self, reason: str = "restart requested by the service") -> None:
-        self._host.env.restart(self._instance.spec, reason)
+        self._on_loop(self._host.env.restart, self._instance.spec, reason)
 
     async def run_in_executor(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         if kwargs:

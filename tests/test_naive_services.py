@@ -600,6 +600,42 @@ async def test_produce_key_made_in_a_thread_produces_on_the_event_loop(c, s, a, 
     await assert_nothing_left(s, [a, b])
 
 
+class FailsFromAThread(Service):
+    """Reports an error with ``concierge.error`` from a service thread, then waits."""
+
+    async def add_key(self, key, data):
+        pass
+
+    async def all_inputs_done(self):
+        def work():
+            self.concierge.error(ValueError("the thread found bad data"))
+
+        await self.concierge.run_in_executor(work)
+        await asyncio.Event().wait()  # stopped by the run's failure
+
+
+@service_cluster()
+async def test_concierge_error_from_a_thread_is_carried_out_on_the_event_loop(c, s, a, b,
+                                                                             monkeypatch):
+    from dask_services.worker import WorkerEnvironment
+
+    threads = []
+    failed = WorkerEnvironment.failed
+
+    def recording(self, spec, exc):
+        threads.append(threading.current_thread())
+        return failed(self, spec, exc)
+
+    monkeypatch.setattr(WorkerEnvironment, "failed", recording)
+    outs = c.compute(dask_services.service_task(FailsFromAThread, [dask.delayed(1)],
+                                                outputs=2))
+    for out in outs:
+        await assert_errs(out, ValueError, "the thread found bad data")
+    assert threads and all(t is threading.main_thread() for t in threads), threads
+    del outs, out
+    await assert_nothing_left(s, [a, b])
+
+
 def test_a_forgotten_await_on_produce_key_under_the_local_scheduler():
     xs = [dask.delayed(inc)(i) for i in range(6)]
     with pytest.warns(RuntimeWarning, match="was never awaited"):
