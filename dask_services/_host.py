@@ -130,12 +130,14 @@ class InstanceConcierge(Concierge):
         # thread are carried out there
         self._loop = asyncio.get_running_loop()
 
-    def _on_loop(self, fn: Callable[..., Any], *args: Any) -> None:
+    def _is_on_loop(self) -> bool:
         try:
-            on_loop = asyncio.get_running_loop() is self._loop
-        except RuntimeError:
-            on_loop = False
-        if on_loop:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:  # a thread without an event loop
+            return False
+
+    def _on_loop(self, fn: Callable[..., Any], *args: Any) -> None:
+        if self._is_on_loop():
             fn(*args)
         else:
             self._loop.call_soon_threadsafe(fn, *args)
@@ -174,12 +176,10 @@ class InstanceConcierge(Concierge):
         # Produced at once, in the call: the coroutine returned only waits for memory. An
         # output whose ``await`` was forgotten is produced all the same (with Python's
         # "never awaited" warning) rather than waited for by its dependents for ever.
-        # Called off the event loop (a service thread making the coroutine for
+        # Called off the run's event loop (a service thread making the coroutine for
         # ``asyncio.run_coroutine_threadsafe``), the output is produced where the coroutine
         # runs: the run's state and the worker's streams belong to the loop's thread.
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
+        if not self._is_on_loop():
             return self._produce_key_on_loop(key, value, nbytes)
         return self._produce_key_awaited(self._produce(key, value, nbytes))
 
