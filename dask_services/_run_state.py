@@ -341,12 +341,16 @@ class ServiceTaskReleased:
 
     ``still_wanted``: its outputs are still wanted, so it left because the worker running it
     died (``worker_gone``) or because a hand-off receipt it needed was lost with a worker;
-    a live run is then restarted, and after a finished run the hand-offs run again.
-    Otherwise nobody wants the outputs any more: cancelled.
+    a live run is then restarted, and after a finished run the hand-offs run again.  With
+    every receipt still in memory (``inputs_kept``) and its worker alive, a live run goes
+    on.  Otherwise nobody wants the outputs any more: cancelled.
     """
 
     worker_gone: bool = False
     still_wanted: bool = False
+    # every hand-off receipt it depends on is still in memory: it will run again with all
+    # of them, and the live run has lost nothing
+    inputs_kept: bool = False
     stimulus_id: str = _stimulus_field("service-task-released")
 
 
@@ -939,6 +943,11 @@ class ServiceTaskMachine:
         run = self.live_run
         if run is not None and ev.worker_gone:
             return self._restart(run, f"worker {worker} left the cluster")
+        if run is not None and ev.still_wanted and ev.inputs_kept:
+            # Released and about to run again (distributed does so with the result of a
+            # stale execution: one cancelled by a restart, then taken up again by its worker
+            # for the next run): the run goes on; its outcome goes to wherever the task runs
+            return []
         if run is not None and ev.still_wanted:
             return self._restart(run, "an input it had received was lost with its worker")
         if run is None:

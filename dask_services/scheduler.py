@@ -308,8 +308,13 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             # Still wanted means it will run again: not a cancellation (e.g. a worker that
             # held a hand-off receipt it had not fetched yet died).
             wanted = bool(ts.waiters or ts.who_wants)
+            # Every hand-off receipt still in memory: nothing the run received was lost
+            # (distributed released the task over a result of a stale execution, one that a
+            # restart had cancelled and that the worker took up again)
+            kept = all(dts.state == "memory" for dts in ts.dependencies)
             self._event(key, rs.ServiceTaskReleased(
-                worker_gone=gone, still_wanted=wanted, stimulus_id=stimulus_id))
+                worker_gone=gone, still_wanted=wanted, inputs_kept=kept,
+                stimulus_id=stimulus_id))
 
     def _output_transition(self, key: Key, start: str, finish: str,
                            stimulus_id: str) -> None:

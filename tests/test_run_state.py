@@ -225,6 +225,33 @@ def test_cancel_and_task_worker_lost():
     assert "input it had received was lost" in actions[-1].reason
 
 
+def test_a_service_task_released_with_every_input_kept_leaves_its_run_going():
+    """distributed releases a task over a result of a stale execution (cancelled by a
+    restart, then taken up again by its worker): the live run goes on, and its outcome
+    goes to wherever the task runs next."""
+    m = machine()
+    need(m)
+    start_all(m)
+    for k in INPUTS:
+        m.handle(rs.InputHandedOff(1, k))
+    m.handle(rs.ServiceTaskProcessing(WORKERS[1]))
+    assert m.handle(rs.ServiceTaskReleased(still_wanted=True, inputs_kept=True)) == []
+    assert m.run.live and m.restarts == 0 and m.task_worker is None
+    m.handle(rs.OutputProduced(1, "o0", WORKERS[0]))
+    m.handle(rs.OutputProduced(1, "o1", WORKERS[1]))
+    m.handle(rs.OutputLanded("o0"))
+    assert m.handle(rs.OutputLanded("o1")) == []  # the outcome waits for the task
+    assert m.handle(rs.ServiceTaskProcessing(WORKERS[0])) == [
+        rs.NotifyServiceTask(WORKERS[0], None)]
+    # its worker gone, or a receipt lost: a restart as before
+    m2 = machine()
+    need(m2)
+    m2.handle(rs.ServiceTaskProcessing(WORKERS[1]))
+    actions = m2.handle(rs.ServiceTaskReleased(worker_gone=True, still_wanted=True,
+                                               inputs_kept=True))
+    assert kinds(actions) == ["StopInstances", "Log", "RescheduleServiceTask"]
+
+
 def test_no_run_without_workers_or_with_graph_error():
     m = machine()
     assert need(m, workers=[]) == []
@@ -246,7 +273,7 @@ EVENTS = st.one_of(
     st.builds(rs.RestartRequested, st.integers(1, 3), st.just("r")),
     st.builds(rs.WorkerLost, st.sampled_from(WORKERS)),
     st.builds(rs.ServiceTaskProcessing, st.sampled_from(WORKERS)),
-    st.builds(rs.ServiceTaskReleased, st.booleans()),
+    st.builds(rs.ServiceTaskReleased, st.booleans(), st.booleans(), st.booleans()),
     st.builds(rs.RescheduleCarriedOut, st.integers(1, 3)),
     st.just("need"),
 )
