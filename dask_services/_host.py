@@ -27,6 +27,7 @@ from dask.utils import parse_timedelta
 from dask_services._buffers import IncomingBuffers, as_incoming, buffers_of
 from dask_services._counters import Traffic, size_of
 from dask_services._known_sizes import checked_nbytes, remember
+from dask_services._messages import contained
 from dask_services._payload import known_arguments_nbytes
 from dask_services.service import (
     Concierge,
@@ -468,7 +469,7 @@ class ServiceHost:
             return False
         except BaseException as exc:  # SystemExit, KeyboardInterrupt... raised by the hook
             if not inst.stopping:
-                self.env.failed(inst.spec, contained(exc, inst.service, _hook_name(fn)))
+                self.env.failed(inst.spec, contained(exc, _named(inst.service, _hook_name(fn))))
             return False
         finally:
             inst.hooks.pop(task, None)
@@ -555,7 +556,7 @@ class ServiceHost:
             except (Exception, asyncio.CancelledError):
                 raise
             except BaseException as exc:  # SystemExit, KeyboardInterrupt...
-                raise contained(exc, inst.service, method) from exc
+                raise contained(exc, _named(inst.service, method)) from exc
         finally:
             inst.hooks.pop(task, None)
             for arg in (*args, *kwargs.values()):
@@ -608,6 +609,10 @@ async def _raise(exc: BaseException) -> Any:
     raise exc
 
 
+def _named(service: Service, method: str) -> str:
+    return f"{type(service).__name__}.{method}()"
+
+
 async def _stopped(service: Service) -> None:
     """``service.stop()``, with what it raises contained (``contained``)."""
     try:
@@ -615,24 +620,7 @@ async def _stopped(service: Service) -> None:
     except (Exception, asyncio.CancelledError):
         raise
     except BaseException as exc:
-        raise contained(exc, service, "stop") from exc
-
-
-def contained(exc: BaseException, service: Any, method: str) -> Exception:
-    """What the run fails with when ``method`` of ``service`` raised ``exc``: ``exc`` if it
-    is an ``Exception``; otherwise (``SystemExit``, ``KeyboardInterrupt``, a
-    ``BaseException`` of the service's own) a ``RuntimeError`` caused by it.  The hooks
-    and ``@rpc`` methods run on the worker's event loop, which such an exception would
-    stop (the worker gone, the run restarted on a new one to fail the same way) or
-    leave without an answer."""
-    if isinstance(exc, Exception):
-        return exc
-    error = RuntimeError(
-        f"{type(service).__name__}.{method}() raised {exc!r}, which is not an Exception: "
-        "it would stop the worker's event loop, where services run; raise an Exception "
-        "to fail the run")
-    error.__cause__ = exc
-    return error
+        raise contained(exc, _named(service, "stop")) from exc
 
 
 async def _started_call(handle: PeerHandle, name: str, args: tuple, kwargs: dict) -> Any:

@@ -46,3 +46,19 @@ def loads_exception(blob: bytes) -> BaseException:
     with contextlib.suppress(Exception):
         exc.add_note("Raised by a service instance:\n" + text)
     return exc
+
+
+def contained(exc: BaseException, what: str, fails: str = "the run") -> Exception:
+    """What ``what`` (a hook, a peer method, an endpoint) raising ``exc`` fails with:
+    ``exc`` if it is an ``Exception``; otherwise (``SystemExit``, ``KeyboardInterrupt``,
+    a ``BaseException`` of the service's own) a ``RuntimeError`` caused by it.  Service
+    code runs on the worker's event loop, which such an exception would stop (the worker
+    gone, the run restarted on a new one to fail the same way) or leave a caller without
+    an answer."""
+    if isinstance(exc, Exception):
+        return exc
+    error = RuntimeError(
+        f"{what} raised {exc!r}, which is not an Exception: it would stop the worker's "
+        f"event loop, where services run; raise an Exception to fail {fails}")
+    error.__cause__ = exc
+    return error

@@ -578,19 +578,26 @@ class ProducesFromAThread(Service):
         await self.concierge.run_in_executor(work)
 
 
+def threads_calling(monkeypatch, name: str) -> list[threading.Thread]:
+    """The threads that call ``WorkerEnvironment.<name>`` (which sends on the worker's
+    batched stream), in order, from now on."""
+    from dask_services.worker import WorkerEnvironment
+
+    threads: list[threading.Thread] = []
+    method = getattr(WorkerEnvironment, name)
+
+    def recording(self, *args):
+        threads.append(threading.current_thread())
+        return method(self, *args)
+
+    monkeypatch.setattr(WorkerEnvironment, name, recording)
+    return threads
+
+
 @service_cluster()
 async def test_produce_key_made_in_a_thread_produces_on_the_event_loop(c, s, a, b,
                                                                       monkeypatch):
-    from dask_services.worker import WorkerEnvironment
-
-    threads = []
-    produced = WorkerEnvironment.produced
-
-    def recording(self, spec, key, value):
-        threads.append(threading.current_thread())
-        return produced(self, spec, key, value)
-
-    monkeypatch.setattr(WorkerEnvironment, "produced", recording)
+    threads = threads_calling(monkeypatch, "produced")
     xs = [dask.delayed(inc)(i) for i in range(4)]
     outs = c.compute(dask_services.service_task(ProducesFromAThread, xs, outputs=4))
     assert await c.gather(outs) == [0, 10, 20, 30]
@@ -617,16 +624,7 @@ class FailsFromAThread(Service):
 @service_cluster()
 async def test_concierge_error_from_a_thread_is_carried_out_on_the_event_loop(c, s, a, b,
                                                                              monkeypatch):
-    from dask_services.worker import WorkerEnvironment
-
-    threads = []
-    failed = WorkerEnvironment.failed
-
-    def recording(self, spec, exc):
-        threads.append(threading.current_thread())
-        return failed(self, spec, exc)
-
-    monkeypatch.setattr(WorkerEnvironment, "failed", recording)
+    threads = threads_calling(monkeypatch, "failed")
     outs = c.compute(dask_services.service_task(FailsFromAThread, [dask.delayed(1)],
                                                 outputs=2))
     for out in outs:

@@ -19,6 +19,7 @@ import collections
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from dask_services._messages import contained
 from dask_services.replicated._errors import BatchResultError
 from dask_services.replicated._queue import CallGate
 
@@ -117,14 +118,9 @@ class Batcher:
                     fut.cancel()
             raise
         except BaseException as e:
-            if not isinstance(e, Exception):
-                # SystemExit, KeyboardInterrupt...: let out of this task, it would stop the
-                # worker's event loop; the batch's callers get it as their error instead
-                error = RuntimeError(
-                    f"batched endpoint {self.name} raised {e!r}, which is not an "
-                    "Exception; raise an Exception to fail the calls")
-                error.__cause__ = e
-                e = error
+            # SystemExit, KeyboardInterrupt... let out of this task would stop the worker's
+            # event loop: the batch's callers get them as their error instead
+            e = contained(e, f"batched endpoint {self.name}", fails="the calls")
             for _, fut in items:
                 if not fut.done():
                     fut.set_exception(e)
