@@ -10,6 +10,7 @@ See the README for a tour, and ``design/architecture.md`` for how it works.
 from __future__ import annotations
 
 from dask_services import (
+    _auto_install,
     array,  # noqa: F401  (registers the "service" rechunk method)
     dataframe,  # noqa: F401  (registers the "service" shuffle method)
 )
@@ -45,6 +46,8 @@ from dask_services.service import (
     TooManyRestarts,
     rpc,
 )
+
+_auto_install.install()  # clients sending service tasks install dask_services
 
 __version__ = "0.1.0"
 

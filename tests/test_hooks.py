@@ -185,6 +185,23 @@ async def test_flush_sends_without_waiting_out_the_interval():
     stream.waker.set()
 
 
+def test_every_way_of_computing_sends_through_graph_to_futures():
+    """``_auto_install`` installs dask_services where a client sends a graph: every client
+    method that computes must send through ``Client._graph_to_futures(expr, keys, ...)``,
+    which looks it up on the class (so the wrapper is found)."""
+    from distributed import Client
+
+    import dask_services  # noqa: F401  (wraps the method)
+
+    assert getattr(Client._graph_to_futures, "installs_dask_services", False)
+    assert list(inspect.signature(Client._graph_to_futures.__wrapped__).parameters)[:3] == [
+        "self", "expr", "keys"]
+    for method in (Client.compute, Client.persist, Client.get):
+        assert "self._graph_to_futures(" in inspect.getsource(method), method
+    # dask.compute() and .compute() with a distributed client go through Client.get:
+    # tests/test_auto_install.py computes so
+
+
 def test_current_worker_context_variable():
     """``get_worker()`` reads a private context variable, which the framework sets around
     instance hooks, peer calls and replica methods (``_worker_context.py``)."""

@@ -97,6 +97,7 @@ class ServiceShuffle(SimpleShuffle):
 
     _parameters = [*SimpleShuffle._parameters, "assign"]
     _defaults = {**SimpleShuffle._defaults, "assign": None}
+    runs_service_tasks = True  # the client sending it installs dask_services (_auto_install)
 
     @functools.cached_property
     def _meta(self):

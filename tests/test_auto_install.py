@@ -1,0 +1,116 @@
+"""The client that sends a graph of service tasks installs dask_services on its cluster:
+graphs built before their ``Client`` exists, or computed through a client that is not the
+default one, run as those built with a default client do (``_auto_install.py``)."""
+
+from __future__ import annotations
+
+import dask
+import dask.array as da
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+import pytest
+from distributed import Client, LocalCluster
+from distributed.client import _get_global_client
+from distributed.utils_test import gen_cluster
+from utils import validate_scheduler
+
+import dask_services
+from dask_services._auto_install import ServiceLayer, runs_service_tasks
+from dask_services.client import _installed
+from dask_services.examples import AllReduce
+
+pytestmark = pytest.mark.timeout(120)
+
+VALIDATION = {"distributed.scheduler.validate": True, "distributed.worker.validate": True}
+
+ARRAY = np.arange(60 * 60, dtype="float64").reshape(60, 60)
+FRAME = pd.DataFrame({"a": np.arange(400) % 17, "b": np.arange(400.0)})
+
+
+def all_to_all() -> da.Array:
+    """Rows to columns: one region, so a service task."""
+    return da.from_array(ARRAY, chunks=(10, 60)).rechunk((60, 10), method="service")
+
+
+def graphs() -> dict:
+    """One graph of each kind that makes service tasks, and what each computes to."""
+    (total,) = dask_services.service_task(
+        AllReduce, [dask.delayed(float)(i) for i in range(6)], outputs=1)
+    shuffled = dd.from_pandas(FRAME, npartitions=5).shuffle("a", shuffle_method="service")
+    return {
+        "rechunk": (all_to_all().sum(axis=0), ARRAY.sum(axis=0)),
+        "shuffle": (shuffled.groupby("a").b.sum(), FRAME.groupby("a").b.sum()),
+        "service_task": (total, 15.0),
+    }
+
+
+def assert_equal(got, expected) -> None:
+    if isinstance(expected, pd.Series):
+        pd.testing.assert_series_equal(got.sort_index(), expected)
+    else:
+        np.testing.assert_array_equal(got, expected)
+
+
+def sent_expr(collection):
+    """What ``Client.compute`` sends for ``collection``."""
+    from dask._expr import FinalizeCompute
+    from dask.base import collections_to_expr
+
+    return FinalizeCompute(collections_to_expr([collection])).optimize()
+
+
+def test_what_is_recognized_as_holding_service_tasks():
+    for name, (collection, _) in graphs().items():
+        assert runs_service_tasks(sent_expr(collection)), name
+    x = da.from_array(ARRAY, chunks=(10, 60))
+    # copies of neighbouring chunks: tasks only, nothing to install
+    local = x.rechunk((15, 60), method="service")
+    assert not any(isinstance(layer, ServiceLayer) for layer in local.dask.layers.values())
+    assert not runs_service_tasks(sent_expr(local.sum()))
+    assert not runs_service_tasks(sent_expr(x.rechunk((60, 10), method="tasks")))
+    frame = dd.from_pandas(FRAME, npartitions=5)
+    assert not runs_service_tasks(sent_expr(frame.shuffle("a", shuffle_method="tasks")))
+    assert not runs_service_tasks(sent_expr(dask.delayed(sum)([1, 2])))
+    assert not runs_service_tasks(None)
+
+
+@pytest.mark.parametrize("kind", ["rechunk", "shuffle", "service_task"])
+def test_a_graph_built_before_its_client_runs_through_a_client_that_is_not_the_default(kind):
+    assert _get_global_client() is None
+    collection, expected = graphs()[kind]
+    with dask.config.set(VALIDATION), LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=False,
+            dashboard_address=":0") as cluster, \
+            Client(cluster, set_as_default=False) as client:
+        assert _get_global_client() is None and client not in _installed
+        assert_equal(client.compute(collection).result(), expected)
+        assert client in _installed
+        assert all("dask_services" in w.extensions for w in cluster.workers.values())
+        validate_scheduler(client)
+
+
+def test_persist_and_dask_compute_install_through_the_default_client():
+    assert _get_global_client() is None
+    first = all_to_all()
+    second = all_to_all().T
+    with dask.config.set(VALIDATION), LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=False,
+            dashboard_address=":0") as cluster, Client(cluster) as client:
+        assert client not in _installed
+        (got,) = dask.compute(second.sum(axis=1))
+        np.testing.assert_array_equal(got, ARRAY.T.sum(axis=1))
+        assert client in _installed
+        _installed.discard(client)  # persist() installs too (again: harmless)
+        persisted = client.persist(first)
+        np.testing.assert_array_equal(persisted.compute(), ARRAY)
+        assert client in _installed
+        validate_scheduler(client)
+
+
+@gen_cluster(client=True)
+async def test_an_asynchronous_client_is_told_how_to_install(c, s, a, b):
+    (total,) = dask_services.service_task(AllReduce, [dask.delayed(float)(1)], outputs=1)
+    with pytest.raises(RuntimeError, match=r"not installed on this worker.*install"):
+        await c.compute(total)
+    assert c not in _installed and "dask_services" not in s.plugins
