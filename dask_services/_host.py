@@ -93,7 +93,8 @@ class Environment(abc.ABC):
     ) -> Any: ...
 
     @abc.abstractmethod
-    async def run_in_executor(self, fn: Callable[..., T], *args: Any) -> T: ...
+    def run_in_executor(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """``fn(*args)`` submitted to the services' threads now (on the running loop)."""
 
     async def memory_backpressure(self) -> None:
         """Return once the place has memory to take more produced outputs."""
@@ -238,10 +239,19 @@ class InstanceConcierge(Concierge):
     def restart(self, reason: str = "restart requested by the service") -> None:
         self._on_loop(self._host.env.restart, self._instance.spec, reason)
 
-    async def run_in_executor(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        if kwargs:
-            return await self._host.env.run_in_executor(lambda: fn(*args, **kwargs))
-        return await self._host.env.run_in_executor(fn, *args)
+    def run_in_executor(self, fn: Callable[..., T], *args: Any, **kwargs: Any
+                        ) -> Coroutine[Any, Any, T]:
+        # Submitted in the call, as ``loop.run_in_executor`` does: a forgotten ``await``
+        # still runs ``fn`` (with Python's "never awaited" warning, and asyncio's "never
+        # retrieved" one if it raised) rather than never. Off the instance's loop (a
+        # service thread with a loop of its own) it is submitted where it is awaited.
+        call = functools.partial(fn, *args, **kwargs)
+        if not self._is_on_loop():
+            return self._run_in_executor_later(call)
+        return _result_of(self._host.env.run_in_executor(call))
+
+    async def _run_in_executor_later(self, call: Callable[[], T]) -> T:
+        return await self._host.env.run_in_executor(call)
 
 
 class PeerHandle:
@@ -688,3 +698,7 @@ async def _awaited(result: Any) -> Any:
     if inspect.isawaitable(result):
         return await result
     return result
+
+
+async def _result_of(future: Awaitable[T]) -> T:
+    return await future

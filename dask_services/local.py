@@ -65,8 +65,8 @@ class LocalEnvironment(Environment):
     async def send_rpc(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover
         raise AssertionError("in-process runs only make loopback calls")
 
-    async def run_in_executor(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+    def run_in_executor(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        return asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
 
 async def _one_run(definition: ServiceDefinition, service_key: Key, inputs: dict,

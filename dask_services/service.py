@@ -153,9 +153,14 @@ class Concierge(abc.ABC):
         """Restart the service task: a new run, with new ids, after every instance stopped."""
 
     @abc.abstractmethod
-    async def run_in_executor(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    def run_in_executor(self, fn: Callable[..., T], *args: Any, **kwargs: Any
+                        ) -> Coroutine[Any, Any, T]:
         """Run CPU-heavy ``fn`` in one of the worker's service threads (``dask_services.threads``,
-        apart from its task threads) and await its result."""
+        apart from its task threads); await the coroutine returned for its result.
+
+        ``fn`` is submitted in the call, as ``loop.run_in_executor`` does: without the
+        ``await`` it runs all the same (Python warns that the coroutine was never awaited).
+        """
 
 
 class Service(Deployable, abc.ABC):

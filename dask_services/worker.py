@@ -255,8 +255,8 @@ class WorkerEnvironment(Environment):
             _traffic(self.ext.host, source).bytes_received += len(response[_RESULT])
         return result
 
-    async def run_in_executor(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(
+    def run_in_executor(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        return asyncio.get_running_loop().run_in_executor(
             self.ext.executor, in_current_context(fn), *args
         )
 

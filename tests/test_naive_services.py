@@ -634,6 +634,44 @@ async def test_concierge_error_from_a_thread_is_carried_out_on_the_event_loop(c,
     await assert_nothing_left(s, [a, b])
 
 
+class ForgetsToAwaitRunInExecutor(Service):
+    """Calls ``run_in_executor`` without ``await``, then looks whether the function ran;
+    and calls it in a thread with an event loop of its own (``asyncio.run``)."""
+
+    async def add_key(self, key, data):
+        pass
+
+    async def all_inputs_done(self):
+        ran = threading.Event()
+        self.concierge.run_in_executor(ran.set)  # the await forgotten
+        loop = asyncio.get_running_loop()
+        seen = await loop.run_in_executor(None, ran.wait, 20)
+        in_thread = await loop.run_in_executor(
+            None, lambda: asyncio.run(self.concierge.run_in_executor(int, "12", base=3)))
+        for key in self.concierge.wanted_outputs:
+            if self.concierge.owner(key) == self.id:
+                await self.concierge.produce_key(key, (seen, in_thread))
+
+
+@service_cluster()
+async def test_a_forgotten_await_on_run_in_executor_still_runs_the_function(c, s, a, b):
+    with pytest.warns(RuntimeWarning, match="was never awaited"):
+        outs = c.compute(dask_services.service_task(ForgetsToAwaitRunInExecutor,
+                                                    [dask.delayed(1)], outputs=2))
+        assert await c.gather(outs) == [(True, 5)] * 2
+        del outs
+        gc.collect()
+    await assert_nothing_left(s, [a, b])
+
+
+def test_a_forgotten_await_on_run_in_executor_under_the_local_scheduler():
+    with pytest.warns(RuntimeWarning, match="was never awaited"):
+        outs = dask_services.service_task(ForgetsToAwaitRunInExecutor, [dask.delayed(1)],
+                                          outputs=2)
+        assert dask.compute(*outs, scheduler="sync") == ((True, 5),) * 2
+        gc.collect()
+
+
 def test_a_forgotten_await_on_produce_key_under_the_local_scheduler():
     xs = [dask.delayed(inc)(i) for i in range(6)]
     with pytest.warns(RuntimeWarning, match="was never awaited"):

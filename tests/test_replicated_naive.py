@@ -58,6 +58,11 @@ class Naive(dask_services.Service):
         RUNS["exit"] += 1
         sys.exit("leaving")
 
+    @dask_services.endpoint
+    def interrupted(self):
+        RUNS["interrupted"] += 1
+        raise KeyboardInterrupt("stop now")
+
     @dask_services.endpoint(batch_size=4)
     async def batch_exits(self, requests):
         RUNS["batch exit"] += 1
@@ -170,7 +175,11 @@ async def test_an_endpoint_letting_out_cancelled_error_or_system_exit_fails_its_
     with pytest.raises(RuntimeError, match=r"batch_exits raised SystemExit\('leaving with a "
                                            r"batch'\), which is not an Exception"):
         await svc.batch_exits.route(1)
-    assert RUNS == {"cancelled": 1, "exit": 1, "batch exit": 1}  # none was re-sent
+    with pytest.raises(RuntimeError, match=r"naive-\w+\.interrupted raised KeyboardInterrupt in "
+                                           "its thread: stop now"):
+        await svc.interrupted.route()
+    assert RUNS == {"cancelled": 1, "exit": 1, "batch exit": 1,
+                    "interrupted": 1}  # none was re-sent
     assert all(w.status.name == "running" for w in workers)
     assert await svc.echo.route(1) == 1
     await svc.shutdown()

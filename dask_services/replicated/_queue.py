@@ -34,6 +34,7 @@ class ThreadCall:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     state: str = "queued"  # -> "running" (has the slot) or "dropped" (left the queue)
+    what: str = "the call"  # named in its error if its thread is interrupted
 
 
 class CallGate:
@@ -138,7 +139,8 @@ class CallGate:
 
     # ------------------------------------------------------------ sync calls
 
-    def admit_to_thread(self, executor: Executor, fn: Callable[[], Any]) -> ThreadCall:
+    def admit_to_thread(self, executor: Executor, fn: Callable[[], Any],
+                        what: str = "the call") -> ThreadCall:
         """Admit sync call ``fn`` (run on ``executor``): started at once if a slot is
         free, else queued; ``ServiceOverloaded`` (or the closing error) at once when the
         queue is full.  Await its outcome with :meth:`outcome`; its slot is given back
@@ -146,7 +148,7 @@ class CallGate:
         if self._closed is not None:
             raise self._closed
         loop = asyncio.get_running_loop()
-        call = ThreadCall(fn, executor, loop, loop.create_future())
+        call = ThreadCall(fn, executor, loop, loop.create_future(), what=what)
         with self._lock:
             if self.in_flight < self.max_concurrency and not self._waiters:
                 self._take()
@@ -185,8 +187,10 @@ class CallGate:
                 result, error = call.fn(), None
             except Exception as e:
                 result, error = None, e
-            except BaseException:  # the thread itself is interrupted: give the slot back
-                self._post(call, None, RuntimeError("the call's thread was interrupted"), True)
+            except BaseException as e:  # SystemExit, KeyboardInterrupt: give the slot back
+                error = RuntimeError(f"{call.what} raised {type(e).__name__} in its thread: {e}")
+                error.__cause__ = e
+                self._post(call, None, error, True)
                 raise
             with self._lock:
                 queued = self._waiters[0] if self._waiters else None

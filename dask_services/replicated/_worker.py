@@ -343,7 +343,7 @@ class ReplicaWorker(WorkerPlugin):
                 await rep.gate.acquire()
             else:  # the replica's thread that ends a call may start this one itself
                 in_thread = rep.gate.admit_to_thread(rep.executor, in_current_context(
-                    functools.partial(fn, *args, **kwargs)))
+                    functools.partial(fn, *args, **kwargs)), what=f"{rep.name}.{method}")
         except (ServiceOverloaded, ReplicaGone, ServiceShutdown) as e:
             return not_admitted(rep.metrics, e)
         task = asyncio.current_task()
