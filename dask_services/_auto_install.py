@@ -21,10 +21,13 @@ what to do.  ``tests/test_hooks.py`` fails loudly if an upgrade moves the method
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+
+logger = logging.getLogger(__name__)
 
 
 class ServiceLayer(MaterializedLayer):
@@ -48,7 +51,8 @@ def runs_service_tasks(expr: Any) -> bool:
     for node in walk():
         if getattr(type(node), "runs_service_tasks", False):
             return True
-        graph = node.operands[0] if node.operands else None
+        operands = getattr(node, "operands", None)
+        graph = operands[0] if operands else None
         if isinstance(graph, HighLevelGraph) and any(
                 isinstance(layer, ServiceLayer) for layer in graph.layers.values()):
             return True
@@ -60,11 +64,12 @@ def _installing(send: Callable) -> Callable:
     def _graph_to_futures(client: Any, expr: Any, *args: Any, **kwargs: Any) -> Any:
         from dask_services.client import _installed, install
 
-        if client not in _installed and not client.asynchronous and runs_service_tasks(expr):
-            try:
-                install(client)
+        if client not in _installed and not client.asynchronous:
+            try:  # every graph of the process comes here: nothing may fail its sending
+                if runs_service_tasks(expr):
+                    install(client)
             except Exception:  # noqa: BLE001 - the worker's error says what to do
-                pass
+                logger.debug("installing dask_services on %s failed", client, exc_info=True)
         return send(client, expr, *args, **kwargs)
 
     _graph_to_futures.installs_dask_services = True  # type: ignore[attr-defined]

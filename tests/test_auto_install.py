@@ -114,3 +114,17 @@ async def test_an_asynchronous_client_is_told_how_to_install(c, s, a, b):
     with pytest.raises(RuntimeError, match=r"not installed on this worker.*install"):
         await c.compute(total)
     assert c not in _installed and "dask_services" not in s.plugins
+
+
+def test_a_failing_look_at_the_graph_never_fails_its_sending(monkeypatch):
+    from dask_services import _auto_install
+
+    def broken(expr):
+        raise AttributeError("an expression of an unknown kind")
+
+    monkeypatch.setattr(_auto_install, "runs_service_tasks", broken)
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        assert client.submit(sum, [1, 2]).result() == 3
+        assert dask.delayed(sum)([3, 4]).compute() == 7
+        assert client not in _installed
