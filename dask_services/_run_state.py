@@ -172,6 +172,10 @@ class RunNeeded:
     participants: Sequence[str]
     wanted: Sequence[Key]
     placement: dict[Key, str] | None = None  # output -> worker, to agree with other runs
+    # ``participants="involved"`` with every input located: the workers holding (or
+    # computing) the inputs; the participants that are not among them and own no output
+    # are left out of the run
+    input_holders: frozenset[str] | None = None
     stimulus_id: str = _stimulus_field("run-needed")
 
 
@@ -741,13 +745,16 @@ class ServiceTaskMachine:
         if not ev.participants:
             return []  # no worker yet; the plugin asks again when one arrives
         participants = tuple(ev.participants)
+        wanted = tuple(ev.wanted)
+        owner_workers = _owners(wanted, participants, ev.placement or {})
+        if ev.input_holders is not None:
+            involved = ev.input_holders | set(owner_workers.values())
+            participants = tuple(w for w in participants if w in involved)
         ids = {
             w: ServiceId(f"{ev.id_prefix}{ev.run_id}.{i}")
             for i, w in enumerate(participants)
         }
-        wanted = tuple(ev.wanted)
-        owners = {key: ids[w] for key, w in
-                  _owners(wanted, participants, ev.placement or {}).items()}
+        owners = {key: ids[w] for key, w in owner_workers.items()}
         run = Run(
             run_id=ev.run_id,
             participants=participants,

@@ -254,6 +254,10 @@ def bench(args: argparse.Namespace) -> int:
         return bench_queries(args)
     results: dict[str, Any] = {"benchmark": "overhead", "workers": args.workers,
                                "repeat": args.repeat}
+    participants = None
+    if args.workers > 2:  # inputs on two workers, the others with nothing to do
+        _benchmarks()  # before the workers start: they import its service from there
+        from benchmarks import participants
     with _local_cluster(args.workers, 1, True) as cluster, Client(cluster) as client:
         dask_services.install(client)
 
@@ -281,9 +285,13 @@ def bench(args: argparse.Namespace) -> int:
         measure(one_submit, "warm-up")
         submit_times = measure(one_submit, "client.submit")
         service_times = measure(one_service, "service task")
+        idle: dict[str, float] = {}
+        if participants is not None:
+            idle = participants.run(client, args.repeat)
     results["client_submit_median_s"] = statistics.median(submit_times)
     results["service_task_median_s"] = statistics.median(service_times)
     results["ratio"] = results["service_task_median_s"] / results["client_submit_median_s"]
+    results["inputs_on_two_workers_median_s"] = idle
     if args.json:
         print(json.dumps(results, indent=2))
     else:
@@ -292,6 +300,9 @@ def bench(args: argparse.Namespace) -> int:
               f"{results['client_submit_median_s'] * 1e3:>9.2f} ms")
         print(f"{'service task, 10 inputs -> 10 outputs':<44}"
               f"{results['service_task_median_s'] * 1e3:>9.2f} ms")
+        for name, seconds in idle.items():
+            label = f"{name} (inputs on 2)"
+            print(f"{label:<44}{seconds * 1e3:>9.2f} ms")
         print(f"ratio: {results['ratio']:.1f}x  ({args.workers} workers, {args.repeat} repeats)")
     return 0
 

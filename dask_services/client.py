@@ -129,9 +129,12 @@ def service_task(service_class: type[Service], inputs: Sequence[Any] | Any, *,
     ``outputs`` is the number of outputs or a list of output keys.  ``params`` reach every
     instance as keyword arguments of ``start`` and as ``self.params``.  Service tasks with
     the same ``placement`` string agree on which worker produces output *i*.
-    ``participants``: ``"all"`` (an instance on every worker) or ``"input-holders"`` (only
+    ``participants``: ``"all"`` (an instance on every worker), ``"input-holders"`` (only
     on the workers that hold or compute an input, every worker while one has no place
-    yet; outputs are then produced on those workers only).
+    yet; outputs are then produced on those workers only) or ``"involved"`` (on the
+    workers that hold or compute an input and those that own an output, outputs placed as
+    for ``"all"`` but on the input holders first; every worker while an input has no
+    place yet).
 
     The result composes with the rest of dask: compute it with a ``Client`` (the instances
     then live on the workers) or with a local scheduler (the instances run in-process).

@@ -27,7 +27,8 @@ from dask.typing import Key
 
 from dask_services.service import OutputsNotProducedError, Service, ServiceGraphError
 
-PARTICIPANTS = frozenset({"all", "input-holders"})  # ``ServiceDefinition.participants``
+# ``ServiceDefinition.participants``
+PARTICIPANTS = frozenset({"all", "input-holders", "involved"})
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,10 @@ class ServiceDefinition:
     # "input-holders": the workers that hold the inputs or compute them when the run starts
     # (all workers where one of them has no place yet), for a service task that moves a
     # small part of a large collection (one region of a rechunk): a run's cost grows with
-    # its participants (an instance, a start, a barrier each)
+    # its participants (an instance, a start, a barrier each); or "involved": those and the
+    # workers its outputs are placed on, the outputs placed as for "all" (but on the
+    # input holders first), for a shuffle or a rechunk: a worker holding no input and
+    # owning no output has no instance
     participants: str = "all"
 
     def __post_init__(self) -> None:

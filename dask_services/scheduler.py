@@ -431,16 +431,24 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
 
     # ------------------------------------------------------------- runs
 
-    def _participants(self, service_key: Key) -> list[str]:
+    def _participants(self, service_key: Key) -> tuple[list[str], frozenset[str] | None]:
+        """The workers a run may take part on, in placement order, and for
+        ``participants="involved"`` the input holders among them (``None`` while an input
+        has no worker: then every one takes part)."""
         ts = self.scheduler.tasks[service_key]
         running = {ws.address for ws in self.scheduler.running}
         if ts.worker_restrictions:
             restricted = running & set(ts.worker_restrictions)
             if restricted or not ts.loose_restrictions:
                 running = restricted
-        if self.definitions[service_key].participants == "input-holders":
+        mode = self.definitions[service_key].participants
+        if mode == "input-holders":
             running = self._input_holders(service_key, running) or running
-        return sorted(running)
+        elif mode == "involved":
+            holders = self._input_holders(service_key, running)
+            if holders:  # outputs go to the input holders first: fewer workers take part
+                return sorted(holders) + sorted(running - holders), frozenset(holders)
+        return sorted(running), None
 
     def _input_holders(self, service_key: Key, candidates: set[str]) -> set[str]:
         """The ``candidates`` that hold an input of ``service_key`` in memory or compute
@@ -471,7 +479,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         machine = self.machines.get(service_key)
         if machine is None or service_key not in self.scheduler.tasks:
             return
-        participants = self._participants(service_key)
+        participants, input_holders = self._participants(service_key)
         placement = None
         group = self.definitions[service_key].placement
         if group is not None and participants:
@@ -484,6 +492,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             participants=participants,
             wanted=self._wanted(service_key),
             placement=placement,
+            input_holders=input_holders,
             stimulus_id=stimulus_id,
         )
         self._event(service_key, event)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dask
+import numpy as np
 import pytest
-from distributed import Event, Future, wait
+from distributed import Event, Future, futures_of, wait
 from distributed.utils_test import async_poll_for
 from services import Chatty, Recorder, Streamer
 from utils import assert_nothing_left, events_of, service_cluster
@@ -88,6 +89,64 @@ async def test_participants_input_holders_through_the_client_api(c, s, a, b, w3,
     with pytest.raises(ValueError, match="participants='holders' is not one of"):
         dask_services.service_task(Recorder, [], outputs=1, participants="holders")
     del outs, futs
+    await assert_nothing_left(s, [a, b, w3, w4])
+
+
+@service_cluster(nthreads=[("127.0.0.1", 1)] * 4)
+async def test_participants_involved_leaves_out_workers_with_nothing_to_do(c, s, a, b, w3,
+                                                                          w4):
+    """``participants="involved"``: the input holders and the outputs' owners, outputs
+    placed on the input holders first; a worker holding no input and owning no output
+    starts no instance."""
+    futs = [c.submit(inc, i, workers=[(a, b)[i % 2].address]) for i in range(6)]
+    await wait(futs)
+    holders = {a.address, b.address}
+    for outputs in range(1, 5):
+        Recorder.reset()
+        outs = dask_services.submit(Recorder, futs, outputs=outputs, client=c,
+                                    participants="involved", name=f"involved-{outputs}")
+        assert await c.gather(outs) == [sum(range(1, 7))] * outputs
+        started = {e[3] for e in events_of("start")}
+        assert started >= holders and len(started) == max(2, outputs), (outputs, started)
+        owners = {ws.address for o in outs for ws in s.tasks[o.key].who_has}
+        assert len(owners) == outputs and owners <= started
+        if outputs <= 2:
+            assert owners <= holders
+        del outs
+        s.validate_state()
+    del futs
+    await assert_nothing_left(s, [a, b, w3, w4])
+
+
+@service_cluster(nthreads=[("127.0.0.1", 1)] * 4)
+async def test_a_small_shuffle_on_a_larger_cluster_runs_where_its_data_is(c, s, a, b, w3,
+                                                                          w4):
+    import dask.dataframe as dd
+    import pandas as pd
+
+    pdf = pd.DataFrame({"k": np.arange(200) % 7, "v": np.arange(200.0)})
+    df = c.persist(dd.from_pandas(pdf, npartitions=4), workers=[a.address, b.address])
+    await wait(df)
+    assert {ws.address for f in futures_of(df) for ws in s.tasks[f.key].who_has} == {
+        a.address, b.address}
+    started: list[str] = []
+    seen = s.plugins["dask_services"]
+    record = seen._event
+
+    def recording(key, event, *args, **kwargs):
+        if type(event).__name__ == "InstanceStarted":
+            started.append(str(event.id))
+        return record(key, event, *args, **kwargs)
+
+    seen._event = recording
+    try:
+        got = await c.compute(df.shuffle("k", npartitions=2, shuffle_method="service"))
+    finally:
+        seen._event = record
+    pd.testing.assert_frame_equal(got.sort_values("v"), pdf)
+    assert len(started) == 2, started  # two instances: the holders own the two outputs
+    s.validate_state()
+    del df
     await assert_nothing_left(s, [a, b, w3, w4])
 
 

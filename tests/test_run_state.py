@@ -335,6 +335,34 @@ def test_owners_keep_placement_and_balance_the_rest(wanted, workers, placed):
                 assert counts[w] <= least + 1, (counts, placed_on)
 
 
+@given(
+    outputs=st.integers(0, 8),
+    workers=st.integers(1, 6),
+    holders=st.integers(1, 6),
+    placed=st.dictionaries(st.integers(0, 7), st.integers(0, 5), max_size=8),
+)
+def test_involved_runs_leave_out_workers_without_inputs_or_outputs(outputs, workers,
+                                                                   holders, placed):
+    """``input_holders`` given (``participants="involved"``, every input located): the run
+    takes part on the holders and the outputs' owners only, in the order given, and owns
+    its outputs where ``_owners`` would have put them among all the workers."""
+    keys = [f"o{i}" for i in range(outputs)]
+    everyone = [f"tcp://w{i}:1" for i in range(workers)]
+    holding = frozenset(everyone[:min(holders, workers)])
+    placement = {keys[i]: everyone[w % workers] for i, w in placed.items() if i < outputs}
+    m = rs.ServiceTaskMachine("svc", INPUTS, keys, 2)
+    (start, _log) = m.handle(rs.RunNeeded(1, "p-", everyone, keys, placement,
+                                          input_holders=holding))
+    run = start.run
+    expected = rs._owners(keys, everyone, placement)
+    involved = holding | set(expected.values())
+    assert list(run.participants) == [w for w in everyone if w in involved]
+    worker_of = {sid: w for w, sid in run.ids.items()}
+    assert {k: worker_of[sid] for k, sid in run.owners.items()} == expected
+    assert run.leader == run.ids[run.participants[0]]
+    m.validate()
+
+
 # ------------------------------------------------------------------ a closed machine
 
 

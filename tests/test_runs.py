@@ -245,6 +245,19 @@ def test_cli_bench_overhead_json(capsys):
     assert main(["bench", "overhead", "--repeat", "2", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["service_task_median_s"] > 0 and result["client_submit_median_s"] > 0
+    assert result["inputs_on_two_workers_median_s"] == {}  # two workers: none is idle
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_cli_bench_overhead_with_workers_holding_nothing(capsys):
+    from dask_services.cli import main
+
+    assert main(["bench", "overhead", "--workers", "3", "--repeat", "1", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    for case in ("service task, every worker", "service task, workers involved",
+                 "shuffle, every worker", "shuffle, workers involved"):
+        assert f"{case} (inputs on 2)" in out, out
 
 
 @pytest.mark.slow

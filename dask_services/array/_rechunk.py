@@ -157,8 +157,9 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> dict:
                 for j, i in nearest.items()
             },
             # one of several regions: its run takes place where its inputs are, not on
-            # every worker (an instance, a start and a barrier each)
-            participants="input-holders" if len(boxes) > 1 else "all",
+            # every worker (an instance, a start and a barrier each); one region: where its
+            # inputs are and its outputs go
+            participants="input-holders" if len(boxes) > 1 else "involved",
         )
         layer.update(build_service_graph(
             definition, f"rechunk-service-task-{token}-{b}", input_keys))

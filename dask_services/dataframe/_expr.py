@@ -157,6 +157,9 @@ class ServiceShuffle(SimpleShuffle):
             # two sides of a hash join meet without moving data again
             placement=f"dataframe-shuffle-{self.npartitions_out}",
             name="shuffle",
+            # a worker holding no partition and owning no output (a small table on a large
+            # cluster) has no instance: no start, no barrier reply
+            participants="involved",
         )
         graph = build_service_graph(definition, service_key, input_keys, handoffs_given=True)
         for i, p in enumerate(selected):
