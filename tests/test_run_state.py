@@ -34,6 +34,19 @@ def need(m: rs.ServiceTaskMachine, run_id: int = 1, wanted=OUTPUTS, workers=WORK
     return m.handle(rs.RunNeeded(run_id, "p-", workers, wanted))
 
 
+def need_involved(m: rs.ServiceTaskMachine, run_id: int) -> list:
+    """A run of ``participants="involved"`` wanting one output, its inputs on the first
+    worker: it takes part there only."""
+    if m.rescheduling:
+        m.handle(rs.RescheduleCarriedOut(run_id - 1))
+    actions = m.handle(rs.RunNeeded(run_id, "p-", WORKERS, OUTPUTS[:1],
+                                    input_holders=frozenset(WORKERS[:1])))
+    for a in actions:
+        if isinstance(a, rs.StartInstances):
+            assert a.run.participants == tuple(WORKERS[:1])
+    return actions
+
+
 def kinds(actions) -> list[str]:
     return [type(a).__name__ for a in actions]
 
@@ -276,6 +289,7 @@ EVENTS = st.one_of(
     st.builds(rs.ServiceTaskReleased, st.booleans(), st.booleans(), st.booleans()),
     st.builds(rs.RescheduleCarriedOut, st.integers(1, 3)),
     st.just("need"),
+    st.just("need-involved"),  # one output, inputs on one worker: a run on that one only
 )
 
 
@@ -290,6 +304,9 @@ def test_invariants_under_any_event_order(events):
         if ev == "need":
             run_id += 1
             actions = need(m, run_id=run_id)
+        elif ev == "need-involved":
+            run_id += 1
+            actions = need_involved(m, run_id)
         else:
             actions = m.handle(ev)
         for a in actions:
@@ -376,6 +393,9 @@ def test_validate_holds_after_any_event(events):
         if ev == "need":
             run_id += 1
             need(m, run_id=run_id)
+        elif ev == "need-involved":
+            run_id += 1
+            need_involved(m, run_id)
         else:
             m.handle(ev)
     m.validate()
