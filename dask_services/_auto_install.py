@@ -9,13 +9,18 @@ clients, ``worker_client()``).  So the client that sends a graph installs them t
 way of computing on a cluster (``compute``, ``persist``, ``get`` and ``dask.compute``)
 hands its graph to ``Client._graph_to_futures``, which ``install()`` here wraps.
 
-Graphs are recognized without looking at their tasks: a service task of a ``HighLevelGraph``
-sits in a :class:`ServiceLayer` (made by ``service_task`` and the rechunk), and a dataframe
-expression whose lowering makes service tasks says so with a class attribute
-``runs_service_tasks`` (the ``"service"`` shuffle).  Only a synchronous client installs
-(an asynchronous one cannot wait for the plugins while it sends the graph: ``await
-install_async(client)``); a failure to install is left to the worker's error, which says
-what to do.  ``tests/test_hooks.py`` fails loudly if an upgrade moves the method.
+A graph is searched for service tasks only once this process has made one (a
+``ServiceDefinition``, a ``"service"`` shuffle's expression: ``note_service_graph``), and
+only until its client is installed.  The search goes through the expression's nodes and
+their operands: a node class with the attribute ``runs_service_tasks`` (the ``"service"``
+shuffle), a :class:`ServiceLayer` of a ``HighLevelGraph`` (``service_task``, a rechunk with
+service tasks), and, where layers were rebuilt without that mark (``dask.optimize``,
+culling) or a collection sits inside an operand (``to_delayed``, ``delayed(f)(df)``,
+``from_dask_array``), the tasks of materialized layers and task dicts.  Only a synchronous
+client installs (an asynchronous one cannot wait for the plugins while it sends the graph:
+``await install_async(client)``); a failure to install, or to search, is left to the
+worker's error, which says what to do.  ``tests/test_hooks.py`` fails loudly if an upgrade
+moves the method.
 """
 
 from __future__ import annotations
@@ -25,9 +30,23 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from dask._expr import Expr
+from dask.base import is_dask_collection
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
 logger = logging.getLogger(__name__)
+
+
+# Whether this process has made a service task yet (``note_service_graph``): until it
+# has, no graph it sends can hold one, and clients send without looking.
+_made = False
+
+
+def note_service_graph() -> None:
+    """A service task was made in this process (a ``ServiceDefinition``, a ``"service"``
+    shuffle's expression)."""
+    global _made
+    _made = True
 
 
 class ServiceLayer(MaterializedLayer):
@@ -45,18 +64,50 @@ def layer_of(tasks: Mapping) -> MaterializedLayer | Mapping:
 
 def runs_service_tasks(expr: Any) -> bool:
     """Whether the expression ``expr`` (what a client sends) holds service tasks."""
-    walk = getattr(expr, "walk", None)
-    if walk is None:
+    return _holds_service_tasks(expr, set())
+
+
+def _holds_service_tasks(obj: Any, seen: set[int]) -> bool:
+    """Whether ``obj`` holds a service task: an expression (through every node and its
+    operands), a dask collection of a ``HighLevelGraph`` (``to_delayed``, ``delayed(f)(df)``,
+    ``from_dask_array`` keep one inside an operand), a ``HighLevelGraph`` (a
+    :class:`ServiceLayer`, or a materialized layer with a service task among its tasks:
+    ``dask.optimize`` and culling rebuild layers without the mark), or a task dict."""
+    if id(obj) in seen:
         return False
-    for node in walk():
-        if getattr(type(node), "runs_service_tasks", False):
-            return True
-        operands = getattr(node, "operands", None)
-        graph = operands[0] if operands else None
-        if isinstance(graph, HighLevelGraph) and any(
-                isinstance(layer, ServiceLayer) for layer in graph.layers.values()):
-            return True
+    seen.add(id(obj))
+    if isinstance(obj, HighLevelGraph):
+        return any(_layer_holds_service_tasks(layer) for layer in obj.layers.values())
+    if isinstance(obj, dict):
+        return _tasks_hold_a_service_task(obj)
+    if isinstance(obj, Expr):
+        for node in obj.walk():
+            if getattr(type(node), "runs_service_tasks", False):
+                return True
+            if any(_holds_service_tasks(operand, seen) for operand in node.operands
+                   if isinstance(operand, (HighLevelGraph, dict)) or is_dask_collection(operand)):
+                return True
+        return False
+    if is_dask_collection(obj):
+        inner = getattr(obj, "expr", None)
+        if isinstance(inner, Expr):
+            return _holds_service_tasks(inner, seen)
+        return _holds_service_tasks(obj.__dask_graph__(), seen)
     return False
+
+
+def _layer_holds_service_tasks(layer: Any) -> bool:
+    if isinstance(layer, ServiceLayer):
+        return True
+    if isinstance(layer, MaterializedLayer):  # other layers make tasks of their own kinds
+        return _tasks_hold_a_service_task(layer.mapping)
+    return isinstance(layer, dict) and _tasks_hold_a_service_task(layer)
+
+
+def _tasks_hold_a_service_task(tasks: Mapping) -> bool:
+    from dask_services.graph import ServiceTaskSpec
+
+    return any(isinstance(task, ServiceTaskSpec) for task in tasks.values())
 
 
 def _installing(send: Callable) -> Callable:
@@ -64,7 +115,7 @@ def _installing(send: Callable) -> Callable:
     def _graph_to_futures(client: Any, expr: Any, *args: Any, **kwargs: Any) -> Any:
         from dask_services.client import _installed, install
 
-        if client not in _installed and not client.asynchronous:
+        if _made and client not in _installed and not client.asynchronous:
             try:  # every graph of the process comes here: nothing may fail its sending
                 if runs_service_tasks(expr):
                     install(client)

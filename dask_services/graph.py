@@ -25,6 +25,7 @@ from typing import Any
 from dask._task_spec import Task, TaskRef
 from dask.typing import Key
 
+from dask_services._auto_install import note_service_graph
 from dask_services.service import OutputsNotProducedError, Service, ServiceGraphError
 
 # ``ServiceDefinition.participants``
@@ -56,6 +57,7 @@ class ServiceDefinition:
     participants: str = "all"
 
     def __post_init__(self) -> None:
+        note_service_graph()  # the client sending it installs dask_services (_auto_install)
         if self.participants not in PARTICIPANTS:
             raise ValueError(
                 f"participants={self.participants!r} is not one of {sorted(PARTICIPANTS)}"

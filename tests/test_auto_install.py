@@ -34,20 +34,28 @@ def all_to_all() -> da.Array:
 
 
 def graphs() -> dict:
-    """One graph of each kind that makes service tasks, and what each computes to."""
+    """One graph of each kind that makes service tasks, and what each computes to; the
+    last ones hide their service tasks in a collection inside an operand, or in layers
+    rebuilt without their mark."""
     (total,) = dask_services.service_task(
         AllReduce, [dask.delayed(float)(i) for i in range(6)], outputs=1)
     shuffled = dd.from_pandas(FRAME, npartitions=5).shuffle("a", shuffle_method="service")
+    columns = [str(i) for i in range(60)]
+    (optimized,) = dask.optimize(all_to_all()[:, :20])
     return {
         "rechunk": (all_to_all().sum(axis=0), ARRAY.sum(axis=0)),
         "shuffle": (shuffled.groupby("a").b.sum(), FRAME.groupby("a").b.sum()),
         "service_task": (total, 15.0),
+        "delayed of a frame": (dask.delayed(len)(shuffled), len(FRAME)),
+        "frame of an array": (dd.from_dask_array(all_to_all(), columns=columns).sum(),
+                              pd.Series(ARRAY.sum(axis=0), index=columns)),
+        "optimized": (optimized, ARRAY[:, :20]),
     }
 
 
 def assert_equal(got, expected) -> None:
     if isinstance(expected, pd.Series):
-        pd.testing.assert_series_equal(got.sort_index(), expected)
+        pd.testing.assert_series_equal(got.sort_index(), expected.sort_index())
     else:
         np.testing.assert_array_equal(got, expected)
 
@@ -75,7 +83,7 @@ def test_what_is_recognized_as_holding_service_tasks():
     assert not runs_service_tasks(None)
 
 
-@pytest.mark.parametrize("kind", ["rechunk", "shuffle", "service_task"])
+@pytest.mark.parametrize("kind", list(graphs()))
 def test_a_graph_built_before_its_client_runs_through_a_client_that_is_not_the_default(kind):
     assert _get_global_client() is None
     collection, expected = graphs()[kind]
@@ -114,6 +122,25 @@ async def test_an_asynchronous_client_is_told_how_to_install(c, s, a, b):
     with pytest.raises(RuntimeError, match=r"not installed on this worker.*install"):
         await c.compute(total)
     assert c not in _installed and "dask_services" not in s.plugins
+
+
+def test_graphs_are_not_searched_in_a_process_that_made_no_service_task(monkeypatch):
+    from dask_services import _auto_install
+
+    searched: list = []
+    monkeypatch.setattr(_auto_install, "_made", False)
+    monkeypatch.setattr(_auto_install, "runs_service_tasks",
+                        lambda expr: searched.append(expr) or False)
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                      dashboard_address=":0") as cluster, \
+            Client(cluster, set_as_default=False) as client:
+        assert client.compute(dask.delayed(sum)([3, 4])).result() == 7
+        assert client.compute(da.ones(10, chunks=5).sum()).result() == 10
+        assert searched == [] and client not in _installed
+        dask_services.service_task(AllReduce, [], outputs=1)  # one made: searched now
+        assert _auto_install._made
+        assert client.compute(dask.delayed(sum)([3, 4])).result() == 7
+        assert len(searched) == 1
 
 
 def test_a_failing_look_at_the_graph_never_fails_its_sending(monkeypatch):

@@ -204,6 +204,39 @@ def test_thread_call_errors_reach_their_caller_and_free_the_slot():
     run(main())
 
 
+class Unprintable(BaseException):
+    def __str__(self):
+        raise RuntimeError("no text")
+
+
+def test_thread_calls_interrupted_are_answered_and_free_the_slot():
+    """An exception that is not an ``Exception`` out of a thread call (even one that
+    cannot be printed) fails that call with a ``RuntimeError`` naming it; the next runs."""
+    async def main():
+        gate = CallGate(1, 10)
+        executor = ThreadPoolExecutor(1)
+
+        def interrupted(exc):
+            raise exc
+
+        calls = [gate.admit_to_thread(executor, functools.partial(interrupted, exc),
+                                      what=f"svc.call{i}")
+                 for i, exc in enumerate([KeyboardInterrupt(), SystemExit("leaving"),
+                                          Unprintable()])]
+        after = gate.admit_to_thread(executor, lambda: 7)
+        for call, message in zip(calls, [r"svc.call0 raised KeyboardInterrupt in its thread",
+                                         r"svc.call1 raised SystemExit\('leaving'\) in its",
+                                         r"svc.call2 raised Unprintable in its thread"],
+                                 strict=True):
+            with pytest.raises(RuntimeError, match=message):
+                await gate.outcome(call)
+        assert await gate.outcome(after) == 7
+        await until(lambda: gate.in_flight == 0)
+        executor.shutdown()
+
+    run(main())
+
+
 def views(*loads):
     return [ReplicaView(ServiceId(f"r{i}"), f"w{i}", load) for i, load in enumerate(loads)]
 

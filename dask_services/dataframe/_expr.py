@@ -174,8 +174,10 @@ _dask_lower = Shuffle._lower
 def _lower(self: Shuffle):
     method = self.method or get_default_shuffle_method()
     if method == METHOD:
+        from dask_services._auto_install import note_service_graph
         from dask_services.client import _maybe_install_default_client
 
+        note_service_graph()
         _maybe_install_default_client()
         frame, assign = self.frame, None
         if (isinstance(frame, AssignPartitioningIndex)

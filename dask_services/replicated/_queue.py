@@ -188,7 +188,7 @@ class CallGate:
             except Exception as e:
                 result, error = None, e
             except BaseException as e:  # SystemExit, KeyboardInterrupt: give the slot back
-                error = RuntimeError(f"{call.what} raised {type(e).__name__} in its thread: {e}")
+                error = RuntimeError(f"{call.what} raised {_described(e)} in its thread")
                 error.__cause__ = e
                 self._post(call, None, error, True)
                 raise
@@ -250,3 +250,13 @@ def not_admitted(metrics: Any, exc: BaseException) -> dict:
     if isinstance(exc, ReplicaGone):
         return {"status": "gone", "message": str(exc)}
     return {"status": "shutdown", "message": str(exc)}
+
+
+def _described(exc: BaseException) -> str:
+    """``KeyboardInterrupt`` or ``SystemExit('leaving')``: the exception's name, and its
+    message where it has one (an exception whose ``__str__`` fails is named alone)."""
+    try:
+        message = str(exc)
+    except Exception:  # noqa: BLE001 - the call must be answered all the same
+        message = ""
+    return f"{type(exc).__name__}({message!r})" if message else type(exc).__name__
