@@ -155,3 +155,16 @@ def test_a_failing_look_at_the_graph_never_fails_its_sending(monkeypatch):
         assert client.submit(sum, [1, 2]).result() == 3
         assert dask.delayed(sum)([3, 4]).compute() == 7
         assert client not in _installed
+
+
+def test_a_task_dict_sent_with_client_get_installs():
+    (total,) = dask_services.service_task(
+        AllReduce, [dask.delayed(float)(i) for i in range(4)], outputs=1)
+    tasks = dict(total.__dask_graph__())
+    with dask.config.set(VALIDATION), LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=False,
+            dashboard_address=":0") as cluster, \
+            Client(cluster, set_as_default=False) as client:
+        assert client.get(tasks, total.key) == 6.0
+        assert client in _installed
+        validate_scheduler(client)
