@@ -13,10 +13,10 @@ A graph is searched for service tasks only once this process has made one (a
 ``ServiceDefinition``, a ``"service"`` shuffle's expression: ``note_service_graph``), and
 only until its client is installed.  The search goes through the expression's nodes and
 their operands: a node class with the attribute ``runs_service_tasks`` (the ``"service"``
-shuffle), a :class:`ServiceLayer` of a ``HighLevelGraph`` (``service_task``, a rechunk with
-service tasks), and, where layers were rebuilt without that mark (``dask.optimize``,
-culling) or a collection sits inside an operand (``to_delayed``, ``delayed(f)(df)``,
-``from_dask_array``), the tasks of materialized layers and task dicts.  Only a synchronous
+shuffle, whose tasks are made on the scheduler), the tasks of the materialized layers of a
+``HighLevelGraph`` (``service_task``, a rechunk with service tasks, ``dask.optimize``'s
+output) and of task dicts, and the collections held by operands (``to_delayed``,
+``delayed(f)(df)``, ``from_dask_array``).  Only a synchronous
 client installs (an asynchronous one cannot wait for the plugins while it sends the graph:
 ``await install_async(client)``); a failure to install, or to search, is left to the
 worker's error, which says what to do.  ``tests/test_hooks.py`` fails loudly if an upgrade
@@ -49,19 +49,6 @@ def note_service_graph() -> None:
     _made = True
 
 
-class ServiceLayer(MaterializedLayer):
-    """A layer of a ``HighLevelGraph`` with service tasks among its tasks."""
-
-
-def layer_of(tasks: Mapping) -> MaterializedLayer | Mapping:
-    """``tasks`` as a :class:`ServiceLayer` if a service task is among them."""
-    from dask_services.graph import ServiceTaskSpec
-
-    if any(isinstance(task, ServiceTaskSpec) for task in tasks.values()):
-        return ServiceLayer(tasks)
-    return tasks
-
-
 def runs_service_tasks(expr: Any) -> bool:
     """Whether the expression ``expr`` (what a client sends) holds service tasks."""
     return _holds_service_tasks(expr, set())
@@ -69,10 +56,9 @@ def runs_service_tasks(expr: Any) -> bool:
 
 def _holds_service_tasks(obj: Any, seen: set[int]) -> bool:
     """Whether ``obj`` holds a service task: an expression (through every node and its
-    operands), a dask collection of a ``HighLevelGraph`` (``to_delayed``, ``delayed(f)(df)``,
-    ``from_dask_array`` keep one inside an operand), a ``HighLevelGraph`` (a
-    :class:`ServiceLayer`, or a materialized layer with a service task among its tasks:
-    ``dask.optimize`` and culling rebuild layers without the mark), or a task dict."""
+    operands), a dask collection (``to_delayed``, ``delayed(f)(df)``, ``from_dask_array``
+    keep one inside an operand), a ``HighLevelGraph`` (a materialized layer with a service
+    task among its tasks) or a task dict."""
     if id(obj) in seen:
         return False
     seen.add(id(obj))
@@ -97,8 +83,6 @@ def _holds_service_tasks(obj: Any, seen: set[int]) -> bool:
 
 
 def _layer_holds_service_tasks(layer: Any) -> bool:
-    if isinstance(layer, ServiceLayer):
-        return True
     if isinstance(layer, MaterializedLayer):  # other layers make tasks of their own kinds
         return _tasks_hold_a_service_task(layer.mapping)
     return isinstance(layer, dict) and _tasks_hold_a_service_task(layer)

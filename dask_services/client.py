@@ -14,7 +14,6 @@ from dask.highlevelgraph import HighLevelGraph
 from dask.typing import Key
 from dask.utils import funcname
 
-from dask_services._auto_install import ServiceLayer
 from dask_services.graph import ServiceDefinition, build_service_graph
 from dask_services.service import Service, ServiceGraphError
 
@@ -156,8 +155,7 @@ def service_task(service_class: type[Service], inputs: Sequence[Any] | Any, *,
         service_class, input_keys, outputs, params, placement, name, participants
     )
     layer = build_service_graph(definition, service_key, input_keys)
-    graph = HighLevelGraph.from_collections(service_key, ServiceLayer(layer),
-                                            dependencies=inputs)
+    graph = HighLevelGraph.from_collections(service_key, layer, dependencies=inputs)
     _maybe_install_default_client()
     return [Delayed(k, graph, layer=service_key) for k in definition.output_keys]
 

@@ -16,7 +16,7 @@ from distributed.utils_test import gen_cluster
 from utils import validate_scheduler
 
 import dask_services
-from dask_services._auto_install import ServiceLayer, runs_service_tasks
+from dask_services._auto_install import runs_service_tasks
 from dask_services.client import _installed
 from dask_services.examples import AllReduce
 
@@ -74,7 +74,6 @@ def test_what_is_recognized_as_holding_service_tasks():
     x = da.from_array(ARRAY, chunks=(10, 60))
     # copies of neighbouring chunks: tasks only, nothing to install
     local = x.rechunk((15, 60), method="service")
-    assert not any(isinstance(layer, ServiceLayer) for layer in local.dask.layers.values())
     assert not runs_service_tasks(sent_expr(local.sum()))
     assert not runs_service_tasks(sent_expr(x.rechunk((60, 10), method="tasks")))
     frame = dd.from_pandas(FRAME, npartitions=5)

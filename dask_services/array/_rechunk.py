@@ -25,7 +25,6 @@ from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 from dask.utils import parse_bytes
 
-from dask_services._auto_install import layer_of
 from dask_services.graph import ServiceDefinition, build_service_graph
 
 METHOD = "service"
@@ -68,7 +67,7 @@ def service_rechunk(x: Array, chunks: Any = "auto", block_size_limit: Any = None
     plan = merge_plan(x.chunks, chunks)
     if plan is not None:
         return _merge_rechunk(x, chunks, name, plan)
-    layer = layer_of(_region_graph(x, chunks, name, token))
+    layer = _region_graph(x, chunks, name, token)
     graph = HighLevelGraph.from_collections(name, layer, dependencies=[x])
     return Array(graph, name, chunks, meta=x._meta)
 
