@@ -248,7 +248,7 @@ class InstanceConcierge(Concierge):
         call = functools.partial(fn, *args, **kwargs)
         if not self._is_on_loop():
             return self._run_in_executor_later(call)
-        return _result_of(self._host.env.run_in_executor(call))
+        return _awaited(self._host.env.run_in_executor(call))
 
     async def _run_in_executor_later(self, call: Callable[[], T]) -> T:
         return await self._host.env.run_in_executor(call)
@@ -698,7 +698,3 @@ async def _awaited(result: Any) -> Any:
     if inspect.isawaitable(result):
         return await result
     return result
-
-
-async def _result_of(future: Awaitable[T]) -> T:
-    return await future
