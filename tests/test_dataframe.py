@@ -189,6 +189,26 @@ def test_empty_outputs_are_frames_of_their_own():
     assert len(shuffled.map_partitions(len).compute(scheduler="sync")) == 12
 
 
+@pytest.mark.parametrize("split_out", [3, 16])
+def test_empty_outputs_have_no_rows_where_the_meta_has_some(split_out):
+    """dask's meta of a categorical ``value_counts`` step holds a zero count per category;
+    an output partition that received no rows must not: the counts would appear twice."""
+    pdf = pd.DataFrame({"c": pd.Categorical(list("abcde") * 40,
+                                            categories=list("abcdefghij"))})
+    ddf = dd.from_pandas(pdf, npartitions=4)
+    expected = pdf.c.value_counts()
+    for method in ("tasks", "service"):
+        with dask.config.set({"dataframe.shuffle.method": method}):
+            counts = ddf.c.value_counts(split_out=split_out)
+            res = counts.compute(scheduler="sync")
+            lengths = counts.map_partitions(len).compute(scheduler="sync").tolist()
+        assert sorted(res.index) == sorted(expected.index), (method, res)
+        pd.testing.assert_series_equal(res.sort_index(), expected.sort_index())
+        assert sum(lengths) == len(expected), (method, lengths)
+        if split_out > len(expected):
+            assert 0 in lengths, (method, lengths)  # some output partitions received nothing
+
+
 @pytest.mark.parametrize("selected", [[1, 1], [4, 4, 2, 4, 1]])
 def test_a_partition_selected_twice_is_returned_twice(selected):
     pdf = pd.DataFrame({"k": np.arange(2000) % 300, "x": np.arange(2000.0)})

@@ -342,8 +342,12 @@ def assemble(pieces: list[tuple[int, pd.DataFrame | FrameRows]], meta: pd.DataFr
     column by column where the pieces allow it (``_rows.py``), else by pandas."""
     from dask.dataframe.core import _concat
 
-    if not pieces:  # a frame of its own: a consumer may change it in place
-        return meta.reset_index(drop=True) if ignore_index else meta.copy()
+    if not pieces:
+        # a frame of its own (a consumer may change it in place) and without rows: dask's
+        # meta may have some (a categorical ``value_counts`` step's: a zero count per
+        # category), which an output partition that received nothing does not
+        empty = meta.iloc[:0].copy()
+        return empty.reset_index(drop=True) if ignore_index else empty
     pieces.sort(key=lambda item: item[0])
     rows = [piece if isinstance(piece, FrameRows) else FrameRows(RowSource(piece), 0, len(piece))
             for _, piece in pieces]
