@@ -315,6 +315,12 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             self._event(key, rs.ServiceTaskReleased(
                 worker_gone=gone, still_wanted=wanted, inputs_kept=kept,
                 stimulus_id=stimulus_id))
+        elif finish == "released" and not (ts.waiters or ts.who_wants):
+            # Not needed any more before it ran (every consumer erred on a sibling's
+            # failure, say): a run started early, as its hand-offs ran, is cancelled.
+            self._event(key, rs.ServiceTaskReleased(
+                worker_gone=False, still_wanted=False, inputs_kept=True,
+                stimulus_id=stimulus_id))
 
     def _output_transition(self, key: Key, start: str, finish: str,
                            stimulus_id: str) -> None:
@@ -331,9 +337,17 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                     ots.dependencies.add(sts)
                     sts.dependents.add(ots)
                 self._event(service_key, rs.OutputLanded(key, stimulus_id=stimulus_id))
-            elif finish in ("erred", "forgotten"):
+            elif finish == "forgotten":
                 del self.cut[key]
                 self._event(service_key, rs.OutputLanded(key, stimulus_id=stimulus_id))
+            elif finish == "erred" or (finish == "released" and not self._still_needed(key)):
+                # Erred (a consumer run by the claim raised, its retries used up), or
+                # nothing wants it any more before it landed (every consumer erred on a
+                # sibling's failure, say, while the client holds the failed result): its
+                # value is let go and the claim attached to its service task again, so
+                # that the run can finish (it waits for every produced output) and, asked
+                # for again, the output is made by a new run.
+                self._let_go_of_output(service_key, key, stimulus_id)
             elif finish == "no-worker":
                 # The producing worker died before the output landed, or it is paused (for
                 # lack of memory): checked after the transitions under way (a worker's
@@ -343,6 +357,24 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             self._event(service_key, rs.OutputUnproduced(key, stimulus_id=stimulus_id))
         elif finish == "waiting":
             self._event(service_key, rs.OutputWaiting(key, stimulus_id=stimulus_id))
+
+    def _still_needed(self, key: Key) -> bool:
+        """Whether a task waits for ``key`` or a client wants it."""
+        ts = self.scheduler.tasks.get(key)
+        return ts is not None and bool(ts.waiters or ts.who_wants)
+
+    def _let_go_of_output(self, service_key: Key, key: Key, stimulus_id: str) -> None:
+        """A produced output's claim erred, or was released with nothing wanting it: the
+        producer drops the value, the claim gets its edge to the service task back."""
+        producer = self.cut.pop(key)
+        tasks = self.scheduler.tasks
+        ots, sts = tasks[key], tasks.get(service_key)
+        self._restore_restrictions(ots)
+        if sts is not None:
+            ots.dependencies.add(sts)
+            sts.dependents.add(ots)
+        self.produced_at.pop(key, None)
+        self._event(service_key, rs.OutputNotNeeded(key, producer, stimulus_id=stimulus_id))
 
     def _check_unplaced(self, service_key: Key, key: Key, stimulus_id: str) -> None:
         """Check, once the transitions under way are done, the producing worker of a claim
@@ -382,6 +414,10 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             if key in self.produced_at:
                 self._send(self.produced_at.pop(key),
                            {"op": "service-drop-output", "key": key})
+            # a claim cut from its service task (produced, then erred or forgotten before
+            # it landed) takes no edge with it: distributed cannot tell that it was the
+            # service task's last dependent
+            self._later(self._forget_if_unneeded, self.output_of[key], stimulus_id)
             if self.output_of[key] not in self.machines:
                 # its service task went first (a claim that erred, as a claim running a
                 # consumer can, has no edge to it any more): nothing else will clean up
@@ -410,6 +446,21 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                     self.cut.pop(o, None)
                     self.produced_at.pop(o, None)
                     self.restrictions.pop(o, None)
+
+    def _forget_if_unneeded(self, service_key: Key, stimulus_id: str) -> None:
+        """Forget a service task that nothing needs any more, as distributed forgets a task
+        once its last dependent is forgotten: no dependent, no client wanting it, and no
+        output of it produced and not yet landed (those have no edge to it either).
+        Without this a consumer that failed on a produced output, then released, left the
+        service task (and its run, if still going) behind for the scheduler's life."""
+        sts = self.scheduler.tasks.get(service_key)
+        if (sts is None or sts.state == "forgotten" or sts.dependents or sts.who_wants
+                or sts.waiters or service_key not in self.machines):
+            return
+        if any(self.output_of.get(k) == service_key for k in self.cut):
+            return
+        self.scheduler.transitions({service_key: "forgotten"}, stimulus_id=stimulus_id)
+        self.scheduler.stimulus_queue_slots_maybe_opened(stimulus_id=stimulus_id)
 
     def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str = "",
                       **kwargs: Any) -> None:
@@ -705,7 +756,10 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         tasks = self.scheduler.tasks
         ots = tasks.get(key)
         sts = tasks.get(service_key)
-        if ots is None or sts is None or ots.state not in ("waiting", "released"):
+        if (ots is None or sts is None or ots.state not in ("waiting", "released")
+                or (ots.state == "released" and not self._still_needed(key))):
+            # (released and wanted by nothing: every consumer erred on a sibling's failure,
+            # say; a claim cut now would never run, and the run would wait for it)
             self._event(service_key, rs.OutputNotNeeded(key, worker, stimulus_id=stimulus_id))
             return
         ots.dependencies.discard(sts)

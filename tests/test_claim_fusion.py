@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from dask._task_spec import Task
 from distributed import Event, Variable
-from distributed.utils_test import poll_for
+from distributed.utils_test import async_poll_for, poll_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from utils import (
@@ -264,6 +264,43 @@ async def test_a_consumer_retried_after_an_error_finds_its_output_again(c, s, a,
     assert len(starts) == 1, s.get_events("dask_services")
     del total, x, z
     await assert_nothing_left(s, [a, b])
+
+
+def _fails_on_the_third_column_block(b, block_info=None):
+    if block_info[None]["chunk-location"] == (0, 2):
+        raise ValueError("consumer fails")
+    return b.sum(keepdims=True)
+
+
+def _nothing_held_on(worker) -> bool:
+    ext = worker.extensions["dask_services"]
+    return not ext.host.instances and not ext.produced
+
+
+@pytest.mark.parametrize("release", ["cancel", "del"])
+@service_cluster(timeout=60)
+async def test_a_consumer_failing_on_one_output_leaves_nothing_behind(c, s, a, b, release):
+    """A consumer run by one output's claim raises: the other outputs' claims are wanted
+    by nothing any more (their consumers erred with it). While the client holds the failed
+    result, the run ends and no worker holds an instance or a produced value (as with
+    ``tasks``, the scheduler keeps the failed graph's tasks); once it lets go of it,
+    neither scheduler nor workers keep anything (the service task was left behind for
+    good, and with it its run's state, when its last consumer had been cut from it)."""
+    arr = np.arange(600 * 400.0).reshape(600, 400)
+    z = all_to_all(arr).map_blocks(_fails_on_the_third_column_block, chunks=(1, 1),
+                                   dtype=float).sum()
+    total = c.compute(z)
+    await assert_errs(total, ValueError, "consumer fails")
+    await async_poll_for(lambda: _nothing_held_on(a) and _nothing_held_on(b), timeout=10)
+    s.validate_state()
+    if release == "cancel":
+        await c.cancel(total, force=True)
+    del total, z
+    await assert_nothing_left(s, [a, b])
+    # and the same graph, without the failure, still gives numpy's result
+    ok = all_to_all(arr).map_blocks(lambda b: b.sum(keepdims=True), chunks=(1, 1),
+                                    dtype=float).sum()
+    assert await c.compute(ok) == arr.sum()
 
 
 def _gated_sum(b, block_info=None):
