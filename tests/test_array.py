@@ -13,9 +13,10 @@ import dask.array as da
 import numpy as np
 import pytest
 from dask.core import flatten
+from distributed import wait
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from utils import assert_nothing_left, service_cluster
+from utils import assert_errs, assert_nothing_left, service_cluster
 
 import dask_services
 
@@ -251,14 +252,23 @@ async def test_every_dtype_on_a_cluster_and_culled_outputs(c, s, a, b):
     await assert_nothing_left(s, [a, b])
 
 
+def _plus_half(block: np.ndarray) -> np.ndarray:
+    return block + 0.5
+
+
+def _halved_where_odd(block: np.ndarray, block_info=None) -> np.ndarray:
+    return block / 2 if block_info[0]["chunk-location"][0] % 2 else block
+
+
 @pytest.mark.parametrize("fraction", [None, 1e-9])
 @pytest.mark.parametrize("lane", [True, False])
 @service_cluster(timeout=90)
-async def test_chunks_of_another_dtype_than_the_graph_says_are_cast_to_it(c, s, a, b, lane,
-                                                                          fraction):
+async def test_chunks_of_another_dtype_than_the_graph_says_keep_their_values(c, s, a, b, lane,
+                                                                            fraction):
     """Chunks that are float64 in a graph that says int64 (a map_blocks given the wrong
-    dtype): every piece, packed or not, on the lane or not, in place or buffered, is cast
-    to the graph's dtype as it is written, never its bits read as the other dtype."""
+    dtype): every piece, packed or not, on the lane or not, in place or buffered, keeps its
+    dtype and value (as with ``tasks``), never cast to the graph's dtype nor its bits read
+    as it."""
     base = np.arange(400 * 1200, dtype="f8").reshape(400, 1200) / 3
     settings = {"dask_services.bulk-lane": lane,  # an exchange, not copy or merge tasks
                 "dask_services.rechunk.copy-max-inputs": 0,
@@ -266,12 +276,52 @@ async def test_chunks_of_another_dtype_than_the_graph_says_are_cast_to_it(c, s, 
     if fraction is not None:
         settings["dask_services.rechunk.buffer-fraction"] = fraction
     with dask.config.set(settings):
-        x = da.from_array(base, chunks=(100, 1200)).map_blocks(lambda b: b + 0.5, dtype="i8")
+        x = da.from_array(base, chunks=(100, 1200)).map_blocks(_plus_half, dtype="i8")
         # 100 x 100 pieces of 80 kB travel alone, 100 x 10 ones of 8 kB packed
         for new in [(400, 100), (400, 10)]:
             got = await c.compute(x.rechunk(new, method="service"))
-            assert got.dtype == np.int64
-            np.testing.assert_array_equal(got, (base + 0.5).astype("i8"))
+            ref = await c.compute(x.rechunk(new, method="tasks"))
+            assert got.dtype == ref.dtype == np.float64
+            np.testing.assert_array_equal(got, base + 0.5)
+    await assert_nothing_left(s, [a, b])
+
+
+@pytest.mark.parametrize("new", [(60, 4), (90, 48)])
+def test_copy_and_merge_tasks_keep_the_chunks_dtype_and_promote_mixed_ones(new):
+    """Copy tasks (an output from a few inputs) and merge tasks (whole inputs merged) keep
+    the chunks' dtype where the graph says another, and promote chunks of different dtypes
+    as numpy does, under the local scheduler as on a cluster."""
+    base = np.arange(180 * 48).reshape(180, 48)
+    x = da.from_array(base, chunks=(30, 48))
+    declared_wrong = x.map_blocks(_plus_half, dtype="i8").rechunk(new, method="service")
+    got = declared_wrong.compute(scheduler="sync")
+    assert got.dtype == np.float64
+    np.testing.assert_array_equal(got, base + 0.5)
+    mixed = x.map_blocks(_halved_where_odd, dtype="i8").rechunk(new, method="service")
+    got = mixed.compute(scheduler="sync")
+    expected = np.concatenate([base[i:i + 30] / (2 if i // 30 % 2 else 1)
+                               for i in range(0, 180, 30)])
+    np.testing.assert_array_equal(got, expected)
+
+
+@service_cluster(timeout=90)
+async def test_chunks_of_mixed_dtypes_assembled_in_place_fail_clearly_or_promote(c, s, a, b):
+    """An output chunk written in place takes the dtype of its first piece to arrive; a later
+    piece that cannot be cast into it without loss fails the run with a TypeError naming the
+    fix, never a chunk of truncated values."""
+    base = np.arange(120 * 48).reshape(120, 48)
+    with service_for_local_rechunks():
+        y = da.from_array(base, chunks=(12, 8)).map_blocks(_halved_where_odd, dtype="i8")
+        expected = np.concatenate([base[i:i + 12] / (2 if i // 12 % 2 else 1)
+                                   for i in range(0, 120, 12)])
+        fut = c.compute(y.rechunk((120, 1), method="service"))
+        await wait(fut)
+        if fut.status == "error":
+            error = await assert_errs(fut, TypeError, "input chunks of dtypes int64 and float64")
+            assert ".astype()" in str(error)
+        else:
+            np.testing.assert_array_equal(await fut, expected)
+    del fut
     await assert_nothing_left(s, [a, b])
 
 

@@ -235,12 +235,47 @@ def plain_numpy(block: Any, key: Any = None) -> np.ndarray:
     return np.asarray(block)
 
 
+def chunk_dtype(declared: np.dtype, dtypes: Iterable[np.dtype]) -> np.dtype:
+    """The dtype of an output chunk made of pieces of ``dtypes``: theirs, not the one the
+    graph's meta declares where the two differ (a ``map_blocks`` given a wrong ``dtype=``),
+    as ``tasks`` and ``p2p`` keep the chunks' values; numpy's promotion where pieces differ
+    among themselves; ``declared`` for a chunk of no pieces."""
+    found = set(dtypes)
+    if not found or found == {declared}:
+        return declared
+    if len(found) == 1:
+        return found.pop()
+    try:
+        return np.result_type(*found)
+    except TypeError:  # no common dtype (structured ones): the declared one decides
+        return declared
+
+
+def written_as(piece: np.dtype, chunk: np.dtype, j: Index) -> None:
+    """Check that a piece of dtype ``piece`` can be written into output chunk ``j``, of
+    dtype ``chunk`` (allocated with the dtype of its first piece to arrive), losing
+    nothing; a clear error where the array's chunks have dtypes that do not allow it."""
+    if piece != chunk and not np.can_cast(piece, chunk, "safe"):
+        raise TypeError(
+            f"rechunk: output chunk {j} is made of input chunks of dtypes {chunk} and "
+            f"{piece}; writing one into the other would change values. The array's chunks "
+            "do not all have one dtype (a map_blocks returning other dtypes than its "
+            "dtype= says?): make them agree (.astype()) before the rechunk, or use "
+            "method='tasks'"
+        )
+
+
 def merge_blocks(shape: tuple[float, ...], dtype: np.dtype, offsets: list[tuple[int, ...]],
                  *blocks: np.ndarray) -> np.ndarray:
     """One output chunk of a rechunk that only merges: its input chunks, each placed at its
     offset, in one new (C-ordered, writeable) array."""
     pieces = [(o, plain_numpy(b)) for o, b in zip(offsets, blocks, strict=True)]
-    return fill(fresh_array(output_shape(shape, pieces), np.dtype(dtype)), pieces)
+    return fill(fresh_array(output_shape(shape, pieces), pieces_dtype(dtype, pieces)), pieces)
+
+
+def pieces_dtype(declared: Any, pieces: list[tuple[tuple[int, ...], np.ndarray]]) -> np.dtype:
+    """:func:`chunk_dtype` of ``pieces`` (offset, array)."""
+    return chunk_dtype(np.dtype(declared), (piece.dtype for _, piece in pieces))
 
 
 def copy_pieces(shape: tuple[float, ...], dtype: np.dtype,
@@ -251,7 +286,7 @@ def copy_pieces(shape: tuple[float, ...], dtype: np.dtype,
     block is that slice already), in one new (C-ordered, writeable) array."""
     pieces = [(offset, plain_numpy(block) if slices is None else plain_numpy(block)[slices])
               for (slices, offset), block in zip(layout, blocks, strict=True)]
-    return fill(fresh_array(output_shape(shape, pieces), np.dtype(dtype)), pieces)
+    return fill(fresh_array(output_shape(shape, pieces), pieces_dtype(dtype, pieces)), pieces)
 
 
 def copy_part(block: np.ndarray, part: tuple[slice, ...]) -> np.ndarray:
@@ -435,15 +470,17 @@ def unpacked(batches: list[list[Piece | PackedPieces]], copy: bool) -> list[Piec
     return pieces
 
 
-def output_indices(batches: list[list[Piece | PackedPieces]]) -> set[Index]:
-    """The output chunks that the pieces of ``batches`` belong to."""
-    indices: set[Index] = set()
+def output_indices(batches: list[list[Piece | PackedPieces]]) -> dict[Index, np.dtype]:
+    """The output chunks that the pieces of ``batches`` belong to, each with the dtype of
+    its first piece there."""
+    indices: dict[Index, np.dtype] = {}
     for batch in batches:
         for item in batch:
             if isinstance(item, PackedPieces):
-                indices.update(j for j, _, _ in item.index)
+                for j, _, _ in item.index:
+                    indices.setdefault(j, item.dtype)
             else:
-                indices.add(item[0])
+                indices.setdefault(item[0], item[2].dtype)
     return indices
 
 
@@ -453,7 +490,10 @@ def write_into(outputs: dict[Index, np.ndarray], batches: list[list[Piece | Pack
     each piece's output index and bytes."""
     written = []
     for j, offset, piece in unpacked(batches, copy=False):
-        outputs[j][region(offset, piece.shape)] = piece
+        out = outputs[j]
+        if piece.dtype != out.dtype:
+            written_as(piece.dtype, out.dtype, j)
+        out[region(offset, piece.shape)] = piece
         written.append((j, piece_bytes(piece)))
     return written
 
@@ -643,14 +683,15 @@ class ArrayRechunk(PeerExchange):
             return
         destinations: list[np.ndarray] = []
         direct: list[tuple[Index, int]] = []
-        # a piece whose dtype is not its chunk's (a graph whose meta says another dtype than
-        # its chunks have) is read into an array of its own and cast on writing, as
-        # assigning it would
+        # a chunk takes the dtype of its first piece (the graph's meta may say another); a
+        # later piece of another dtype (chunks of the array that differ) is read into an
+        # array of its own and cast on writing, where that loses nothing
         casts: list[tuple[np.ndarray, np.ndarray]] = []
         for m, shape, dtype in zip(meta, incoming.shapes, incoming.dtypes, strict=True):
             if m[0] == "piece":
-                destination = self._output(m[1])[region(m[2], shape)]
+                destination = self._output(m[1], dtype)[region(m[2], shape)]
                 if destination.dtype != dtype:
+                    written_as(dtype, destination.dtype, m[1])
                     casts.append((destination, np.empty(shape, dtype)))
                     destination = casts[-1][1]
                 direct.append((m[1], int(destination.nbytes)))
@@ -672,7 +713,7 @@ class ArrayRechunk(PeerExchange):
     async def _write(self, batches: list[list[Piece | PackedPieces]], count: int,
                      nbytes: int) -> list[tuple[Index, int]]:
         """``batches`` written into their outputs (in place), on the event loop if small."""
-        outputs = {j: self._output(j) for j in output_indices(batches)}
+        outputs = {j: self._output(j, dtype) for j, dtype in output_indices(batches).items()}
         if count <= WRITE_ON_LOOP_PIECES and nbytes <= WRITE_ON_LOOP_MAX:
             return write_into(outputs, batches)
         return await self.concierge.run_in_executor(write_into, outputs, batches)
@@ -730,13 +771,15 @@ class ArrayRechunk(PeerExchange):
         if not task.cancelled() and task.exception() is not None:
             self.concierge.error(task.exception())
 
-    def _output(self, j: Index) -> np.ndarray:
-        """Output chunk ``j`` being written in place (allocated with its first piece)."""
+    def _output(self, j: Index, dtype: np.dtype | None = None) -> np.ndarray:
+        """Output chunk ``j`` being written in place, allocated with its first piece (of
+        ``dtype``: the chunks', which a graph's meta may misstate) or, with none, when
+        produced empty."""
         assert self.outputs is not None
         chunk = self.outputs.get(j)
         if chunk is None:
             shape = tuple(int(self.new_chunks[d][jd]) for d, jd in enumerate(j))
-            chunk = self.outputs[j] = new_array(shape, self.dtype)
+            chunk = self.outputs[j] = new_array(shape, self.dtype if dtype is None else dtype)
         return chunk
 
     async def _produce(self, j: Index) -> None:
@@ -754,7 +797,7 @@ class ArrayRechunk(PeerExchange):
             # allocated here, written in a worker thread: the received pieces were freed by
             # the event loop's thread, whose allocator arena can hand their memory out again
             # without page faults (measured together with ``new_array``'s change, not apart)
-            chunk = new_array(output_shape(shape, pieces), self.dtype)
+            chunk = new_array(output_shape(shape, pieces), pieces_dtype(self.dtype, pieces))
             chunk = await self.concierge.run_in_executor(fill, chunk, pieces)
             del pieces
             # Freed pieces go back to the OS only under memory pressure (once the buffer has
