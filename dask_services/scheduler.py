@@ -109,6 +109,9 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         self.cut: dict[Key, str] = {}  # produced output not yet in memory -> its worker
         # claims left without a worker, whose producing worker is checked soon
         self.unplaced: set[Key] = set()
+        # service tasks to check, once the transitions under way are done, for whether
+        # anything still needs them (``_forget_if_unneeded``): one check per batch each
+        self.maybe_unneeded: set[Key] = set()
         self.produced_at: dict[Key, str] = {}  # produced output -> worker that may hold it
         self.restrictions: dict[Key, tuple] = {}  # output -> its own restrictions while cut
         self.placements: dict[str, dict[Key, str]] = {}  # placement group -> index -> worker
@@ -417,7 +420,10 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             # a claim cut from its service task (produced, then erred or forgotten before
             # it landed) takes no edge with it: distributed cannot tell that it was the
             # service task's last dependent
-            self._later(self._forget_if_unneeded, self.output_of[key], stimulus_id)
+            service_key = self.output_of[key]
+            if service_key not in self.maybe_unneeded:
+                self.maybe_unneeded.add(service_key)
+                self._later(self._forget_if_unneeded, service_key, stimulus_id)
             if self.output_of[key] not in self.machines:
                 # its service task went first (a claim that erred, as a claim running a
                 # consumer can, has no edge to it any more): nothing else will clean up
@@ -453,6 +459,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         output of it produced and not yet landed (those have no edge to it either).
         Without this a consumer that failed on a produced output, then released, left the
         service task (and its run, if still going) behind for the scheduler's life."""
+        self.maybe_unneeded.discard(service_key)
         sts = self.scheduler.tasks.get(service_key)
         if (sts is None or sts.state == "forgotten" or sts.dependents or sts.who_wants
                 or sts.waiters or service_key not in self.machines):
