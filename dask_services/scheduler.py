@@ -318,7 +318,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             self._event(key, rs.ServiceTaskReleased(
                 worker_gone=gone, still_wanted=wanted, inputs_kept=kept,
                 stimulus_id=stimulus_id))
-        elif finish == "released" and not (ts.waiters or ts.who_wants):
+        elif finish == "released" and not self._still_needed(key):
             # Not needed any more before it ran (every consumer erred on a sibling's
             # failure, say): a run started early, as its hand-offs ran, is cancelled.
             self._event(key, rs.ServiceTaskReleased(
@@ -332,13 +332,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             if finish == "memory":
                 # Landed: attach it to its service task again, so that if it is ever lost
                 # the scheduler recomputes it through a new run of the service task.
-                del self.cut[key]
-                tasks = self.scheduler.tasks
-                ots, sts = tasks[key], tasks.get(service_key)
-                self._restore_restrictions(ots)
-                if sts is not None:
-                    ots.dependencies.add(sts)
-                    sts.dependents.add(ots)
+                self._attach_again(service_key, key)
                 self._event(service_key, rs.OutputLanded(key, stimulus_id=stimulus_id))
             elif finish == "forgotten":
                 del self.cut[key]
@@ -369,6 +363,13 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
     def _let_go_of_output(self, service_key: Key, key: Key, stimulus_id: str) -> None:
         """A produced output's claim erred, or was released with nothing wanting it: the
         producer drops the value, the claim gets its edge to the service task back."""
+        producer = self._attach_again(service_key, key)
+        self.produced_at.pop(key, None)
+        self._event(service_key, rs.OutputNotNeeded(key, producer, stimulus_id=stimulus_id))
+
+    def _attach_again(self, service_key: Key, key: Key) -> str:
+        """Give the claim of output ``key``, cut from its service task when produced, its
+        edge back and its own restrictions; returns the worker that produced it."""
         producer = self.cut.pop(key)
         tasks = self.scheduler.tasks
         ots, sts = tasks[key], tasks.get(service_key)
@@ -376,8 +377,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         if sts is not None:
             ots.dependencies.add(sts)
             sts.dependents.add(ots)
-        self.produced_at.pop(key, None)
-        self._event(service_key, rs.OutputNotNeeded(key, producer, stimulus_id=stimulus_id))
+        return producer
 
     def _check_unplaced(self, service_key: Key, key: Key, stimulus_id: str) -> None:
         """Check, once the transitions under way are done, the producing worker of a claim
@@ -835,22 +835,18 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
     def _reattach(self, service_key: Key) -> dict[Key, str]:
         """Give lost outputs back their edge to the service task; returns recommendations."""
         tasks = self.scheduler.tasks
-        sts = tasks[service_key]
         recs: dict[Key, str] = {}
         for o in self.definitions[service_key].output_keys:
             ots = tasks.get(o)
             if ots is None or o not in self.cut or ots.state not in ("no-worker", "processing"):
                 continue
-            producer = self.cut.pop(o)
+            producer = self._attach_again(service_key, o)
             # the value the lost run produced there is not taken: the next run produces it
             # again, maybe elsewhere (it stayed, unspillable, until the worker closed)
             if producer in self.scheduler.workers:
                 self._send(producer, {"op": "service-drop-output", "key": o})
             if self.produced_at.get(o) == producer:
                 del self.produced_at[o]
-            ots.dependencies.add(sts)
-            sts.dependents.add(ots)
-            self._restore_restrictions(ots)
             recs[o] = "released"
         return recs
 
