@@ -424,9 +424,9 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             if service_key not in self.maybe_unneeded:
                 self.maybe_unneeded.add(service_key)
                 self._later(self._forget_if_unneeded, service_key, stimulus_id)
-            if self.output_of[key] not in self.machines:
-                # its service task went first (a claim that erred, as a claim running a
-                # consumer can, has no edge to it any more): nothing else will clean up
+            if service_key not in self.machines:
+                # its service task went first (a claim cut from it when produced keeps no
+                # edge to it until it lands or is let go): nothing else will clean up
                 del self.output_of[key]
                 self.cut.pop(key, None)
                 self.restrictions.pop(key, None)

@@ -251,6 +251,11 @@ def chunk_dtype(declared: np.dtype, dtypes: Iterable[np.dtype]) -> np.dtype:
         return declared
 
 
+def pieces_dtype(declared: Any, pieces: list[tuple[tuple[int, ...], np.ndarray]]) -> np.dtype:
+    """:func:`chunk_dtype` of ``pieces`` (offset, array)."""
+    return chunk_dtype(np.dtype(declared), (piece.dtype for _, piece in pieces))
+
+
 def written_as(piece: np.dtype, chunk: np.dtype, j: Index) -> None:
     """Check that a piece of dtype ``piece`` can be written into output chunk ``j``, of
     dtype ``chunk`` (allocated with the dtype of its first piece to arrive), losing
@@ -271,11 +276,6 @@ def merge_blocks(shape: tuple[float, ...], dtype: np.dtype, offsets: list[tuple[
     offset, in one new (C-ordered, writeable) array."""
     pieces = [(o, plain_numpy(b)) for o, b in zip(offsets, blocks, strict=True)]
     return fill(fresh_array(output_shape(shape, pieces), pieces_dtype(dtype, pieces)), pieces)
-
-
-def pieces_dtype(declared: Any, pieces: list[tuple[tuple[int, ...], np.ndarray]]) -> np.dtype:
-    """:func:`chunk_dtype` of ``pieces`` (offset, array)."""
-    return chunk_dtype(np.dtype(declared), (piece.dtype for _, piece in pieces))
 
 
 def copy_pieces(shape: tuple[float, ...], dtype: np.dtype,
