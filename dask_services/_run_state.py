@@ -20,6 +20,8 @@ Lifecycle of one run::
     any live phase --RestartRequested / participant WorkerLost / OutputLost /
                      WantedGrew / OutputsWanted / OutputWaiting--> (no run; next RunNeeded)
     any live phase --ServiceTaskReleased / ServiceTaskForgotten--> (no run)
+    FINISHED or FAILED --ServiceTaskReleased, still wanted (lost, or retried)-->
+                     (no run; its hand-offs run again, then RunNeeded)
 
 The barrier (``all_inputs_done``) is sent once every input was handed off *and* every
 instance has started, so ``all_started`` always comes first.
@@ -958,21 +960,23 @@ class ServiceTaskMachine:
         if run is not None and ev.still_wanted:
             return self._restart(run, "an input it had received was lost with its worker")
         if run is None:
-            finished = self.run is not None and self.run.phase is Phase.FINISHED
+            over = self.run is not None and self.run.phase in (Phase.FINISHED, Phase.FAILED)
             self.pending_outcome = None
-            if not finished:
+            if not over:
                 return []
-            # Finished but the task was released before reaching memory: a later run
-            # produces whatever is still missing.
-            finished_id, self.run = self.run.run_id, None
+            # Finished (or failed) but the task was released before reaching memory (or
+            # erred): a later run produces whatever is still missing.
+            over_id, failed, self.run = self.run.run_id, self.run.phase is Phase.FAILED, None
             if ev.still_wanted:
-                # It runs again (its worker died with outputs the client still wants):
-                # the hand-offs that survived gave their inputs to the finished run, so
-                # they run again too, or the next run waits for them for ever.
+                # It runs again (its worker died with outputs the client still wants, or
+                # the run failed and the task has retries left): the hand-offs that
+                # survived gave their inputs to the run that is over, so they run again
+                # too, or the next run waits for them for ever.
                 self.rescheduling = True
                 return [RescheduleServiceTask(
+                    "the service task is retried after its run failed" if failed else
                     "the service task was lost before it reached memory, after its run "
-                    "had finished", finished_id)]
+                    "had finished", over_id)]
             return []
         return self._cancel(run, "")
 

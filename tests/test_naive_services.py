@@ -966,3 +966,72 @@ def test_wrong_arguments_to_the_concierge_are_named(service, error, match):
 def test_a_parameter_named_like_a_start_argument_fails_at_graph_construction():
     with pytest.raises(TypeError, match=r"\['key'\] of ProducesNothing clash with"):
         dask_services.service_task(ProducesNothing, [dask.delayed(1)], outputs=1, key=1)
+
+
+# ------------------------------------------------------------------ retries
+
+
+class FailsFirstRuns(Service):
+    """Sums its inputs; the leader's ``all_inputs_done`` raises in the first ``failures``
+    runs (counted in a file, so that worker processes share the count)."""
+
+    async def start(self, *args: Any, counter: str, failures: int, **kwargs: Any) -> None:
+        await super().start(*args, **kwargs)
+        self.counter, self.failures, self.total = counter, failures, 0
+
+    async def add_key(self, key, data) -> None:
+        self.total += data
+
+    @rpc
+    async def total_of(self) -> int:
+        return self.total
+
+    async def all_inputs_done(self) -> None:
+        if self.id != self.leader:
+            return
+        with open(self.counter, "a") as f:
+            f.write("x")
+        with open(self.counter) as f:
+            if len(f.read()) <= self.failures:
+                raise ValueError("this run fails")
+        total = sum([await self.peers[p].total_of() for p in self.peers])
+        for key in self.output_keys:
+            await self.concierge.produce_key(key, total)
+
+
+@pytest.mark.parametrize("how", ["compute", "annotate"])
+@service_cluster()
+async def test_a_service_task_with_retries_runs_again_after_its_run_failed(c, s, a, b,
+                                                                          tmp_path, how):
+    """``retries=`` on a service task: a run that fails is followed by a new run, with
+    every input handed off again (the hand-offs gave theirs to the failed run)."""
+    counter = str(tmp_path / "runs")
+    xs = [dask.delayed(inc)(i) for i in range(6)]
+    if how == "annotate":
+        with dask.annotate(retries=2):
+            outs = dask_services.service_task(FailsFirstRuns, xs, outputs=3,
+                                              counter=counter, failures=2)
+        futures = c.compute(outs)
+    else:
+        outs = dask_services.service_task(FailsFirstRuns, xs, outputs=3,
+                                          counter=counter, failures=2)
+        futures = c.compute(outs, retries=2)
+    assert await c.gather(futures) == [sum(range(1, 7))] * 3
+    assert len((tmp_path / "runs").read_text()) == 3
+    s.validate_state()
+    del futures
+    await assert_nothing_left(s, [a, b])
+
+
+@service_cluster()
+async def test_a_service_task_whose_retries_are_used_up_errs(c, s, a, b, tmp_path):
+    xs = [dask.delayed(inc)(i) for i in range(6)]
+    outs = dask_services.service_task(FailsFirstRuns, xs, outputs=2,
+                                      counter=str(tmp_path / "runs"), failures=10)
+    futures = c.compute(outs, retries=1)
+    for future in futures:
+        await assert_errs(future, ValueError, "this run fails")
+    assert len((tmp_path / "runs").read_text()) == 2
+    s.validate_state()
+    del futures, future
+    await assert_nothing_left(s, [a, b])

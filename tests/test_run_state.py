@@ -498,6 +498,36 @@ def test_a_finished_run_whose_task_is_lost_before_memory_hands_off_again():
     assert kinds(need(m, run_id=2, wanted=["o0"])) == ["StartInstances", "Log"]
 
 
+def test_a_failed_run_whose_task_is_retried_hands_off_again():
+    """``retries=``: the run failed, the scheduler released the service task (instead of
+    erring it) and will run it again; its hand-offs gave their inputs to the failed run,
+    so they run again too, or the next run waits for them for ever."""
+    m = machine()
+    assert m.handle(rs.ServiceTaskProcessing(WORKERS[0])) == []
+    need(m)
+    start_all(m)
+    for k in INPUTS:
+        m.handle(rs.InputHandedOff(1, k))
+    assert kinds(m.handle(rs.RunFailed(1, ValueError("boom")))) == [
+        "StopInstances", "Log", "NotifyServiceTask"]
+    actions = m.handle(rs.ServiceTaskReleased(still_wanted=True, inputs_kept=True))
+    assert kinds(actions) == ["RescheduleServiceTask"]
+    assert "retried after its run failed" in actions[0].reason
+    assert m.run is None and m.rescheduling
+    assert m.handle(rs.ServiceTaskProcessing(WORKERS[1])) == []
+    assert kinds(need(m, run_id=2)) == ["StartInstances", "Log"]
+    m.validate()
+
+
+def test_a_failed_run_whose_task_is_released_unwanted_does_nothing_more():
+    m = machine()
+    need(m)
+    start_all(m)
+    m.handle(rs.RunFailed(1, ValueError("boom")))
+    assert m.handle(rs.ServiceTaskReleased()) == []
+    assert m.run is None and not m.rescheduling
+
+
 def test_a_finished_run_whose_task_is_cancelled_before_memory_does_nothing_more():
     m = machine()
     need(m)
