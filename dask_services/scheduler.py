@@ -12,9 +12,9 @@ received, decided and sent.
 Scheduler internals it relies on (checked by ``tests/test_hooks.py``; why each, in
 ``design/architecture.md``, *Distributed internals*): ``TaskState``'s
 ``dependencies``/``dependents``/``waiting_on``/``waiters`` (the edge of a virtual output is
-cut and restored), ``loose_restrictions`` and ``priority``; ``Scheduler.transitions``,
-``stimulus_queue_slots_maybe_opened``, ``set_restrictions``, ``stream_comms``,
-``stream_handlers`` and ``handlers``.
+cut and restored), ``loose_restrictions``, ``resource_restrictions`` and ``priority``;
+``Scheduler.transitions``, ``stimulus_queue_slots_maybe_opened``, ``set_restrictions``,
+``stream_comms``, ``stream_handlers`` and ``handlers``.
 """
 
 from __future__ import annotations
@@ -203,6 +203,18 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         for key in tasks:
             if key in self.handoff_of:
                 self._restrict_handoff(tasks_[key])
+            elif key in self.machines or key in self.output_of:
+                self._free_of_resources(tasks_.get(key))
+
+    @staticmethod
+    def _free_of_resources(ts: TaskState | None) -> None:
+        """A service task and its outputs' claims need no worker resources
+        (``dask.annotate(resources=...)`` annotates them with the rest of the graph): the
+        service task only waits for its run (seceded, it would hold the unit all along,
+        and the claims needing it on its worker would never run), and a claim runs on the
+        worker that produced its output, whatever that worker has."""
+        if ts is not None and ts.state == "released" and ts.resource_restrictions:
+            ts.resource_restrictions = None
 
     def _register(self, ts: TaskState) -> None:
         definition: ServiceDefinition = ts.run_spec.definition
@@ -365,6 +377,11 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         producer drops the value, the claim gets its edge to the service task back."""
         producer = self._attach_again(service_key, key)
         self.produced_at.pop(key, None)
+        if service_key not in self.machines:
+            # the service task was forgotten first (distributed forgets it with the last
+            # output that had its edge back): no machine decides any more, the value goes
+            self._send(producer, {"op": "service-drop-output", "key": key})
+            return
         self._event(service_key, rs.OutputNotNeeded(key, producer, stimulus_id=stimulus_id))
 
     def _attach_again(self, service_key: Key, key: Key) -> str:

@@ -32,8 +32,8 @@ def test_scheduler_internals_we_use():
     from distributed.scheduler import Scheduler, TaskState
 
     for attr in ("dependencies", "dependents", "waiting_on", "waiters", "worker_restrictions",
-                 "loose_restrictions", "processing_on", "who_has", "run_spec", "priority",
-                 "state", "who_wants"):
+                 "loose_restrictions", "resource_restrictions", "processing_on", "who_has",
+                 "run_spec", "priority", "state", "who_wants"):
         assert attr in TaskState.__slots__ or hasattr(TaskState, attr), attr
     for method in ("transitions", "stimulus_queue_slots_maybe_opened", "log_event",
                    "register_worker_plugin", "validate_state", "add_plugin"):

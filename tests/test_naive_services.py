@@ -1035,3 +1035,77 @@ async def test_a_service_task_whose_retries_are_used_up_errs(c, s, a, b, tmp_pat
     s.validate_state()
     del futures, future
     await assert_nothing_left(s, [a, b])
+
+
+# ------------------------------------------------------------------ worker resources
+
+ONE_GPU_EACH = [("127.0.0.1", 1, {"resources": {"GPU": 1}})] * 2
+
+
+@service_cluster(nthreads=ONE_GPU_EACH)
+async def test_a_graph_annotated_with_worker_resources_runs(c, s, a, b, tmp_path):
+    """``dask.annotate(resources=...)`` annotates the service task and its claims with the
+    rest of the graph: the service task, waiting for its run, holds no unit (or the claims
+    needing its worker's only unit never run), and the claims need none where their
+    outputs were produced; the inputs keep theirs."""
+    with dask.annotate(resources={"GPU": 1}):
+        xs = [dask.delayed(inc)(i) for i in range(6)]
+        outs = dask_services.service_task(FailsFirstRuns, xs, outputs=4,
+                                          counter=str(tmp_path / "runs"), failures=0)
+    futures = c.compute(outs)
+    assert await c.gather(futures) == [sum(range(1, 7))] * 4
+    inputs = [ts for ts in s.tasks.values() if str(ts.key).startswith("inc-")]
+    assert inputs and all(ts.resource_restrictions == {"GPU": 1} for ts in inputs)
+    s.validate_state()
+    del futures
+    await assert_nothing_left(s, [a, b])
+
+
+class ProducesWhenLetGo(FailsFirstRuns):
+    """Produces its outputs once the test sets ``let_go`` (reached: ``waiting``)."""
+
+    waiting = threading.Event()
+    let_go = threading.Event()
+
+    async def all_inputs_done(self) -> None:
+        if self.id == self.leader:
+            type(self).waiting.set()
+            await asyncio.get_running_loop().run_in_executor(None, type(self).let_go.wait)
+        await super().all_inputs_done()
+
+
+BLOCKERS_DONE = threading.Event()
+BLOCKERS_STARTED = threading.Semaphore(0)
+
+
+def block() -> None:
+    """Keeps its worker's only thread busy until the test sets ``BLOCKERS_DONE``."""
+    BLOCKERS_STARTED.release()
+    BLOCKERS_DONE.wait()
+
+
+@service_cluster()
+async def test_outputs_released_before_their_claims_ran_are_dropped(c, s, a, b, tmp_path):
+    """Every output produced, every claim waiting behind a busy worker thread, then the
+    futures released: the producing workers drop every value, even those whose claims
+    went after the service task was forgotten (no machine to decide any more)."""
+    ProducesWhenLetGo.waiting.clear()
+    ProducesWhenLetGo.let_go.clear()
+    xs = [dask.delayed(inc)(i) for i in range(6)]
+    futures = c.compute(dask_services.service_task(
+        ProducesWhenLetGo, xs, outputs=6, counter=str(tmp_path / "runs"), failures=0))
+    await asyncio.get_running_loop().run_in_executor(None, ProducesWhenLetGo.waiting.wait)
+    BLOCKERS_DONE.clear()
+    blockers = [c.submit(block, workers=[w.address], pure=False) for w in (a, b)]
+    for _ in blockers:
+        await asyncio.get_running_loop().run_in_executor(None, BLOCKERS_STARTED.acquire)
+    ProducesWhenLetGo.let_go.set()
+    plugin = s.extensions["dask_services"]
+    await async_poll_for(lambda: len(plugin.cut) == 6, timeout=10)
+    assert all(s.tasks[f.key].state == "processing" for f in futures)
+    del futures
+    try:
+        await assert_nothing_left(s, [a, b])
+    finally:
+        BLOCKERS_DONE.set()
+    await c.gather(blockers)
