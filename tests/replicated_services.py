@@ -20,9 +20,12 @@ class Adder(dask_services.Service):
     service_options = {"max_concurrency": 4}
 
     async def setup(self, offset: int = 0, fail_if_exists: str | None = None,
-                    delays: dict | None = None) -> None:
+                    delays: dict | None = None, setup_gate: str | None = None) -> None:
         if fail_if_exists is not None and os.path.exists(fail_if_exists):
             raise FileExistsError(f"setup refused: {fail_if_exists} exists")
+        if setup_gate is not None:  # reached: GATES[setup_gate + "-reached"] is set
+            GATES.setdefault(setup_gate + "-reached", asyncio.Event()).set()
+            await GATES.setdefault(setup_gate, asyncio.Event()).wait()
         self.offset = offset
         self.delays = delays or {}
         self.sick = False

@@ -21,6 +21,7 @@ from utils import any_task_suspended_in
 from dask_services.replicated import (
     DeploymentError,
     EndpointRefused,
+    ReplicatedService,
     ServiceOverloaded,
     ServiceShutdown,
     ServiceUnavailable,
@@ -455,3 +456,60 @@ async def test_replica_waits_for_an_eligible_worker_to_join(c, s, a):
         assert await svc.add.route(1) == 4
         await svc.shutdown()
         await assert_nothing_left(s, [a, late])
+
+
+async def reached(gate: str) -> None:
+    await GATES.setdefault(gate + "-reached", asyncio.Event()).wait()
+
+
+@cluster()
+async def test_as_service_shut_down_during_setup_raises_service_shutdown(c, s, *workers):
+    """Another handle shuts the service down while ``as_service()`` waits for its replicas'
+    ``setup()``: ``as_service()`` raises ``ServiceShutdown`` instead of returning a handle
+    to a service that is gone."""
+    deploy = asyncio.ensure_future(
+        Adder.options(replicas=2, name="gated").as_service(setup_gate="setup", client=c))
+    await reached("setup")
+    await ReplicatedService("gated", Adder, {}).shutdown(timeout=1)
+    with pytest.raises(ServiceShutdown, match="gated was shut down while its replicas"):
+        await deploy
+    await assert_nothing_left(s, workers)
+
+
+@cluster()
+async def test_scale_shut_down_during_setup_raises_service_shutdown(c, s, *workers):
+    GATES["setup"] = asyncio.Event()
+    GATES["setup"].set()  # the first replica's setup goes through
+    svc = await Adder.options(replicas=1, name="gated").as_service(setup_gate="setup",
+                                                                   client=c)
+    GATES["setup"], GATES["setup-reached"] = asyncio.Event(), asyncio.Event()
+    growing = asyncio.ensure_future(svc.scale(3))
+    await reached("setup")
+    await ReplicatedService("gated", Adder, {}).shutdown(timeout=1)
+    with pytest.raises(ServiceShutdown, match="gated was shut down while its replicas"):
+        await growing
+    await assert_nothing_left(s, workers)
+
+
+@cluster()
+async def test_a_second_shutdown_returns_once_the_first_is_over(c, s, *workers):
+    """Two handles shut the service down at once: the second returns only once the first
+    is over (its replicas gone, the name free), not at once."""
+    svc = await Adder.options(replicas=2, name="twice").as_service(client=c)
+    call = asyncio.ensure_future(svc.wait_for.route("running", 7))
+    await async_poll_for(lambda: "running" in GATES, timeout=5)  # the call runs
+    plugin = s.extensions["dask_services_replicated"]
+    dep = plugin.deployments["twice"]
+    first = asyncio.ensure_future(svc.shutdown(timeout=10))
+    await async_poll_for(lambda: dep.stopping, timeout=5)
+    second = asyncio.ensure_future(ReplicatedService("twice", Adder, {}).shutdown(timeout=10))
+    await async_poll_for(lambda: len(dep.stopped._waiters) == 1, timeout=5)
+    assert not second.done() and not first.done()  # the call in flight is drained
+    GATES["running"].set()
+    await second
+    assert "twice" not in plugin.deployments and not any(hosted(workers).values())
+    await first
+    assert await call == 7
+    again = await Adder.options(replicas=1, name="twice").as_service(client=c)
+    await again.shutdown()
+    await assert_nothing_left(s, workers)

@@ -8,7 +8,7 @@ from typing import Any
 from distributed.protocol import pickle
 
 from dask_services._messages import loads_exception
-from dask_services.replicated._errors import DeploymentError
+from dask_services.replicated._errors import DeploymentError, ServiceShutdown
 from dask_services.replicated._handle import (
     ClientTransport,
     ReplicatedService,
@@ -79,6 +79,8 @@ async def _deploy(client: Any, handle: ReplicatedService, blob: bytes,
         await scheduler.replicated_shutdown(name=handle.name, timeout=0)
         if result.get("exception"):
             raise loads_exception(result["exception"])
+        if result.get("shutdown"):
+            raise ServiceShutdown(result["error"])
         raise DeploymentError(f"deploying {handle.name} failed: {result['error']}")
     await handle._refresh()
     return handle

@@ -731,6 +731,8 @@ class ReplicatedService:
         if isinstance(result, dict) and result.get("status") == "error":
             if result.get("exception"):
                 raise loads_exception(result["exception"])
+            if result.get("shutdown"):
+                raise ServiceShutdown(result["error"])
             raise ServiceUnavailable(result["error"])
         return [dict(row) for row in result] if isinstance(result, (list, tuple)) else result
 

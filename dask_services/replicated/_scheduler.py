@@ -65,6 +65,7 @@ class Deployment:
     errors: dict[int, bytes] = field(default_factory=dict)  # slot -> last setup exception
     next_slot: int = 0
     stopping: bool = False
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)  # its shutdown is over
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: set[asyncio.Task] = field(default_factory=set)
 
@@ -195,8 +196,10 @@ class Deployments(SchedulerPlugin):
         deadline = loop.time() + timeout
         while True:
             dep = self.deployments.get(name)
-            if dep is None:
-                return {"status": "error", "error": f"service {name} was shut down"}
+            if dep is None or dep.stopping:
+                # shut down (from another handle) before its replicas were healthy
+                return {"status": "error", "shutdown": True,
+                        "error": f"service {name} was shut down while its replicas started"}
             machines = {s: m for s, m in dep.slots.items()
                         if (slots is None or s in slots) and m.state is not ReplicaState.STOPPED}
             for s, m in machines.items():
@@ -210,8 +213,8 @@ class Deployments(SchedulerPlugin):
                 late = "; ".join(f"{m.id}: {_why_not_healthy(m)}" for m in machines.values()
                                  if m.state is not ReplicaState.HEALTHY)
                 return {"status": "error", "late": True, "error": (
-                    f"replicas of {name} not healthy after {timeout} s "
-                    f"(dask_services.replicated.deploy-timeout): {late}")}
+                    f"replicas of {name} not healthy after {timeout} s (the timeout "
+                    f"given, by default dask_services.replicated.deploy-timeout): {late}")}
             try:
                 await asyncio.wait_for(dep.changed.wait(), left)
             except TimeoutError:
@@ -368,19 +371,27 @@ class Deployments(SchedulerPlugin):
         """Stop every replica (draining calls in flight for ``timeout`` s) and forget the
         deployment."""
         dep = self.deployments.get(name)
-        if dep is None or dep.stopping:
+        if dep is None:
+            return {"status": "ok"}
+        if dep.stopping:
+            # a shutdown is under way: this one returns when it is over (replicas gone,
+            # the name free), as the first does
+            await dep.stopped.wait()
             return {"status": "ok"}
         dep.stopping = True
-        stops = []
-        for s, m in list(dep.slots.items()):
-            stops += self._apply(dep, s, m.handle(lc.StopRequested()), reason="shutdown",
-                                 timeout=timeout)
-        await self._await(stops, timeout + 10)
-        # Starts still under way answer "stopped" once their stop cancelled them.
-        await self._await([t for t in dep.tasks if t not in stops], 10)
-        self.deployments.pop(name, None)
-        self.reports.prune(self.placed())
-        dep.notify()
+        try:
+            stops = []
+            for s, m in list(dep.slots.items()):
+                stops += self._apply(dep, s, m.handle(lc.StopRequested()), reason="shutdown",
+                                     timeout=timeout)
+            await self._await(stops, timeout + 10)
+            # Starts still under way answer "stopped" once their stop cancelled them.
+            await self._await([t for t in dep.tasks if t not in stops], 10)
+        finally:
+            self.deployments.pop(name, None)
+            self.reports.prune(self.placed())
+            dep.stopped.set()
+            dep.notify()
         self._log(name, "shutdown", None, None, f"timeout={timeout}")
         return {"status": "ok"}
 
