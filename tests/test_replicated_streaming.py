@@ -225,3 +225,20 @@ def test_a_stream_is_counted_before_its_last_message_goes_out(method, last, erro
         assert rep.gate.in_flight == 0 and not rep.running
 
     asyncio.run(main())
+
+
+@cluster(nthreads=[("127.0.0.1", 1)])
+async def test_a_stream_cut_by_shutdown_raises_service_shutdown(c, s, *workers):
+    """``svc.shutdown()`` while the caller is behind (the replica wrote its window of items
+    and waits for credit): past the timeout the stream ends with ``ServiceShutdown``, also
+    when the replica's last word is lost with the connection."""
+    svc = await Streamer.options(replicas=1).as_service(client=c)
+    stream = svc.forever.stream("cut")
+    assert await stream.__anext__() == 0
+    await svc.shutdown(timeout=0.2)
+    got = []
+    with pytest.raises(dask_services.ServiceShutdown, match="shut down"):
+        async for x in stream:
+            got.append(x)
+    assert got == list(range(1, len(got) + 1))
+    await assert_nothing_left(s, workers)

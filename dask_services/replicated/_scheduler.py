@@ -225,7 +225,7 @@ class Deployments(SchedulerPlugin):
         dep = self.deployments.get(name)
         if dep is None:
             return None
-        return {"replicas": [
+        return {"stopping": dep.stopping, "replicas": [
             {"id": str(m.id), "worker": m.worker, "state": m.state.value}
             for m in dep.slots.values() if m.state is not ReplicaState.STOPPED
         ]}

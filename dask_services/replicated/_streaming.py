@@ -346,6 +346,12 @@ class Stream:
                 if self._comm is not None:
                     self._abort_now(self._comm)
                     self._comm = None
+                if await self._shut_down():
+                    # the replica's last word ("shutdown") was lost with the connection
+                    # (a credit written after it closed its end closes ours)
+                    raise ServiceShutdown(
+                        f"{self._handle.name}.{self._method}: the stream was cut: service "
+                        f"{self._handle.name} was shut down") from e
                 raise ServiceUnavailable(
                     f"{self._handle.name}.{self._method}: the stream's connection broke "
                     f"mid-stream ({type(e).__name__}: {e})") from e
@@ -372,6 +378,15 @@ class Stream:
                                          f"{msg['message']}")
             raise ServiceUnavailable(f"{self._handle.name}.{self._method}: unexpected "
                                      f"message {msg!r}")
+
+    async def _shut_down(self) -> bool:
+        """Whether the service is shut down, or being shut down (asked of the scheduler)."""
+        try:
+            info = await asyncio.wait_for(
+                self._handle._transport.scheduler.replicated_table(name=self._handle.name), 10)
+        except (CommClosedError, OSError, TimeoutError):
+            return False
+        return info is None or bool(info.get("stopping"))
 
     async def _open(self) -> Any:
         """Route the stream to a replica, re-sending on infrastructure failures until the
