@@ -128,6 +128,7 @@ class InstanceConcierge(Concierge):
     def __init__(self, host: ServiceHost, instance: Instance) -> None:
         self._host = host
         self._instance = instance
+        self._positions: dict[Key, int] | None = None  # output key -> position, for owner()
         # the loop that owns the run's state: error() and restart() called from a service
         # thread are carried out there
         self._loop = asyncio.get_running_loop()
@@ -165,13 +166,23 @@ class InstanceConcierge(Concierge):
         return self._instance.spec.wanted
 
     def owner(self, output_key: Key) -> ServiceId:
-        try:
-            return self._instance.spec.owners[output_key]
-        except KeyError:
+        spec = self._instance.spec
+        owner = spec.owners.get(output_key)
+        if owner is not None:
+            return owner
+        # An output this run does not need (a partial compute): an owner all the same,
+        # the same on every instance, so that "produce every output I own" works (producing
+        # it is a no-op).
+        if self._positions is None:
+            self._positions = {key: i for i, key in enumerate(spec.output_keys)}
+        position = self._positions.get(output_key)
+        if position is None:
             raise ProduceKeyError(
-                f"{output_key!r} is not a wanted output of service task "
-                f"{self._instance.spec.service_key!r}"
-            ) from None
+                f"{output_key!r} is not an output of service task {spec.service_key!r}; "
+                "its outputs are self.output_keys"
+            )
+        ids = list(spec.peers)
+        return ids[position % len(ids)]
 
     def produce_key(self, key: Key, value: Any, *, nbytes: int | None = None
                     ) -> Coroutine[Any, Any, bool]:

@@ -99,7 +99,9 @@ class Concierge(abc.ABC):
         """The instance that should produce ``output_key`` (the default placement).
 
         Deterministic for the run; two service tasks submitted with the same ``placement``
-        parameter agree on it, so partition *i* of both ends up on the same worker.
+        parameter agree on it, so partition *i* of both ends up on the same worker.  An
+        output the run does not need has an owner too (producing it is a no-op);
+        ``ProduceKeyError`` for a key that is not an output.
         """
 
     @abc.abstractmethod

@@ -18,7 +18,7 @@ from distributed.utils_test import async_poll_for, captured_logger, gen_cluster,
 from utils import assert_errs, assert_nothing_left, kill, service_cluster
 
 import dask_services
-from dask_services import PeerCallError, RPCRefused, Service, rpc
+from dask_services import PeerCallError, RPCRefused, Service, ServiceId, rpc
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -273,6 +273,49 @@ class ProducesStrangers(Service):
 async def test_producing_a_key_that_is_not_an_output_still_fails(c, s, a, b):
     (fut,) = c.compute(dask_services.service_task(ProducesStrangers, [], outputs=1))
     await assert_errs(fut, dask_services.ProduceKeyError, "is not an output of service task")
+    del fut
+    await assert_nothing_left(s, [a, b])
+
+
+class ProducesWhatItOwns(Service):
+    """Every instance produces every output it owns, wanted or not (the default
+    placement); records who owned what."""
+
+    owned: list[tuple[ServiceId, Any, ServiceId]] = []
+
+    async def all_inputs_done(self) -> None:
+        for i, key in enumerate(self.output_keys):
+            owner = self.concierge.owner(key)
+            self.owned.append((self.id, key, owner))
+            if owner == self.id:
+                await self.concierge.produce_key(key, i)
+
+
+@service_cluster()
+async def test_owner_answers_for_outputs_a_partial_compute_does_not_want(c, s, a, b):
+    """``concierge.owner(key)`` for an output this run does not need (one output of four
+    computed) names an instance all the same, the same one on every instance."""
+    ProducesWhatItOwns.owned.clear()
+    outs = dask_services.service_task(ProducesWhatItOwns, [], outputs=4)
+    assert await c.compute(outs[2]) == 2
+    by_key: dict = {}
+    for _, key, owner in ProducesWhatItOwns.owned:
+        by_key.setdefault(key, set()).add(owner)
+    assert len(by_key) == 4 and all(len(owners) == 1 for owners in by_key.values())
+    assert len({sid for sid, _, _ in ProducesWhatItOwns.owned}) == 2  # both instances asked
+    await assert_nothing_left(s, [a, b])
+
+
+class AsksOwnerOfAStranger(Service):
+    async def all_inputs_done(self) -> None:
+        self.concierge.owner("not-an-output")
+
+
+@service_cluster()
+async def test_owner_of_a_key_that_is_not_an_output_fails(c, s, a, b):
+    (fut,) = c.compute(dask_services.service_task(AsksOwnerOfAStranger, [], outputs=1))
+    await assert_errs(fut, dask_services.ProduceKeyError,
+                      "'not-an-output' is not an output of service task")
     del fut
     await assert_nothing_left(s, [a, b])
 
