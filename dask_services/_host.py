@@ -573,7 +573,7 @@ class ServiceHost:
             args, kwargs = as_incoming(*await arguments())
             await inst.started.wait()
             try:
-                return await getattr(inst.service, method)(*args, **kwargs)
+                return await _awaited(getattr(inst.service, method)(*args, **kwargs))
             except (Exception, asyncio.CancelledError):
                 raise
             except BaseException as exc:  # SystemExit, KeyboardInterrupt...

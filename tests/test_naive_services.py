@@ -996,6 +996,31 @@ def test_hooks_written_without_async_run():
         dask.compute(*outs, scheduler="sync")
 
 
+class DoublesWithAPlainDefRPC(Service):
+    async def all_inputs_done(self) -> None:
+        doubled = [await peer.double(3) for peer in self.peers.values()]
+        for key in self.output_keys:
+            if self.concierge.owner(key) == self.id:
+                await self.concierge.produce_key(key, doubled)
+
+    @rpc
+    def double(self, x: int) -> int:
+        return 2 * x
+
+
+@service_cluster()
+async def test_an_rpc_method_written_as_a_plain_def_answers(c, s, a, b):
+    outs = dask_services.service_task(DoublesWithAPlainDefRPC, [], outputs=2)
+    assert await c.gather(c.compute(outs)) == [[6, 6], [6, 6]]
+    await assert_nothing_left(s, [a, b])
+
+
+def test_an_rpc_method_written_as_a_plain_def_under_the_local_scheduler():
+    outs = dask_services.service_task(DoublesWithAPlainDefRPC, [], outputs=2)
+    with dask.config.set({"dask_services.local-instances": 2}):
+        assert dask.compute(*outs, scheduler="sync") == ([6, 6], [6, 6])
+
+
 @pytest.mark.parametrize("service, error, match", [
     (ErrorWithAMessage, TypeError, r"concierge.error\(\) takes an exception"),
     (ProducesAListKey, dask_services.ProduceKeyError, "keys are strings or tuples"),
