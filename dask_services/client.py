@@ -144,6 +144,12 @@ def service_task(service_class: type[Service], inputs: Sequence[Any] | Any, *,
     input_keys: list[Key] = []
     for obj in inputs:
         if not is_dask_collection(obj):
+            if type(obj).__name__ == "Future" and hasattr(obj, "key"):
+                raise TypeError(
+                    "service_task() inputs must be dask collections or Delayed objects, got "
+                    "a Future; to run a service on futures use dask_services.submit("
+                    "service_class, futures, outputs=...), which returns futures"
+                )
             raise TypeError(
                 f"service_task() inputs must be dask collections or Delayed objects, got "
                 f"{type(obj).__name__}; wrap plain values with dask.delayed(value)"

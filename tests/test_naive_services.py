@@ -1177,3 +1177,12 @@ async def test_outputs_released_before_their_claims_ran_are_dropped(c, s, a, b, 
     finally:
         BLOCKERS_DONE.set()
     await c.gather(blockers)
+
+
+@service_cluster()
+async def test_service_task_given_a_future_points_to_submit(c, s, a, b):
+    future = c.submit(inc, 1)
+    with pytest.raises(TypeError, match=r"got a Future; to run a service on futures use "
+                                        r"dask_services.submit\("):
+        dask_services.service_task(FailsFirstRuns, [future], outputs=1)
+    assert await future == 2
