@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import dask
 import pytest
 from distributed import Client, LocalCluster
 from distributed.utils_test import poll_for
 from replicated_services import Adder
-from utils import kill, validate_scheduler
+from utils import kill, pid_of, validate_scheduler
 
 from dask_services.replicated import ServiceShutdown, ServiceUnavailable
 
@@ -118,3 +119,33 @@ def test_readme_example_runs(cluster):
     with pytest.raises(ServiceShutdown, match="shut down"):
         svc.predict.route([1]).result()
     poll_for(lambda: not any(hosted(client).values()), timeout=10)
+
+
+def test_calls_in_flight_on_a_frozen_worker_are_resent():
+    """A replica's worker freezes (a native call holding the GIL; here SIGSTOP) with calls
+    in flight: its connections stay open, but its health probe fails and the replica is
+    relaunched elsewhere; the callers see it replaced and re-send the calls there instead
+    of waiting for the frozen worker.  Once it wakes, nothing of the old replica stays."""
+    config = {"distributed.scheduler.validate": True, "distributed.worker.validate": True,
+              "dask_services.replicated.health-check-period": "200ms",
+              "dask_services.replicated.health-check-timeout": "1s"}
+    with dask.config.set(config), LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+    ) as cluster, Client(cluster) as client:
+        svc = Adder.options(replicas=2, max_concurrency=4).as_service(1000, client=client)
+        victim = svc.replicas()[0]
+        pid = pid_of(client, victim["worker"])
+        calls = [svc.slow_add.route(i, 0.5) for i in range(8)]
+        poll_for(lambda: any(r["id"] == victim["id"] and r["in_flight"] > 0
+                             for r in svc.replicas()), timeout=30)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            results = [call.result(timeout=30) for call in calls]  # not the frozen worker's
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert [value for _, value in results] == [i + 1000 for i in range(8)]
+        poll_for(lambda: all_healthy(svc, 2), timeout=60)
+        assert victim["id"] not in {r["id"] for r in svc.replicas()}
+        validate_scheduler(client)
+        svc.shutdown()
+        poll_for(lambda: not any(hosted(client).values()), timeout=30)

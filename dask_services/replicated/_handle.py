@@ -626,14 +626,16 @@ class ReplicatedService:
             comm = await self._connect(target)
             sent = True  # from here on, the replica may be running the calls
             if len(box) == 1:
-                answer = await send_recv(comm=comm, op="replicated_call", **box[0][0])
+                answer = await self._watched(
+                    target, send_recv(comm=comm, op="replicated_call", **box[0][0]))
                 if not box[0][1].done():
                     box[0][1].set_result(answer)
             else:
                 await comm.write({"op": "replicated_calls", "calls": [m for m, _ in box]})
                 left = len(box)
                 while left:
-                    for answer in await comm.read():  # the answers ready together
+                    # the answers ready together
+                    for answer in await self._watched(target, comm.read()):
                         left -= 1
                         fut = box[int(answer.pop("i"))][1]
                         if not fut.done():
@@ -655,6 +657,36 @@ class ReplicatedService:
         finally:
             if comm is not None:
                 self._transport.pool.reuse(target.worker, comm)
+
+    async def _watched(self, target: _Replica, receive: Coroutine) -> Any:
+        """Await ``receive`` (answers from ``target``'s worker), asking the scheduler now
+        and then whether ``target`` was replaced: a worker that froze (a long native call
+        holding the GIL, a stopped process) keeps its connections open, so its calls would
+        wait for it, while the scheduler, its health probe failing, relaunched the replica
+        elsewhere.  Replaced, the calls are lost in flight and re-sent to the new one (like
+        a killed worker's; the frozen one may still run them when it wakes).  A replica
+        stopped, not replaced (scale down, shutdown), drains its calls: they wait."""
+        answer = asyncio.ensure_future(receive)
+        base = str(target.id).rsplit(".", 1)[0]
+        period = max(config_seconds("health-check-period"), config_seconds("refresh-interval"))
+        try:
+            while True:
+                done, _ = await asyncio.wait({answer}, timeout=period)
+                if done:
+                    return answer.result()
+                with contextlib.suppress(Exception):
+                    await self._refresh()
+                replaced_by = next((r for r in self._table if r.id != target.id
+                                    and str(r.id).rsplit(".", 1)[0] == base), None)
+                if replaced_by is not None:
+                    raise OSError(f"replica {target.id} on {target.worker} was replaced by "
+                                  f"{replaced_by.id} while it had the call (its health "
+                                  "probe failed: the worker froze?)")
+        finally:
+            if not answer.done():
+                answer.cancel()
+                with contextlib.suppress(BaseException):
+                    await answer
 
     async def _connect(self, target: _Replica, timeout: float | None = None) -> Any:
         """A pooled connection to ``target``'s worker.
