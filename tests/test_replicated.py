@@ -513,3 +513,27 @@ async def test_a_second_shutdown_returns_once_the_first_is_over(c, s, *workers):
     again = await Adder.options(replicas=1, name="twice").as_service(client=c)
     await again.shutdown()
     await assert_nothing_left(s, workers)
+
+
+@cluster()
+async def test_a_replica_whose_stop_was_lost_is_stopped_when_its_worker_reports_it(
+        c, s, *workers):
+    """A stop that never reached its worker (frozen past the stop's wait: a native call
+    holding the GIL) left the replica there for ever; the worker's next heartbeat reports a
+    replica no deployment places there, and the scheduler stops it."""
+    svc = await Adder.options(replicas=1, name="lost-stop").as_service(client=c)
+    plugin = s.extensions["dask_services_replicated"]
+    real = plugin._stop_on
+
+    async def lost(worker, sid, timeout, reason, under_way):
+        await real("tcp://127.0.0.1:1", sid, timeout, reason, under_way)  # not reached
+
+    plugin._stop_on = lost
+    try:
+        await svc.shutdown(timeout=1)
+    finally:
+        plugin._stop_on = real
+    assert sum(len(ids) for ids in hosted(workers).values()) == 1  # the stop was lost
+    assert not plugin.deployments
+    await assert_nothing_left(s, workers)  # stopped at the worker's next heartbeat
+    assert not plugin._orphan_stops and not plugin._stops_under_way

@@ -14,9 +14,10 @@ it; calls never pass through here.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +31,7 @@ from dask_services._run_state import new_stimulus_id
 from dask_services.replicated import _adaptive
 from dask_services.replicated import _lifecycle as lc
 from dask_services.replicated._autoscale import AutoscalePolicy, AutoscalingConfig, Decision
-from dask_services.replicated._gang import rank_id
+from dask_services.replicated._gang import incarnation_of, rank_id
 from dask_services.replicated._lifecycle import ReplicaState
 from dask_services.replicated._options import config_seconds
 from dask_services.replicated._table import ReplicaReports
@@ -94,6 +95,11 @@ class Deployments(SchedulerPlugin):
         self._probe: PeriodicCallback | None = None
         self._autoscaler: PeriodicCallback | None = None
         self.reports = ReplicaReports()  # figures of each replica, from worker heartbeats
+        # stops of replicas a worker reports that no deployment places there (their stop
+        # was lost), by instance id
+        self._orphan_stops: dict[str, asyncio.Task] = {}
+        # (worker, incarnation id) of every stop under way: its replica is not an orphan
+        self._stops_under_way: collections.Counter[tuple[str, str]] = collections.Counter()
 
     async def start(self, scheduler: Scheduler) -> None:
         """Install the scheduler handlers, start the health probes and register the
@@ -124,6 +130,7 @@ class Deployments(SchedulerPlugin):
         if self._autoscaler is not None:
             self._autoscaler.stop()
         tasks = [task for dep in self.deployments.values() for task in dep.tasks]
+        tasks += self._orphan_stops.values()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -419,6 +426,30 @@ class Deployments(SchedulerPlugin):
     def worker_report(self, worker: str, records: Any) -> None:
         """Figures of the replicas on ``worker``, from its heartbeat (``_table.py``)."""
         self.reports.update(worker, records, self.placed())
+        self._stop_orphans(worker, records)
+
+    def _stop_orphans(self, worker: str, records: Any) -> None:
+        """Stop the replicas ``worker`` reports that no deployment places there: their
+        stop was lost (the worker froze past the stop's wait, e.g. a native call holding
+        the GIL, while the replica was relaunched elsewhere or the service shut down).
+        A worker reports only replicas that are ready and not closing."""
+        placed = None
+        for record in records:
+            rid = str(record.get("id"))
+            if rid in self._orphan_stops:
+                continue
+            if placed is None:  # every rank of every replica not stopped, and its worker
+                placed = {str(rank_id(str(m.id), rank)): w
+                          for dep in self.deployments.values() for m in dep.slots.values()
+                          if m.state is not ReplicaState.STOPPED
+                          for rank, w in enumerate(m.workers)}
+            if placed.get(rid) == worker or (worker, incarnation_of(rid)) in self._stops_under_way:
+                continue
+            logger.warning("replica %s on %s belongs to no deployment any more (its stop "
+                           "was lost): stopping it", rid, worker)
+            task = asyncio.ensure_future(self._stop(worker, rid, 0, "no longer deployed"))
+            self._orphan_stops[rid] = task
+            task.add_done_callback(lambda _, rid=rid: self._orphan_stops.pop(rid, None))
 
     # ------------------------------------------------------------ cluster events
 
@@ -651,14 +682,29 @@ class Deployments(SchedulerPlugin):
             return
         self._apply(dep, slot, machine.handle(event))
 
-    async def _stop(self, worker: str, sid: Any, timeout: float, reason: str) -> None:
-        if worker not in self.scheduler.workers:
-            return
+    def _stop(self, worker: str, sid: Any, timeout: float, reason: str) -> Coroutine:
+        """Stop incarnation ``sid`` (its rank) on ``worker``: counted as under way at once
+        (a heartbeat in between must not take the replica for an orphan), then the
+        returned coroutine asks the worker."""
+        under_way = (worker, str(sid))
+        self._stops_under_way[under_way] += 1
+        return self._stop_on(worker, sid, timeout, reason, under_way)
+
+    async def _stop_on(self, worker: str, sid: Any, timeout: float, reason: str,
+                       under_way: tuple[str, str]) -> None:
         try:
+            if worker not in self.scheduler.workers:
+                return
             await asyncio.wait_for(self.scheduler.rpc(worker).replicated_stop(
                 id=str(sid), timeout=timeout, reason=reason), timeout + 40)
         except Exception as e:
+            # the worker may be frozen: once it reports the replica again, it is stopped
+            # as an orphan (_stop_orphans)
             logger.info("stopping replica %s on %s: %r", sid, worker, e)
+        finally:
+            self._stops_under_way[under_way] -= 1
+            if self._stops_under_way[under_way] <= 0:
+                del self._stops_under_way[under_way]
 
     # ------------------------------------------------------------ health probes
 
