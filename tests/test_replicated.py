@@ -7,6 +7,7 @@ import gc
 import pickle
 
 import pytest
+from distributed import Client
 from distributed.utils_test import async_poll_for, gen_cluster
 from replicated_services import (
     GATES,
@@ -537,3 +538,15 @@ async def test_a_replica_whose_stop_was_lost_is_stopped_when_its_worker_reports_
     assert not plugin.deployments
     await assert_nothing_left(s, workers)  # stopped at the worker's next heartbeat
     assert not plugin._orphan_stops and not plugin._stops_under_way
+
+
+@cluster()
+async def test_a_handle_whose_client_was_closed_uses_the_default_client(c, s, *workers):
+    """The Client a handle was deployed with is closed: the handle goes through the
+    default client instead of failing with "ConnectionPool is closed"."""
+    async with Client(s.address, asynchronous=True, set_as_default=False) as other:
+        svc = await Adder.options(replicas=1).as_service(10, client=other)
+        assert await svc.add.route(1) == 11
+    assert await svc.add.route(2) == 12  # through c, the default client
+    await svc.shutdown()
+    await assert_nothing_left(s, workers)

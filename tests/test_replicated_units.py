@@ -325,3 +325,20 @@ def test_metrics_quantiles():
     assert s["calls"] == 200 and s["errors"] == 4
     assert s["p50_ms"] == pytest.approx(150) and s["p99_ms"] == pytest.approx(199)
     assert math.isnan(ReplicaMetrics().summary()["p50_ms"])
+
+
+def test_a_handle_whose_client_was_closed_says_what_to_do_without_another():
+    from distributed import default_client
+
+    from dask_services.replicated._handle import Transport
+
+    class ClosedClientTransport(Transport):
+        def closed(self) -> bool:
+            return True
+
+    with pytest.raises(ValueError, match="No clients"):
+        default_client()  # no other client: nothing to fall back on
+    svc = dask_services.ReplicatedService("svc", object, {}, ClosedClientTransport())
+    with pytest.raises(ValueError, match="the Client that service svc's handle used was "
+                                         "closed; create a distributed.Client"):
+        svc.replicas()

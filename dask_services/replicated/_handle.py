@@ -57,6 +57,10 @@ class Transport(abc.ABC):
     pool: Any  # distributed ConnectionPool
     scheduler: Any  # rpc to the scheduler
 
+    def closed(self) -> bool:
+        """Whether what this transport goes through was closed (a closed ``Client``)."""
+        return False
+
     def in_loop(self) -> bool:
         """Whether the caller runs on this transport's event loop (async code)."""
         try:
@@ -100,6 +104,9 @@ class ClientTransport(Transport):
     def __init__(self, client: Any) -> None:
         self.client = client
         _connect(self, client)
+
+    def closed(self) -> bool:
+        return self.client.status in ("closing", "closed")
 
 
 class WorkerTransport(Transport):
@@ -415,9 +422,21 @@ class ReplicatedService:
 
     @property
     def _transport(self) -> Transport:
-        if self._transport_ is None:
-            self._transport_ = current_transport()
-        return self._transport_
+        transport = self._transport_
+        if transport is None or transport.closed():
+            # never bound, or its Client was closed: the worker this runs on, or the
+            # default client (a new Client becomes it)
+            try:
+                transport = self._transport_ = current_transport()
+            except ValueError:
+                if transport is None:
+                    raise
+                raise ValueError(
+                    f"the Client that service {self.name}'s handle used was closed; create "
+                    "a distributed.Client connected to the cluster (it becomes the default "
+                    "client) and the handle uses it"
+                ) from None
+        return transport
 
     def __reduce__(self) -> tuple:
         return (ReplicatedService, (self.name, self.service_class, self.options))
