@@ -417,6 +417,7 @@ class ReplicatedService:
         self._session_counts: collections.Counter = collections.Counter()
         # calls to one replica made in the same turn of the event loop, sent as one message
         self._outbox: dict[ServiceId, list[tuple[dict, asyncio.Future]]] = {}
+        self._watch_every: float | None = None  # seconds between _ReplacementWatch checks
 
     # -------------------------------------------------------- plumbing
 
@@ -440,6 +441,14 @@ class ReplicatedService:
 
     def __reduce__(self) -> tuple:
         return (ReplicatedService, (self.name, self.service_class, self.options))
+
+    def _watch_period(self) -> float:
+        """How often a delivery checks that its replica was not replaced (read once: the
+        config values are parsed strings)."""
+        if self._watch_every is None:
+            self._watch_every = max(config_seconds("health-check-period"),
+                                    config_seconds("refresh-interval"))
+        return self._watch_every
 
     def __getattr__(self, name: str) -> Endpoint:
         if name.startswith("__") or (name.startswith("_") and name.endswith("_")):
@@ -641,20 +650,20 @@ class ReplicatedService:
         worker writes one message per call, in the order they finish)."""
         comm = None
         sent = False
+        watch: _ReplacementWatch | None = None
         try:
             comm = await self._connect(target)
             sent = True  # from here on, the replica may be running the calls
+            watch = _ReplacementWatch(self, target, comm)
             if len(box) == 1:
-                answer = await self._watched(
-                    target, send_recv(comm=comm, op="replicated_call", **box[0][0]))
+                answer = await send_recv(comm=comm, op="replicated_call", **box[0][0])
                 if not box[0][1].done():
                     box[0][1].set_result(answer)
             else:
                 await comm.write({"op": "replicated_calls", "calls": [m for m, _ in box]})
                 left = len(box)
                 while left:
-                    # the answers ready together
-                    for answer in await self._watched(target, comm.read()):
+                    for answer in await comm.read():  # the answers ready together
                         left -= 1
                         fut = box[int(answer.pop("i"))][1]
                         if not fut.done():
@@ -665,7 +674,9 @@ class ReplicatedService:
             for _, fut in box:
                 if not fut.done():
                     if sent:
-                        lost: OSError = LostInFlight(f"{type(e).__name__}: {e}")
+                        lost: OSError = LostInFlight(
+                            watch.replaced if watch is not None and watch.replaced
+                            else f"{type(e).__name__}: {e}")
                         lost.__cause__ = e
                     else:
                         lost = e if isinstance(e, OSError) else OSError(
@@ -674,38 +685,10 @@ class ReplicatedService:
             if not isinstance(e, Exception):
                 raise
         finally:
+            if watch is not None:
+                watch.cancel()
             if comm is not None:
                 self._transport.pool.reuse(target.worker, comm)
-
-    async def _watched(self, target: _Replica, receive: Coroutine) -> Any:
-        """Await ``receive`` (answers from ``target``'s worker), asking the scheduler now
-        and then whether ``target`` was replaced: a worker that froze (a long native call
-        holding the GIL, a stopped process) keeps its connections open, so its calls would
-        wait for it, while the scheduler, its health probe failing, relaunched the replica
-        elsewhere.  Replaced, the calls are lost in flight and re-sent to the new one (like
-        a killed worker's; the frozen one may still run them when it wakes).  A replica
-        stopped, not replaced (scale down, shutdown), drains its calls: they wait."""
-        answer = asyncio.ensure_future(receive)
-        base = str(target.id).rsplit(".", 1)[0]
-        period = max(config_seconds("health-check-period"), config_seconds("refresh-interval"))
-        try:
-            while True:
-                done, _ = await asyncio.wait({answer}, timeout=period)
-                if done:
-                    return answer.result()
-                with contextlib.suppress(Exception):
-                    await self._refresh()
-                replaced_by = next((r for r in self._table if r.id != target.id
-                                    and str(r.id).rsplit(".", 1)[0] == base), None)
-                if replaced_by is not None:
-                    raise OSError(f"replica {target.id} on {target.worker} was replaced by "
-                                  f"{replaced_by.id} while it had the call (its health "
-                                  "probe failed: the worker froze?)")
-        finally:
-            if not answer.done():
-                answer.cancel()
-                with contextlib.suppress(BaseException):
-                    await answer
 
     async def _connect(self, target: _Replica, timeout: float | None = None) -> Any:
         """A pooled connection to ``target``'s worker.
@@ -807,6 +790,49 @@ class ReplicatedService:
     async def _shutdown(self, timeout: float) -> None:
         await self._transport.scheduler.replicated_shutdown(name=self.name, timeout=timeout)
         self._table = []
+
+
+class _ReplacementWatch:
+    """While a handle awaits answers from ``target`` on ``comm``, asks the scheduler now
+    and then whether ``target`` was replaced, and if so aborts ``comm`` (its calls are then
+    lost in flight and re-sent).  A worker that froze (a long native call holding the GIL,
+    a stopped process) keeps its connections open, so its calls would wait for it, while
+    the scheduler, its health probe failing, relaunched the replica elsewhere; the frozen
+    one may still run them when it wakes, as a killed worker may have.  A replica stopped,
+    not replaced (scale down, shutdown), drains its calls: they wait.  Costs a timer per
+    delivery until the first check is due."""
+
+    def __init__(self, handle: ReplicatedService, target: _Replica, comm: Any) -> None:
+        self.handle, self.target, self.comm = handle, target, comm
+        self.replaced: str | None = None  # why the comm was aborted
+        self._check: asyncio.Future | None = None
+        self._timer = asyncio.get_running_loop().call_later(handle._watch_period(),
+                                                            self._due)
+
+    def _due(self) -> None:
+        self._check = asyncio.ensure_future(self._look())
+        self._check.add_done_callback(_consume)
+
+    async def _look(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.handle._refresh()
+        target = self.target
+        base = str(target.id).rsplit(".", 1)[0]
+        successor = next((r for r in self.handle._table if r.id != target.id
+                          and str(r.id).rsplit(".", 1)[0] == base), None)
+        if successor is None:
+            self._timer = asyncio.get_running_loop().call_later(
+                self.handle._watch_period(), self._due)
+            return
+        self.replaced = (f"replica {target.id} on {target.worker} was replaced by "
+                         f"{successor.id} while it had the call (its health probe failed: "
+                         "the worker froze?)")
+        self.comm.abort()
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+        if self._check is not None and not self._check.done():
+            self._check.cancel()
 
 
 class LostInFlight(OSError):
