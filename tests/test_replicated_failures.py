@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import dask
 import pytest
 from distributed import Client, LocalCluster
 from distributed.utils_test import poll_for
+from replicated_batch_stream_services import Streamer
 from replicated_services import Adder
 from utils import kill, pid_of, validate_scheduler
 
@@ -145,6 +147,38 @@ def test_calls_in_flight_on_a_frozen_worker_are_resent():
             os.kill(pid, signal.SIGCONT)
         assert [value for _, value in results] == [i + 1000 for i in range(8)]
         poll_for(lambda: all_healthy(svc, 2), timeout=60)
+        assert victim["id"] not in {r["id"] for r in svc.replicas()}
+        validate_scheduler(client)
+        svc.shutdown()
+        poll_for(lambda: not any(hosted(client).values()), timeout=30)
+
+
+def test_streams_on_a_frozen_worker_are_resent_or_fail_clearly():
+    """The replica's worker freezes: a stream not started there yet (no first item) is
+    re-sent to the replica that replaces it; one past its first item fails with
+    ``ServiceUnavailable`` saying the replica was replaced (items are not replayed),
+    instead of both waiting for the frozen worker."""
+    config = {"distributed.scheduler.validate": True, "distributed.worker.validate": True,
+              "dask_services.replicated.health-check-period": "200ms",
+              "dask_services.replicated.health-check-timeout": "1s"}
+    with dask.config.set(config), LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+    ) as cluster, Client(cluster) as client, ThreadPoolExecutor(2) as pool:
+        svc = Streamer.options(replicas=1).as_service(client=client)
+        victim = svc.replicas()[0]
+        pid = pid_of(client, victim["worker"])
+        started = iter(svc.forever.stream("frozen"))
+        assert next(started) == 0
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            fresh = pool.submit(lambda: list(svc.count.stream(5)))
+            rest = pool.submit(lambda: list(started))
+            assert fresh.result(timeout=30) == [0, 1, 2, 3, 4]
+            with pytest.raises(ServiceUnavailable, match="was replaced by"):
+                rest.result(timeout=30)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        poll_for(lambda: all_healthy(svc, 1), timeout=60)
         assert victim["id"] not in {r["id"] for r in svc.replicas()}
         validate_scheduler(client)
         svc.shutdown()

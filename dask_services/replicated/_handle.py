@@ -40,6 +40,7 @@ from dask_services.replicated._options import (
 )
 from dask_services.replicated._routing import LeastLoaded, ReplicaView, make_router
 from dask_services.replicated._streaming import Stream
+from dask_services.replicated._watch import ReplacementWatch
 from dask_services.replicated._wire import pack, unpack
 from dask_services.service import ServiceId
 
@@ -417,7 +418,7 @@ class ReplicatedService:
         self._session_counts: collections.Counter = collections.Counter()
         # calls to one replica made in the same turn of the event loop, sent as one message
         self._outbox: dict[ServiceId, list[tuple[dict, asyncio.Future]]] = {}
-        self._watch_every: float | None = None  # seconds between _ReplacementWatch checks
+        self._watch_every: float | None = None  # seconds between ReplacementWatch checks
 
     # -------------------------------------------------------- plumbing
 
@@ -650,11 +651,11 @@ class ReplicatedService:
         worker writes one message per call, in the order they finish)."""
         comm = None
         sent = False
-        watch: _ReplacementWatch | None = None
+        watch: ReplacementWatch | None = None
         try:
             comm = await self._connect(target)
             sent = True  # from here on, the replica may be running the calls
-            watch = _ReplacementWatch(self, target, comm)
+            watch = ReplacementWatch(self, target, comm)
             if len(box) == 1:
                 answer = await send_recv(comm=comm, op="replicated_call", **box[0][0])
                 if not box[0][1].done():
@@ -790,49 +791,6 @@ class ReplicatedService:
     async def _shutdown(self, timeout: float) -> None:
         await self._transport.scheduler.replicated_shutdown(name=self.name, timeout=timeout)
         self._table = []
-
-
-class _ReplacementWatch:
-    """While a handle awaits answers from ``target`` on ``comm``, asks the scheduler now
-    and then whether ``target`` was replaced, and if so aborts ``comm`` (its calls are then
-    lost in flight and re-sent).  A worker that froze (a long native call holding the GIL,
-    a stopped process) keeps its connections open, so its calls would wait for it, while
-    the scheduler, its health probe failing, relaunched the replica elsewhere; the frozen
-    one may still run them when it wakes, as a killed worker may have.  A replica stopped,
-    not replaced (scale down, shutdown), drains its calls: they wait.  Costs a timer per
-    delivery until the first check is due."""
-
-    def __init__(self, handle: ReplicatedService, target: _Replica, comm: Any) -> None:
-        self.handle, self.target, self.comm = handle, target, comm
-        self.replaced: str | None = None  # why the comm was aborted
-        self._check: asyncio.Future | None = None
-        self._timer = asyncio.get_running_loop().call_later(handle._watch_period(),
-                                                            self._due)
-
-    def _due(self) -> None:
-        self._check = asyncio.ensure_future(self._look())
-        self._check.add_done_callback(_consume)
-
-    async def _look(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.handle._refresh()
-        target = self.target
-        base = str(target.id).rsplit(".", 1)[0]
-        successor = next((r for r in self.handle._table if r.id != target.id
-                          and str(r.id).rsplit(".", 1)[0] == base), None)
-        if successor is None:
-            self._timer = asyncio.get_running_loop().call_later(
-                self.handle._watch_period(), self._due)
-            return
-        self.replaced = (f"replica {target.id} on {target.worker} was replaced by "
-                         f"{successor.id} while it had the call (its health probe failed: "
-                         "the worker froze?)")
-        self.comm.abort()
-
-    def cancel(self) -> None:
-        self._timer.cancel()
-        if self._check is not None and not self._check.done():
-            self._check.cancel()
 
 
 class LostInFlight(OSError):

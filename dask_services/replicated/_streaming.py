@@ -44,6 +44,7 @@ from dask_services.replicated._errors import (
 )
 from dask_services.replicated._options import config_seconds
 from dask_services.replicated._queue import not_admitted
+from dask_services.replicated._watch import ReplacementWatch
 from dask_services.replicated._wire import pack, unpack
 
 if TYPE_CHECKING:
@@ -329,12 +330,19 @@ class Stream:
             if self._finished:
                 raise StopAsyncIteration
             comm = self._comm
+            watch: ReplacementWatch | None = None
             try:
                 if comm is None:
                     msg = await self._open()
                     comm = self._comm
                 else:
-                    msg = await comm.read()
+                    watch = (ReplacementWatch(self._handle, self._target, comm)
+                             if self._target is not None else None)
+                    try:
+                        msg = await comm.read()
+                    finally:
+                        if watch is not None:
+                            watch.cancel()
             except asyncio.CancelledError:
                 if self._comm is not None:  # our read was interrupted: the comm is spoilt
                     self._finished = True
@@ -352,6 +360,10 @@ class Stream:
                     raise ServiceShutdown(
                         f"{self._handle.name}.{self._method}: the stream was cut: service "
                         f"{self._handle.name} was shut down") from e
+                if watch is not None and watch.replaced:
+                    raise ServiceUnavailable(
+                        f"{self._handle.name}.{self._method}: {watch.replaced}; the items "
+                        "already taken are not replayed") from e
                 raise ServiceUnavailable(
                     f"{self._handle.name}.{self._method}: the stream's connection broke "
                     f"mid-stream ({type(e).__name__}: {e})") from e
@@ -412,14 +424,20 @@ class Stream:
                 h._outstanding[target.id] += 1
                 self._target = target
                 comm = None
+                watch: ReplacementWatch | None = None
                 try:
                     comm = await h._connect(target, connect_timeout)
-                    await comm.write({
-                        "op": "replicated_stream", "id": str(target.id),
-                        "method": self._method, "window": stream_window(), **payload})
-                    msg = await comm.read()
+                    watch = ReplacementWatch(h, target, comm)
+                    try:
+                        await comm.write({
+                            "op": "replicated_stream", "id": str(target.id),
+                            "method": self._method, "window": stream_window(), **payload})
+                        msg = await comm.read()
+                    finally:
+                        watch.cancel()
                 except (CommClosedError, OSError) as e:
-                    failure = f"{target.id} on {target.worker}: {type(e).__name__}: {e}"
+                    failure = (watch.replaced if watch is not None and watch.replaced else
+                               f"{target.id} on {target.worker}: {type(e).__name__}: {e}")
                 except BaseException:
                     if comm is not None:
                         self._abort_now(comm)
