@@ -15,6 +15,8 @@ from typing import Any
 from distributed.protocol import pickle as dask_pickle
 from distributed.protocol.serialize import Serialize, ToPickle
 
+from dask_services._quiet import quietly
+
 
 def unwrap(obj: Any) -> Any:
     """The object inside distributed's serialization wrappers (however deeply nested)."""
@@ -31,7 +33,7 @@ def dumps_exception(exc: BaseException) -> bytes:
     """
     text = "".join(traceback.format_exception(exc))
     try:
-        payload = dask_pickle.dumps(exc)
+        payload = quietly(dask_pickle.dumps, exc)
         dask_pickle.loads(payload)
     except Exception:
         payload = dask_pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))

@@ -29,6 +29,7 @@ from distributed.protocol.serialize import (
 )
 from distributed.utils import offload
 
+from dask_services._quiet import quietly
 from dask_services.service import PeerCallError
 
 _SERIALIZERS = ("dask", "pickle")
@@ -85,7 +86,7 @@ def _sizeof_packed(packed: Packed) -> int:
 
 
 def _serialize(value: Any) -> Packed:
-    header, frames = serialize(value, serializers=_SERIALIZERS, on_error="raise")
+    header, frames = quietly(serialize, value, serializers=_SERIALIZERS, on_error="raise")
     return Packed(header, frames)
 
 

@@ -14,6 +14,7 @@ import dask
 import numpy as np
 import pytest
 from distributed import Client, LocalCluster, futures_of, get_worker, wait
+from distributed.protocol import pickle as distributed_pickle
 from distributed.utils_test import async_poll_for, captured_logger, gen_cluster, poll_for
 from utils import assert_errs, assert_nothing_left, kill, service_cluster
 
@@ -186,9 +187,16 @@ def check_report(report: dict, cases: list[str]) -> None:
 @service_cluster()
 async def test_failed_peer_calls_leave_the_channel_usable(c, s, a, b):
     cases = list(EXPECTED)
-    (report,) = await c.gather(c.compute(
-        dask_services.service_task(ChannelCheck, [], outputs=1, cases=cases)))
+    with captured_logger("distributed.protocol.pickle") as log:
+        (report,) = await c.gather(c.compute(
+            dask_services.service_task(ChannelCheck, [], outputs=1, cases=cases)))
     check_report(report, cases)
+    # each failure is the call's own error, named; not also three tracebacks in the log
+    assert "Failed to serialize" not in log.getvalue()
+    with captured_logger("distributed.protocol.pickle") as log:
+        with pytest.raises(TypeError):
+            distributed_pickle.dumps(threading.Lock())
+    assert "Failed to serialize" in log.getvalue()  # distributed's own use still logs
     del report
     await assert_nothing_left(s, [a, b])
 

@@ -18,6 +18,7 @@ from distributed.protocol import pickle
 from distributed.protocol.serialize import serialize, to_serialize
 
 from dask_services._messages import unwrap
+from dask_services._quiet import quietly
 
 SMALL = 64 * 1024  # bytes: larger pickles go through distributed's serialization
 
@@ -30,10 +31,10 @@ def pack(value: Any, key: str) -> dict[str, Any]:
     a broken connection and take the calls sharing the message with it."""
     buffers: list[Any] = []
     try:
-        data = pickle.dumps(value, buffer_callback=buffers.append)
+        data = quietly(pickle.dumps, value, buffer_callback=buffers.append)
     except Exception as e:
         try:  # a type that distributed serializes its own way (dask_serialize)
-            serialize(value, on_error="raise")
+            quietly(serialize, value, on_error="raise")
         except Exception:
             raise TypeError(f"{type(e).__name__}: {e}") from e
         return {key: to_serialize(value)}
