@@ -14,6 +14,7 @@ from dask.highlevelgraph import HighLevelGraph
 from dask.typing import Key
 from dask.utils import funcname
 
+from dask_services._config_check import check_config
 from dask_services.graph import ServiceDefinition, build_service_graph
 from dask_services.service import Service, ServiceGraphError
 
@@ -138,6 +139,7 @@ def service_task(service_class: type[Service], inputs: Sequence[Any] | Any, *,
     The result composes with the rest of dask: compute it with a ``Client`` (the instances
     then live on the workers) or with a local scheduler (the instances run in-process).
     """
+    check_config()
     if is_dask_collection(inputs):
         inputs = [inputs]
     inputs = list(inputs)

@@ -25,6 +25,7 @@ from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 from dask.utils import parse_bytes
 
+from dask_services._config_check import check_config
 from dask_services.graph import ServiceDefinition, build_service_graph
 
 METHOD = "service"
@@ -49,6 +50,7 @@ def service_rechunk(x: Array, chunks: Any = "auto", block_size_limit: Any = None
             f"{type(x._meta).__module__}.{type(x._meta).__name__}. Use method='tasks' "
             "(or 'p2p') for other array types"
         )
+    check_config()
     if x.ndim > 0 and all(s == 0 for s in x.shape):
         return x  # as dask does: an array with no element along every axis stays as it is
     chunks = _normalize(x, chunks, block_size_limit, balance)

@@ -175,8 +175,10 @@ def _lower(self: Shuffle):
     method = self.method or get_default_shuffle_method()
     if method == METHOD:
         from dask_services._auto_install import note_service_graph
+        from dask_services._config_check import check_config
         from dask_services.client import _maybe_install_default_client
 
+        check_config()
         note_service_graph()
         _maybe_install_default_client()
         frame, assign = self.frame, None

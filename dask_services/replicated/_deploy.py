@@ -7,6 +7,7 @@ from typing import Any
 
 from distributed.protocol import pickle
 
+from dask_services._config_check import check_config
 from dask_services._messages import loads_exception
 from dask_services.replicated._errors import DeploymentError, ServiceShutdown
 from dask_services.replicated._handle import (
@@ -27,6 +28,7 @@ def as_service(cls: type, args: tuple, kwargs: dict, client: Any = None) -> Any:
 
     if not (isinstance(cls, type) and issubclass(cls, Service)):
         raise TypeError(f"expected a subclass of dask_services.Service, got {cls!r}")
+    check_config()
     options = ReplicaOptions.merged(getattr(cls, "service_options", {}))
     base = unconfigured(cls)
     check_names(base)

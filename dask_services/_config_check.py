@@ -1,0 +1,117 @@
+"""Checks the ``dask_services`` config section, so that a bad value fails where it is set
+to use (building a graph, deploying a service) with its key named, not deep in a worker or
+the scheduler's graph handling.
+
+Each key has a kind: a count (an integer, with a least value), a duration (``"30s"``,
+seconds as a number), a size (``"64 MiB"``, bytes), a fraction in ``(0, 1]``, a boolean;
+some also take ``null``.  :func:`check_config` checks every key set (keys absent, which
+the code reads with a default, are skipped) and raises ``ValueError`` naming the key, the
+value, what it should be, and the default.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dask.config
+from dask.utils import parse_bytes, parse_timedelta
+
+# key (under dask_services.) -> (kind, least value for counts and durations, null allowed)
+KEYS: dict[str, tuple[str, float, bool]] = {
+    "restarts": ("count", 0, False),
+    "unproduced-timeout": ("duration", 0, True),
+    "local-instances": ("count", 1, False),
+    "hand-off-buffer": ("size", 0, False),
+    "stop-grace": ("duration", 0, False),
+    "threads": ("count", 1, True),
+    "bulk-lane": ("bool", 0, False),
+    "fuse-consumers": ("bool", 0, False),
+    "shuffle.buffer-fraction": ("fraction", 0, False),
+    "shuffle.bytes-in-flight": ("size", 1, False),
+    "shuffle.groups": ("count", 1, False),
+    "shuffle.fuse-compute": ("bool", 0, False),
+    "rechunk.buffer-fraction": ("fraction", 0, False),
+    "rechunk.copy-max-inputs": ("count", 0, False),
+    "rechunk.slice-saving": ("size", 0, False),
+    "rechunk.merge-region-max": ("size", 0, False),
+    "rechunk.bytes-in-flight": ("size", 1, False),
+    "rechunk.pairs-per-task": ("count", 1, False),
+    "replicated.health-check-period": ("duration", 1e-3, False),
+    "replicated.health-check-timeout": ("duration", 1e-3, False),
+    "replicated.setup-attempts": ("count", 1, False),
+    "replicated.setup-timeout": ("duration", 0, False),
+    "replicated.deploy-timeout": ("duration", 0, False),
+    "replicated.call-retries": ("count", 0, False),
+    "replicated.retry-backoff": ("duration", 0, False),
+    "replicated.retry-backoff-max": ("duration", 0, False),
+    "replicated.connect-timeout": ("duration", 1e-3, False),
+    "replicated.refresh-interval": ("duration", 0, False),
+    "replicated.drain-timeout": ("duration", 0, False),
+    "replicated.stream-window": ("count", 1, False),
+    "replicated.autoscaling-interval": ("duration", 1e-3, False),
+    "story.entries": ("count", 1, False),
+    "story.runs": ("count", 1, False),
+    "status.recent-runs": ("count", 1, False),
+}
+
+_WHAT = {
+    "count": "an integer",
+    "duration": 'a duration such as "30s" or "250ms" (or seconds as a number)',
+    "size": 'a size such as "64 MiB" (or bytes as a number)',
+    "fraction": "a number greater than 0 and at most 1",
+    "bool": "true or false",
+}
+
+_MISSING = object()
+
+
+def _problem(kind: str, least: float, value: Any) -> str | None:
+    """What is wrong with ``value`` for a key of this kind, or None."""
+    if kind == "bool":
+        return None if isinstance(value, bool) else _WHAT[kind]
+    if isinstance(value, bool):
+        return _WHAT[kind]
+    try:
+        if kind == "count":
+            number: float = int(value)
+            if isinstance(value, float) and value != number:
+                raise ValueError
+        elif kind == "duration":
+            number = float(parse_timedelta(value))
+        elif kind == "size":
+            number = parse_bytes(value)
+        else:
+            number = float(value)
+            if not 0 < number <= 1:
+                return _WHAT[kind]
+    except (TypeError, ValueError, KeyError):
+        return _WHAT[kind]
+    if number < least:
+        bound = "at least 1" if kind == "count" and least == 1 else (
+            "positive" if least > 0 else "not negative")
+        return f"{_WHAT[kind]}, {bound}"
+    return None
+
+
+def check_config() -> None:
+    """Raise ``ValueError`` for the first ``dask_services`` config value that is not
+    valid, naming it and what it should be."""
+    defaults = dask.config.defaults
+    for key, (kind, least, nullable) in KEYS.items():
+        full = f"dask_services.{key}"
+        value = dask.config.get(full, _MISSING)
+        if value is _MISSING or (nullable and (value is None or value is False)):
+            continue
+        problem = _problem(kind, least, value)
+        if problem is None:
+            continue
+        default = _MISSING
+        for section in defaults:
+            default = dask.config.get(full, _MISSING, config=section)
+            if default is not _MISSING:
+                break
+        hint = "" if default is _MISSING else f" (default {default!r})"
+        raise ValueError(
+            f"config value {full}={value!r} is not valid: it should be {problem}"
+            f"{' or null' if nullable else ''}{hint}; fix it in dask.config.set(...), your "
+            "dask config files or the DASK_DASK_SERVICES__... environment variables")
