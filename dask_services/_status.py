@@ -284,10 +284,14 @@ def status(client: Any = None, table: str = "runs") -> pd.DataFrame:
 
     from dask_services.client import install
 
+    if not isinstance(table, str):
+        raise TypeError(f"status(table=...) takes a table's name, got {table!r}; "
+                        "e.g. table='runs' or table='replicas'")
     client = client or default_client()
     install(client)
     result = client.sync(client.scheduler.service_status, tables=[table])
     if table not in result:
-        raise KeyError(f"no status table {table!r}; tables: {sorted(result)}")
+        known = client.sync(client.scheduler.service_status, tables=None)
+        raise KeyError(f"no status table {table!r}; tables: {sorted(known)}")
     columns = TABLES[table].columns if table in TABLES else None
     return pd.DataFrame(result[table], columns=columns)

@@ -477,7 +477,74 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "memory counts heap another method left behind)")
     p_bench.set_defaults(func=bench)
     args = parser.parse_args(argv)
+    problem = _bad_argument(args)
+    if problem is not None:
+        (p_bench if args.command == "bench" else p_demo).error(problem)
     return int(args.func(args))
+
+
+METHODS = ("service", "p2p", "tasks")
+CONSUMERS = {"shuffle": ("none", "len", "sum", "groupby"), "rechunk": ("none", "sum")}
+CASES = ("calls", "scaling")
+
+
+def _bad_argument(args: argparse.Namespace) -> str | None:
+    """What is wrong with the command's arguments, before any cluster starts (None:
+    nothing)."""
+    if args.workers < 1:
+        return f"--workers must be at least 1, got {args.workers}"
+    if args.command != "bench":
+        return None
+    for name in ("threads", "repeat", "calls", "input_partitions"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
+    for name in ("chunks", "pieces"):
+        if getattr(args, name) < 0:
+            return f"--{name} must be 0 (skipped) or more, got {getattr(args, name)}"
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in methods if m not in METHODS]
+    if args.what in ("shuffle", "rechunk", "queries") and (unknown or not methods):
+        return (f"--methods takes a comma-separated list of {', '.join(METHODS)}; got "
+                f"{args.methods!r}")
+    if args.what in CONSUMERS:
+        consumers = [c for c in args.consumer.split(",") if c]
+        if not consumers or any(c not in CONSUMERS[args.what] for c in consumers):
+            return (f"--consumer of bench {args.what} takes a comma-separated list of "
+                    f"{', '.join(CONSUMERS[args.what])}; got {args.consumer!r}")
+        sizes = [t for t in args.sizes.split(",") if t]
+        if args.what == "rechunk" and args.local_size:
+            sizes.append(args.local_size)
+        for text in sizes:
+            if _size(text) is None:
+                return (f"--sizes and --local-size take sizes such as 512MB or 2GB, "
+                        f"comma-separated; got {text!r}")
+    if args.what == "shuffle":
+        try:
+            if any(int(n) < 1 for n in args.partitions.split(",") if n):
+                raise ValueError
+        except ValueError:
+            return (f"--partitions takes comma-separated partition counts of at least 1 "
+                    f"(e.g. 1000,10000); got {args.partitions!r}")
+    if args.memory_limit is not None and _size(args.memory_limit) is None:
+        return f"--memory-limit takes a size such as 0.5GB; got {args.memory_limit!r}"
+    if args.what == "replicated":
+        cases = [c for c in args.cases.split(",") if c]
+        if not cases or any(c not in CASES for c in cases):
+            return (f"--cases takes a comma-separated list of {', '.join(CASES)}; got "
+                    f"{args.cases!r}")
+    return None
+
+
+def _size(text: str) -> int | None:
+    """Bytes of a size such as 512MB (as the benchmarks read it), or None if it is not
+    one or is not positive."""
+    from dask.utils import parse_bytes
+
+    try:
+        size = parse_bytes(text.strip())
+    except (ValueError, TypeError):
+        return None
+    return size if size > 0 else None
 
 
 if __name__ == "__main__":  # pragma: no cover

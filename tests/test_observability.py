@@ -261,8 +261,10 @@ def test_status_dataframe_and_progress_bar(small_cluster, capsys):
     (row,) = df.to_dict("records")
     assert row["service"] == "AllReduce" and row["workers"] == 2
     assert row["inputs_handed_off"] == 6 and row["outputs_produced"] == 3
-    with pytest.raises(KeyError, match="no status table 'nope'"):
+    with pytest.raises(KeyError, match=r"no status table 'nope'; tables: \[.*'runs'"):
         dask_services.status(client, table="nope")
+    with pytest.raises(TypeError, match="takes a table's name, got 3"):
+        dask_services.status(client, table=3)
 
 
 @pytest.mark.slow

@@ -1,0 +1,48 @@
+"""The command line refuses bad arguments at once (before any cluster starts), naming the
+option and what it takes, with argparse's exit code 2 and no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from dask_services.cli import main
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["demo", "--workers", "0"], "--workers must be at least 1, got 0"),
+    (["bench", "overhead", "--workers", "-1"], "--workers must be at least 1"),
+    (["bench", "overhead", "--repeat", "0"], "--repeat must be at least 1, got 0"),
+    (["bench", "overhead", "--threads", "0"], "--threads must be at least 1"),
+    (["bench", "replicated", "--calls", "0"], "--calls must be at least 1"),
+    (["bench", "rechunk", "--chunks", "-5"], "--chunks must be 0"),
+    (["bench", "shuffle", "--sizes", "abc"], "--sizes and --local-size take sizes"),
+    (["bench", "rechunk", "--sizes", "", "--local-size", "0"], "got '0'"),
+    (["bench", "shuffle", "--methods", "bogus"], "--methods takes a comma-separated list "
+                                                 "of service, p2p, tasks; got 'bogus'"),
+    (["bench", "rechunk", "--methods", "service,bogus"], "got 'service,bogus'"),
+    (["bench", "queries", "--methods", ","], "--methods takes"),
+    (["bench", "shuffle", "--consumer", "bogus"], "--consumer of bench shuffle takes"),
+    (["bench", "rechunk", "--consumer", "len"], "--consumer of bench rechunk takes a "
+                                                "comma-separated list of none, sum"),
+    (["bench", "shuffle", "--partitions", "10,x"], "--partitions takes"),
+    (["bench", "shuffle", "--memory-limit", "lots"], "--memory-limit takes a size"),
+    (["bench", "replicated", "--cases", "bogus"], "--cases takes a comma-separated list "
+                                                  "of calls, scaling"),
+])
+def test_bad_arguments_are_refused_at_once(argv, named, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err
+
+
+def test_python_dash_m_runs_the_command():
+    done = subprocess.run([sys.executable, "-m", "dask_services", "bench", "overhead",
+                           "--repeat", "0"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--repeat must be at least 1" in done.stderr
