@@ -23,7 +23,9 @@ pytestmark = pytest.mark.timeout(60)
     (["bench", "shuffle", "--sizes", "abc"], "--sizes and --local-size take sizes"),
     (["bench", "rechunk", "--sizes", "", "--local-size", "0"], "got '0'"),
     (["bench", "shuffle", "--methods", "bogus"], "--methods takes a comma-separated list "
-                                                 "of service, p2p, tasks; got 'bogus'"),
+                                                 "of service, p2p, tasks, noop; got "
+                                                 "'bogus'"),
+    (["bench", "rechunk", "--methods", "noop"], "of service, p2p, tasks; got 'noop'"),
     (["bench", "rechunk", "--methods", "service,bogus"], "got 'service,bogus'"),
     (["bench", "queries", "--methods", ","], "--methods takes"),
     (["bench", "shuffle", "--consumer", "bogus"], "--consumer of bench shuffle takes"),
