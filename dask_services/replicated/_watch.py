@@ -36,8 +36,10 @@ class ReplacementWatch:
                                                             self._due)
 
     def _due(self) -> None:
+        from dask_services.replicated._handle import _consume  # the handle imports this
+
         self._check = asyncio.ensure_future(self._look())
-        self._check.add_done_callback(_retrieved)
+        self._check.add_done_callback(_consume)
 
     async def _look(self) -> None:
         with contextlib.suppress(Exception):
@@ -59,8 +61,3 @@ class ReplacementWatch:
         self._timer.cancel()
         if self._check is not None and not self._check.done():
             self._check.cancel()
-
-
-def _retrieved(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()
