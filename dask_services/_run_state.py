@@ -357,6 +357,9 @@ class ServiceTaskReleased:
     # every hand-off receipt it depends on is still in memory: it will run again with all
     # of them, and the live run has lost nothing
     inputs_kept: bool = False
+    # released to run again because it erred and has ``retries`` left (not because an
+    # execution of it that a restart had cancelled answered)
+    retried: bool = False
     stimulus_id: str = _stimulus_field("service-task-released")
 
 
@@ -371,8 +374,10 @@ class RescheduleCarriedOut:
 
 @dataclass(frozen=True)
 class ServiceTaskDone:
-    """The service task reached memory or erred; the outcome was delivered."""
+    """The service task reached memory or erred: the outcome was delivered, or the
+    scheduler erred it (``KilledWorker``: its workers kept dying while it waited)."""
 
+    erred: bool = False
     stimulus_id: str = _stimulus_field("service-task-done")
 
 
@@ -625,6 +630,14 @@ class ServiceTaskMachine:
         # task placed again by the scheduler as the worker left) would be released by it,
         # which would count as one more restart, and so on until TooManyRestarts.
         self.rescheduling = False
+        # The workers of the last run that finished, and why one of them left since: the
+        # next run is then a restart (its outputs, or the service task, were lost with it).
+        self.finished_on: frozenset[str] = frozenset()
+        # The error the service task was told to err with, until it erred: an execution of
+        # it that a restart had cancelled may take it instead (the scheduler then releases
+        # the task and runs it again), and the next execution must get it too.
+        self.failure: BaseException | None = None
+        self.lost_since_finished: str | None = None
         if validating is None:
             validating = bool(dask.config.get("distributed.scheduler.validate", False))
         self.validating = validating
@@ -647,8 +660,8 @@ class ServiceTaskMachine:
             return False
         if self.rescheduling:
             return False
-        if self.graph_error is not None:
-            return False
+        if self.graph_error is not None or self.failure is not None:
+            return False  # the service task is to err
         # finished; the service task is about to reach memory
         return not (self.run is not None and self.run.phase is Phase.FINISHED
                     and self.task_worker)
@@ -675,6 +688,8 @@ class ServiceTaskMachine:
 
     def _finish(self, run: Run) -> list[Action]:
         run.phase = Phase.FINISHED
+        self.finished_on = frozenset(run.participants)
+        self.lost_since_finished = None
         return [
             StopInstances(run.snapshot(), "finished"),
             Log("finished", run.run_id, f"{len(run.produced)} outputs produced"),
@@ -696,6 +711,7 @@ class ServiceTaskMachine:
         # the attempt is over (the service task errs): a retry of the task starts with
         # its own count of restarts
         self.restarts = 0
+        self.failure = error
         actions: list[Action] = []
         if run is not None:
             run.phase = Phase.FAILED
@@ -706,13 +722,7 @@ class ServiceTaskMachine:
     def _restart(self, run: Run, reason: str, counted: bool = True) -> list[Action]:
         self.restarts += counted
         if self.restarts > self.max_restarts:
-            error = TooManyRestarts(
-                f"service task {self.key!r} was restarted {self.restarts - 1} times, "
-                f"more than dask_services.restarts={self.max_restarts} allows; the "
-                f"last restart was because {reason}. Raise the `dask_services.restarts` "
-                "config value if your workers are expected to come and go."
-            )
-            return self._fail(run, error)
+            return self._fail(run, self._too_many_restarts(reason))
         run.phase = Phase.FAILED
         self.run = None
         self.rescheduling = True
@@ -721,6 +731,17 @@ class ServiceTaskMachine:
             Log("restarted", run.run_id, reason),
             RescheduleServiceTask(reason, run.run_id),
         ]
+
+    def _too_many_restarts(self, reason: str) -> TooManyRestarts:
+        return TooManyRestarts(
+            f"service task {self.key!r} was restarted {self.restarts - 1} times and "
+            f"needed one more, more than dask_services.restarts={self.max_restarts} "
+            f"allows; the last restart was needed because {reason}. Raise the "
+            "`dask_services.restarts` config value if your workers are expected to come "
+            "and go; if their nannies restarted them for exceeding their memory limit "
+            "(see the workers' logs), a partition may be larger than a worker's memory: "
+            "split the work into more partitions or give workers more memory."
+        )
 
     # ------------------------------------------------------------ events
 
@@ -746,6 +767,14 @@ class ServiceTaskMachine:
             return []
         if not ev.participants:
             return []  # no worker yet; the plugin asks again when one arrives
+        if self.lost_since_finished is not None:
+            # Produced once, then lost with a worker: counted as a restart, whatever
+            # finished in between, so that outputs lost again and again (a worker killed
+            # each time it holds one) end in TooManyRestarts instead of running for ever.
+            reason, self.lost_since_finished = self.lost_since_finished, None
+            self.restarts += 1
+            if self.restarts > self.max_restarts:
+                return self._fail(None, self._too_many_restarts(reason))
         participants = tuple(ev.participants)
         wanted = tuple(ev.wanted)
         owner_workers = _owners(wanted, participants, ev.placement or {})
@@ -920,6 +949,9 @@ class ServiceTaskMachine:
         run = self.live_run
         if run is not None and ev.worker in run.ids:
             actions += self._restart(run, f"worker {ev.worker} left the cluster")
+        elif run is None and ev.worker in self.finished_on:
+            self.lost_since_finished = (f"worker {ev.worker} left the cluster after the "
+                                        "run had finished, with what it held")
         return actions
 
     def _on_ServiceTaskProcessing(self, ev: ServiceTaskProcessing) -> list[Action]:
@@ -959,9 +991,15 @@ class ServiceTaskMachine:
             return []
         if run is not None and ev.still_wanted:
             return self._restart(run, "an input it had received was lost with its worker")
+        if run is None and self.failure is not None and ev.still_wanted and not ev.retried:
+            # told to err, but a stale execution took the error and the task runs again
+            # (or its worker died first): the next execution errs with it
+            self.pending_outcome = (self.failure,)
+            return []
         if run is None:
             over = self.run is not None and self.run.phase in (Phase.FINISHED, Phase.FAILED)
             self.pending_outcome = None
+            self.failure = None
             if not over:
                 return []
             # Finished (or failed) but the task was released before reaching memory (or
@@ -990,9 +1028,18 @@ class ServiceTaskMachine:
     def _on_ServiceTaskDone(self, ev: ServiceTaskDone) -> list[Action]:
         self.task_worker = None
         self.pending_outcome = None
-        self.run = None
-        self.restarts = 0
-        return []
+        self.failure = None
+        run, self.run = self.live_run, None
+        if ev.erred:
+            # the attempt is over: a retry of the task starts with its own count
+            self.restarts = 0
+        if run is None:
+            return []
+        # erred by the scheduler while its run was live (its workers kept dying while it
+        # waited: KilledWorker): the run's instances stop, as after a failure
+        run.phase = Phase.FAILED
+        return [StopInstances(run.snapshot(), "the service task erred"),
+                Log("failed", run.run_id, "the scheduler erred the service task")]
 
     def _on_ServiceTaskForgotten(self, ev: ServiceTaskForgotten) -> list[Action]:
         run = self.live_run

@@ -141,9 +141,9 @@ def run_in_process(definition: ServiceDefinition, service_key: Key, inputs: dict
             except _Restart as r:
                 reason = r.reason
     raise TooManyRestarts(
-        f"service task {service_key!r} was restarted {max_restarts} times, more than "
-        f"dask_services.restarts={max_restarts} allows; the last restart was because "
-        f"{reason}"
+        f"service task {service_key!r} was restarted {max_restarts} times and needed one "
+        f"more, more than dask_services.restarts={max_restarts} allows; the last restart "
+        f"was needed because {reason}"
     )
 
 

@@ -107,6 +107,8 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         self.handoffs_of_input: dict[Key, set[Key]] = {}  # input key -> hand-off keys
         self.output_of: dict[Key, Key] = {}  # output key -> service key
         self.cut: dict[Key, str] = {}  # produced output not yet in memory -> its worker
+        # service task -> its ``retries`` when it last went to processing
+        self.retries_left: dict[Key, int] = {}
         # claims left without a worker, whose producing worker is checked soon
         self.unplaced: set[Key] = set()
         # service tasks to check, once the transitions under way are done, for whether
@@ -313,10 +315,12 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         machine = self.machines[key]
         ts = self.scheduler.tasks[key]
         if finish == "processing":
+            self.retries_left[key] = ts.retries
             self._event(key, rs.ServiceTaskProcessing(ts.processing_on.address,
                                                       stimulus_id=stimulus_id))
         elif start == "processing" and finish in ("memory", "erred"):
-            self._event(key, rs.ServiceTaskDone(stimulus_id=stimulus_id))
+            self._event(key, rs.ServiceTaskDone(erred=finish == "erred",
+                                                stimulus_id=stimulus_id))
         elif start == "processing":
             worker = machine.task_worker
             gone = worker is not None and worker not in self.scheduler.workers
@@ -327,8 +331,11 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             # (distributed released the task over a result of a stale execution, one that a
             # restart had cancelled and that the worker took up again)
             kept = all(dts.state == "memory" for dts in ts.dependencies)
+            # distributed takes one of its retries when it releases an erred task to run
+            # it again (a stale execution's answer releases it without taking one)
+            retried = ts.retries < self.retries_left.get(key, ts.retries)
             self._event(key, rs.ServiceTaskReleased(
-                worker_gone=gone, still_wanted=wanted, inputs_kept=kept,
+                worker_gone=gone, still_wanted=wanted, inputs_kept=kept, retried=retried,
                 stimulus_id=stimulus_id))
         elif finish == "released" and not self._still_needed(key):
             # Not needed any more before it ran (every consumer erred on a sibling's
@@ -452,6 +459,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             machine = self.machines[key]
             self._event(key, rs.ServiceTaskForgotten(stimulus_id=stimulus_id))
             del self.machines[key]
+            self.retries_left.pop(key, None)
             self.archive[key] = machine.stories
             while len(self.archive) > machine.story_runs:
                 self.archive.popitem(last=False)

@@ -125,3 +125,56 @@ def test_killed_more_often_than_allowed_is_a_clear_error(cluster):
     assert isinstance(exc, dask_services.TooManyRestarts), repr(exc)
     assert lost_worker(str(exc)) and "dask_services.restarts=1" in str(exc)
     validate_scheduler(client)
+
+
+def instances_left(client) -> int:
+    return sum(client.run(
+        lambda dask_worker: len(dask_worker.extensions["dask_services"].host.instances))
+        .values())
+
+
+def test_outputs_lost_again_and_again_after_finishing_end_in_too_many_restarts(cluster):
+    """Each loss of a finished run's output starts a new run; counting from none after each
+    run finished made a worker killed whenever it holds an output (its nanny over memory:
+    one partition too big for it) start runs for ever."""
+    cluster, client = cluster
+    with dask.config.set({"dask_services.restarts": 1}):
+        futures = client.compute(dask_services.service_task(PidReporter, [], outputs=6))
+        kills, exc = 0, None
+        while exc is None and kills < 4:
+            try:
+                client.gather(futures[0])
+            except dask_services.TooManyRestarts as e:
+                exc = e
+                continue
+            (holder,) = client.who_has(futures[0])[futures[0].key]
+            kill(client, holder)
+            kills += 1
+            poll_for(lambda h=holder: h not in client.who_has(futures[0])[futures[0].key],
+                     timeout=60)
+    assert kills == 2 and exc is not None, (kills, exc)  # a restart, then one too many
+    assert "after the run had finished" in str(exc) and "dask_services.restarts=1" in str(exc)
+    poll_for(lambda: instances_left(client) == 0, timeout=30)
+    validate_scheduler(client)
+
+
+def test_the_scheduler_erring_a_service_task_mid_run_stops_its_instances(cluster):
+    """With ``allowed-failures`` used up, distributed errs the service task itself
+    (``KilledWorker``) when its worker dies mid-run: the run's instances on the other
+    workers stop (they stayed, holding whatever they had received)."""
+    cluster, client = cluster
+    client.run_on_scheduler(lambda dask_scheduler: setattr(
+        dask_scheduler, "allowed_failures", 0))
+    if True:
+        futures = client.compute(dask_services.service_task(SlowPidReporter, [], outputs=3,
+                                                            delay=30.0))
+        poll_for(lambda: live_run_in(client, Phase.INPUTS_DONE), timeout=60)
+        (worker,) = client.run_on_scheduler(lambda dask_scheduler: [
+            m.task_worker for m in dask_scheduler.extensions["dask_services"]
+            .machines.values()])
+        assert instances_left(client) > 0
+        kill(client, worker)
+        exc = futures[0].exception(timeout=60)
+    assert type(exc).__name__ == "KilledWorker", repr(exc)
+    poll_for(lambda: instances_left(client) == 0, timeout=20)
+    validate_scheduler(client)

@@ -197,6 +197,9 @@ def test_a_retry_after_too_many_restarts_counts_its_own():
     m.handle(rs.RestartRequested(2, "second"))
     assert isinstance(m.pending_outcome[0], TooManyRestarts) and m.restarts == 0
     assert kinds(m.handle(rs.ServiceTaskProcessing(WORKERS[0]))) == ["NotifyServiceTask"]
+    assert need(m, run_id=3) == []  # told to err: no run until it did
+    m.handle(rs.ServiceTaskReleased(still_wanted=True, inputs_kept=True, retried=True))
+    assert m.handle(rs.ServiceTaskProcessing(WORKERS[0])) == []  # the retry
     need(m, run_id=3)
     assert kinds(m.handle(rs.RestartRequested(3, "third"))) == [
         "StopInstances", "Log", "RescheduleServiceTask"]  # restarted, not failed
@@ -510,7 +513,8 @@ def test_a_failed_run_whose_task_is_retried_hands_off_again():
         m.handle(rs.InputHandedOff(1, k))
     assert kinds(m.handle(rs.RunFailed(1, ValueError("boom")))) == [
         "StopInstances", "Log", "NotifyServiceTask"]
-    actions = m.handle(rs.ServiceTaskReleased(still_wanted=True, inputs_kept=True))
+    actions = m.handle(rs.ServiceTaskReleased(still_wanted=True, inputs_kept=True,
+                                              retried=True))
     assert kinds(actions) == ["RescheduleServiceTask"]
     assert "retried after its run failed" in actions[0].reason
     assert m.run is None and m.rescheduling
@@ -538,3 +542,87 @@ def test_a_finished_run_whose_task_is_cancelled_before_memory_does_nothing_more(
     m.handle(rs.OutputProduced(1, "o1", WORKERS[1]))
     assert m.handle(rs.ServiceTaskReleased()) == []
     assert m.run is None
+
+
+def finish(m: rs.ServiceTaskMachine, run_id: int) -> None:
+    """Run ``run_id`` to the end: every input handed off, every output produced and
+    landed, the service task in memory."""
+    start_all(m, run_id)
+    for k in INPUTS:
+        m.handle(rs.InputHandedOff(run_id, k))
+    for o, w in zip(OUTPUTS, WORKERS, strict=True):
+        m.handle(rs.OutputProduced(run_id, o, w))
+        m.handle(rs.OutputLanded(o))
+    assert kinds(m.handle(rs.ServiceTaskProcessing(WORKERS[0]))) == ["NotifyServiceTask"]
+    assert m.handle(rs.ServiceTaskDone()) == []
+
+
+def test_outputs_lost_again_and_again_after_finishing_end_in_too_many_restarts():
+    """A run finishes, then a worker holding an output dies (its nanny killed it over
+    memory, say), a new run produces it there again, and the worker dies again: each run
+    finishing must not start the count afresh, or this goes on for ever."""
+    m = machine(max_restarts=1)
+    need(m)
+    finish(m, 1)
+    assert m.handle(rs.WorkerLost(WORKERS[1])) == []  # nothing live: the next run counts
+    assert kinds(need(m, run_id=2)) == ["StartInstances", "Log"]
+    assert m.restarts == 1
+    finish(m, 2)
+    m.handle(rs.WorkerLost(WORKERS[1]))
+    m.handle(rs.ServiceTaskProcessing(WORKERS[0]))
+    actions = need(m, run_id=3)
+    assert kinds(actions) == ["NotifyServiceTask"] and m.run is None
+    assert isinstance(actions[0].error, TooManyRestarts)
+    assert "after the run had finished" in str(actions[0].error)
+    assert "memory limit" in str(actions[0].error)
+    m.validate()
+
+
+def test_a_new_run_after_finishing_without_a_loss_is_not_a_restart():
+    """A second compute asks for outputs the first did not want: a new run, no restart."""
+    m = machine(max_restarts=0)
+    need(m, wanted=OUTPUTS)
+    finish(m, 1)
+    assert m.handle(rs.WorkerLost("tcp://other:1")) == []  # not one of the run's workers
+    assert kinds(need(m, run_id=2)) == ["StartInstances", "Log"]
+    assert m.restarts == 0
+    m.validate()
+
+
+def test_the_scheduler_erring_the_task_mid_run_stops_its_instances():
+    """distributed errs a service task whose workers kept dying while it waited
+    (``KilledWorker``): the live run's instances stop, and a retry counts afresh."""
+    m = machine(max_restarts=2)
+    need(m)
+    start_all(m)
+    m.handle(rs.RestartRequested(1, "asked"))
+    need(m, run_id=2)
+    start_all(m, 2)
+    assert m.restarts == 1
+    actions = m.handle(rs.ServiceTaskDone(erred=True))
+    assert kinds(actions) == ["StopInstances", "Log"]
+    assert actions[0].run.run_id == 2 and m.run is None and m.restarts == 0
+    assert m.handle(rs.WorkerLost(WORKERS[0])) == []
+    m.validate()
+
+
+def test_an_error_taken_by_a_stale_execution_reaches_the_next_one():
+    """The service task is told to err, but an execution of it that a restart had
+    cancelled takes the error (the scheduler releases the task over its stale answer and
+    runs it again): the next execution errs with it, no new run starts (one did, with the
+    restarts counted from none, so TooManyRestarts never reached the client)."""
+    m = machine(max_restarts=0)
+    assert m.handle(rs.ServiceTaskProcessing(WORKERS[0])) == []
+    need(m)
+    start_all(m)
+    assert kinds(m.handle(rs.WorkerLost(WORKERS[1]))) == [
+        "StopInstances", "Log", "NotifyServiceTask"]
+    m.handle(rs.ServiceTaskReleased(still_wanted=True, inputs_kept=True))  # stale answer
+    assert m.live_run is None and not m.rescheduling
+    actions = m.handle(rs.ServiceTaskProcessing(WORKERS[0]))
+    assert kinds(actions) == ["NotifyServiceTask"]
+    assert isinstance(actions[0].error, TooManyRestarts)
+    assert need(m, run_id=2) == []
+    m.handle(rs.ServiceTaskDone(erred=True))
+    assert m.failure is None
+    m.validate()
