@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import inspect
@@ -93,8 +94,16 @@ class Environment(abc.ABC):
     ) -> Any: ...
 
     @abc.abstractmethod
-    def run_in_executor(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-        """``fn(*args)`` submitted to the services' threads now (on the running loop)."""
+    def run_in_executor(self, fn: Callable[..., T], *args: Any,
+                        jobs: set[concurrent.futures.Future[Any]] | None = None
+                        ) -> asyncio.Future[T]:
+        """``fn(*args)`` submitted to the services' threads now (on the running loop);
+        the job is kept in ``jobs`` until it returns."""
+
+    def let_go_of_jobs(self, jobs: set[concurrent.futures.Future[Any]]) -> int:
+        """The instance that submitted ``jobs`` stopped: those not started are cancelled.
+        Returns how many still run."""
+        return sum(1 for f in list(jobs) if not f.cancel() and not f.done())
 
     async def memory_backpressure(self) -> None:
         """Return once the place has memory to take more produced outputs."""
@@ -119,6 +128,8 @@ class Instance:
     inbox: asyncio.Condition = field(default_factory=asyncio.Condition)
     traffic: Traffic = field(default_factory=Traffic)  # bytes of its peer calls
     outgoing: set[asyncio.Future] = field(default_factory=set)  # its peer calls on the wire
+    # its concierge.run_in_executor jobs not returned yet
+    jobs: set[concurrent.futures.Future] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.output_key_set = frozenset(self.spec.output_keys)
@@ -259,10 +270,10 @@ class InstanceConcierge(Concierge):
         call = functools.partial(fn, *args, **kwargs)
         if not self._is_on_loop():
             return self._run_in_executor_later(call)
-        return _awaited(self._host.env.run_in_executor(call))
+        return _awaited(self._host.env.run_in_executor(call, jobs=self._instance.jobs))
 
     async def _run_in_executor_later(self, call: Callable[[], T]) -> T:
-        return await self._host.env.run_in_executor(call)
+        return await self._host.env.run_in_executor(call, jobs=self._instance.jobs)
 
 
 class PeerHandle:
@@ -424,6 +435,14 @@ class ServiceHost:
                     "catch asyncio.CancelledError?); the instance stops without it",
                     type(inst.service).__name__, sid, inst.spec.service_key,
                     ", ".join(sorted({pending[t] + "()" for t in stuck})), grace)
+        running = self.env.let_go_of_jobs(inst.jobs)
+        if running:
+            logger.warning(
+                "%s of %s (%r): %d concierge.run_in_executor job(s) still running after "
+                "the instance's hooks were cancelled (a thread cannot be stopped); each "
+                "keeps a service thread until it returns, and another is started "
+                "meanwhile so that later runs do not wait for it", type(inst.service)
+                .__name__, sid, inst.spec.service_key, running)
         async with inst.inbox:
             inst.inbox.notify_all()
         if inst.outgoing:

@@ -65,8 +65,14 @@ class LocalEnvironment(Environment):
     async def send_rpc(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover
         raise AssertionError("in-process runs only make loopback calls")
 
-    def run_in_executor(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-        return asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+    def run_in_executor(self, fn: Callable[..., T], *args: Any,
+                        jobs: set[concurrent.futures.Future[Any]] | None = None
+                        ) -> asyncio.Future[T]:
+        job = self.executor.submit(fn, *args)
+        if jobs is not None:
+            jobs.add(job)
+            job.add_done_callback(jobs.discard)
+        return asyncio.wrap_future(job)
 
 
 async def _one_run(definition: ServiceDefinition, service_key: Key, inputs: dict,

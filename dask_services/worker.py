@@ -10,11 +10,11 @@ the ``compute-task`` messages of hand-offs); peer RPCs use ordinary worker handl
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import gc
 import logging
 import shutil
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import dask.config
@@ -38,6 +38,7 @@ from dask_services._pending_inputs import PendingInputs
 from dask_services._produced import ProducedOutputs
 from dask_services._sending import window_size
 from dask_services._streams import flush
+from dask_services._threads import ServiceThreads
 from dask_services._worker_context import as_worker, in_current_context
 from dask_services.service import (
     OutputLostError,
@@ -255,10 +256,17 @@ class WorkerEnvironment(Environment):
             _traffic(self.ext.host, source).bytes_received += len(response[_RESULT])
         return result
 
-    def run_in_executor(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-        return asyncio.get_running_loop().run_in_executor(
-            self.ext.executor, in_current_context(fn), *args
-        )
+    def run_in_executor(self, fn: Callable[..., T], *args: Any,
+                        jobs: set[concurrent.futures.Future[Any]] | None = None
+                        ) -> asyncio.Future[T]:
+        job = self.ext.threads.submit(in_current_context(fn), *args)
+        if jobs is not None:
+            jobs.add(job)
+            job.add_done_callback(jobs.discard)
+        return asyncio.wrap_future(job)
+
+    def let_go_of_jobs(self, jobs: set[concurrent.futures.Future[Any]]) -> int:
+        return self.ext.threads.let_go(jobs)
 
 
 def _unreachable(call: str, address: str, exc: BaseException) -> PeerUnreachableError:
@@ -275,7 +283,7 @@ class _NotOnLane(Exception):
     """A call with ``Buffers`` goes through distributed's comms after all."""
 
 
-def service_threads(worker: Worker) -> ThreadPoolExecutor:
+def service_threads(worker: Worker) -> ServiceThreads:
     """The threads of the services' CPU work on ``worker`` (``concierge.run_in_executor``):
     ``dask_services.threads`` of them, by default as many as the worker has task threads.
 
@@ -296,7 +304,7 @@ def service_threads(worker: Worker) -> ThreadPoolExecutor:
             f"dask_services.threads must be a number of threads of at least 1, or null for "
             f"as many as the worker has task threads; got {threads!r}"
         )
-    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dask-services")
+    return ServiceThreads(threads, thread_name_prefix="dask-services")
 
 
 class ServiceWorkerPlugin(WorkerPlugin):
@@ -327,7 +335,8 @@ class ServiceWorkerPlugin(WorkerPlugin):
         self.pending_inputs = PendingInputs(window_size(
             parse_bytes(dask.config.get("dask_services.hand-off-buffer")),
             getattr(worker.memory_manager, "memory_limit", None)))
-        self.executor = service_threads(worker)
+        self.threads = service_threads(worker)
+        self.executor = self.threads.executor
         self.counter_reports = CounterReports()
         for op in _STREAM_OPS:
             worker.stream_handlers[op] = self._guarded(getattr(self, "_" + op.replace("-", "_")))
@@ -371,7 +380,7 @@ class ServiceWorkerPlugin(WorkerPlugin):
         worker.metrics.pop("dask_services_spilled_bytes", None)
         worker.extensions.pop(EXTENSION, None)
         # every instance has stopped: nothing is queued; a job still running finishes alone
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.threads.shutdown()
         shutil.rmtree(self.host.env.local_directory, ignore_errors=True)
 
     # ------------------------------------------------------------- helpers

@@ -141,7 +141,7 @@ def test_service_threads_are_as_many_as_task_threads_unless_configured():
     for config, expected in ((None, 3), (1, 1), (5, 5)):
         with dask.config.set({"dask_services.threads": config}):
             pool = service_threads(worker)
-            assert pool._max_workers == expected
+            assert pool.threads == pool.executor._max_workers == expected
             pool.shutdown()
     for bad in (0, -2, "four", 1.5):
         with dask.config.set({"dask_services.threads": bad}), \

@@ -235,3 +235,22 @@ def test_peer_payloads_pass_through_the_comm_protocol():
     assert isinstance(arrived, Packed)
     (back,) = asyncio.run(unpack(arrived, "test"))
     np.testing.assert_array_equal(back, array)
+
+
+def test_thread_pool_internals_the_service_threads_grow_with():
+    """``_threads.ServiceThreads`` adds a thread while a stopped instance's job still runs
+    by raising the pool's capacity and starting a thread: both are ThreadPoolExecutor's
+    own, so a Python upgrade that renames them must fail here, not leave runs waiting."""
+    import concurrent.futures
+
+    from dask_services import _threads
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        assert getattr(pool, _threads.CAPACITY_ATTRIBUTE) == 1
+        assert callable(getattr(pool, _threads.THREAD_START_METHOD))
+        source = inspect.getsource(type(pool).submit) + inspect.getsource(
+            getattr(type(pool), _threads.THREAD_START_METHOD))
+        assert _threads.CAPACITY_ATTRIBUTE in source
+    finally:
+        pool.shutdown()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import threading
 import weakref
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 from distributed import Client, LocalCluster, futures_of, get_worker, wait
 from distributed.protocol import pickle as distributed_pickle
 from distributed.utils_test import async_poll_for, captured_logger, gen_cluster, poll_for
+from services import PidReporter
 from utils import assert_errs, assert_nothing_left, kill, service_cluster
 
 import dask_services
@@ -1197,3 +1199,58 @@ async def test_service_task_given_a_future_points_to_submit(c, s, a, b):
                                         r"dask_services.submit\("):
         dask_services.service_task(FailsFirstRuns, [future], outputs=1)
     assert await future == 2
+
+
+# ------------------------------------------------------------------ service threads
+
+
+class BlocksInAThread(PidReporter):
+    """Its leader waits in a service thread (``concierge.run_in_executor``) on ``gate``,
+    which nothing sets until the test ends: a job a cancellation cannot stop."""
+
+    gate = threading.Event()
+    entered = threading.Event()
+
+    async def all_inputs_done(self) -> None:
+        if self.id == self.leader:
+            def wait() -> None:
+                type(self).entered.set()
+                type(self).gate.wait(60)
+
+            await self.concierge.run_in_executor(wait)
+        await super().all_inputs_done()
+
+
+class UsesAThread(PidReporter):
+    """Reports its pid from a service thread."""
+
+    async def all_inputs_done(self) -> None:
+        assert await self.concierge.run_in_executor(os.getpid) == os.getpid()
+        await super().all_inputs_done()
+
+
+@service_cluster()
+async def test_a_cancelled_runs_blocked_thread_job_does_not_hold_up_later_runs(c, s, a, b):
+    """With one service thread per worker, a cancelled run's job blocked in that thread
+    made every later run on the worker wait until it returned (the shuffle's included)."""
+    BlocksInAThread.gate.clear()
+    BlocksInAThread.entered.clear()
+    futures = c.compute(dask_services.service_task(BlocksInAThread, [], outputs=2))
+    await asyncio.get_running_loop().run_in_executor(None, BlocksInAThread.entered.wait, 20)
+    with captured_logger("dask_services") as log:
+        await c.cancel(futures)
+        del futures
+        await async_poll_for(lambda: not any(w.extensions["dask_services"].host.instances
+                                             for w in (a, b)), timeout=20)
+    assert "1 concierge.run_in_executor job(s) still running" in log.getvalue()
+    try:
+        assert not BlocksInAThread.gate.is_set()
+        outs = c.compute(dask_services.service_task(UsesAThread, [], outputs=4))
+        assert await asyncio.wait_for(c.gather(outs), 30) == [os.getpid()] * 4
+        del outs
+        assert BlocksInAThread.entered.is_set() and not BlocksInAThread.gate.is_set()
+    finally:
+        BlocksInAThread.gate.set()
+    await async_poll_for(lambda: all(w.extensions["dask_services"].threads.held == 0
+                                     for w in (a, b)), timeout=10)
+    await assert_nothing_left(s, [a, b])

@@ -1,0 +1,64 @@
+"""The services' threads on a worker, whose capacity a stopped instance's job cannot take.
+
+A run stops (restarted, cancelled, failed) while a job it gave to ``concierge.run_in_executor``
+is still running: a Python thread cannot be stopped from outside, so the job keeps its
+thread until it returns.  With the threads shared by every run on the worker (one, by
+default, on a one-thread worker), a job blocked on something that never comes would make
+every later run on the worker, the shuffle and the rechunk included, wait behind it.  When
+an instance stops, its jobs not started yet are cancelled, and for each job still running
+the pool may start one thread more until that job returns, so the runs that follow keep
+``dask_services.threads`` threads of their own.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+# ThreadPoolExecutor's own capacity and thread start, on which the growth relies
+# (tests/test_hooks.py checks that they are still there)
+CAPACITY_ATTRIBUTE = "_max_workers"
+THREAD_START_METHOD = "_adjust_thread_count"
+
+
+class ServiceThreads:
+    """A ``ThreadPoolExecutor`` of ``threads`` threads, plus one for each job of a stopped
+    instance still running."""
+
+    def __init__(self, threads: int, thread_name_prefix: str = "dask-services") -> None:
+        self.threads = threads
+        self.executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=threads, thread_name_prefix=thread_name_prefix)
+        self._lock = threading.Lock()
+        self.held = 0  # threads held by jobs of stopped instances
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        return self.executor.submit(fn, *args)
+
+    def let_go(self, jobs: Iterable[concurrent.futures.Future[Any]]) -> int:
+        """The instance that submitted ``jobs`` stopped: cancel those not started, and give
+        the pool a thread more for each one still running, until it returns.  Returns how
+        many are still running."""
+        running = [f for f in list(jobs) if not f.cancel() and not f.done()]
+        if running:
+            self._resize(len(running))
+            for f in running:
+                f.add_done_callback(self._returned)
+        return len(running)
+
+    def _returned(self, _: concurrent.futures.Future[Any]) -> None:
+        self._resize(-1)
+
+    def _resize(self, change: int) -> None:
+        with self._lock:
+            self.held += change
+            setattr(self.executor, CAPACITY_ATTRIBUTE, self.threads + self.held)
+            if change > 0:  # jobs queued already get the new thread, not only later ones
+                getattr(self.executor, THREAD_START_METHOD)()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
