@@ -278,8 +278,8 @@ def status(client: Any = None, table: str = "runs") -> pd.DataFrame:
     of the service task before this run, the error or restart reason, and the duration.
     ``table`` picks another registered table.  The same figures are on the dashboard's
     ``/services`` page; the scheduler's Prometheus metrics sum them up per service class.
+    With an asynchronous client, await the result.
     """
-    import pandas as pd
     from distributed import default_client
 
     from dask_services.client import install
@@ -288,10 +288,18 @@ def status(client: Any = None, table: str = "runs") -> pd.DataFrame:
         raise TypeError(f"status(table=...) takes a table's name, got {table!r}; "
                         "e.g. table='runs' or table='replicas'")
     client = client or default_client()
-    install(client)
-    result = client.sync(client.scheduler.service_status, tables=[table])
+    if not client.asynchronous:
+        install(client)
+    # with an asynchronous client ``sync`` gives a coroutine: awaited, it gives the frame
+    return client.sync(_status_frame, client, table)
+
+
+async def _status_frame(client: Any, table: str) -> pd.DataFrame:
+    import pandas as pd
+
+    result = await client.scheduler.service_status(tables=[table])
     if table not in result:
-        known = client.sync(client.scheduler.service_status, tables=None)
+        known = await client.scheduler.service_status(tables=None)
         raise KeyError(f"no status table {table!r}; tables: {sorted(known)}")
     columns = TABLES[table].columns if table in TABLES else None
     return pd.DataFrame(result[table], columns=columns)

@@ -718,7 +718,8 @@ def _worker_extension() -> tuple[Worker, ServiceWorkerPlugin]:
     if ext is None:
         raise RuntimeError(
             "dask_services is not installed on this worker; call "
-            "dask_services.install(client) or start the scheduler with "
+            "dask_services.install(client) (with an asynchronous client, `await "
+            "dask_services.install_async(client)`) or start the scheduler with "
             "`--preload dask_services`"
         )
     return worker, ext

@@ -290,3 +290,16 @@ def test_progress_bar_only_on_a_terminal_and_not_quiet(monkeypatch):
         monkeypatch.setattr("sys.stderr.isatty", lambda tty=tty: tty)
         assert main(["bench", "shuffle", *flags]) == 0
         assert show_progress(parsed["a"]) is expected, (tty, flags)
+
+
+@service_cluster()
+async def test_status_with_an_asynchronous_client_is_awaited(c, s, a, b):
+    """``status()`` with an asynchronous client failed with "argument of type 'coroutine'
+    is not iterable"; awaited, it gives the frame, as ``story()`` does."""
+    xs = [dask.delayed(lambda i: i + 1)(i) for i in range(4)]
+    assert await c.gather(c.compute(dask_services.service_task(AllReduce, xs, outputs=2))) \
+        == [10, 10]
+    df = await dask_services.status(c)
+    assert df.state.tolist() == ["finished"] and df.service.tolist() == ["AllReduce"]
+    with pytest.raises(KeyError, match="no status table 'nope'"):
+        await dask_services.status(c, table="nope")
