@@ -637,6 +637,8 @@ class ServiceTaskMachine:
         # it that a restart had cancelled may take it instead (the scheduler then releases
         # the task and runs it again), and the next execution must get it too.
         self.failure: BaseException | None = None
+        # Set once the restarts are used up, until a retry (``retries=``)
+        self.exhausted: TooManyRestarts | None = None
         self.lost_since_finished: str | None = None
         if validating is None:
             validating = bool(dask.config.get("distributed.scheduler.validate", False))
@@ -708,9 +710,9 @@ class ServiceTaskMachine:
         return []
 
     def _fail(self, run: Run | None, error: BaseException) -> list[Action]:
-        # the attempt is over (the service task errs): a retry of the task starts with
-        # its own count of restarts
-        self.restarts = 0
+        # The service task errs. Its count of restarts stays: distributed runs an erred
+        # task again when an input it had is lost and recomputed, and a run then would
+        # start the loop again; only a retry (``retries=``) starts from none.
         self.failure = error
         actions: list[Action] = []
         if run is not None:
@@ -722,7 +724,8 @@ class ServiceTaskMachine:
     def _restart(self, run: Run, reason: str, counted: bool = True) -> list[Action]:
         self.restarts += counted
         if self.restarts > self.max_restarts:
-            return self._fail(run, self._too_many_restarts(reason))
+            self.exhausted = self._too_many_restarts(reason)
+            return self._fail(run, self.exhausted)
         run.phase = Phase.FAILED
         self.run = None
         self.rescheduling = True
@@ -767,6 +770,10 @@ class ServiceTaskMachine:
             return []
         if not ev.participants:
             return []  # no worker yet; the plugin asks again when one arrives
+        if self.exhausted is not None:
+            # erred with TooManyRestarts, then run again by distributed (an input it had
+            # was lost and recomputed): errs again, or the losses go on for ever
+            return self._fail(None, self.exhausted)
         if self.lost_since_finished is not None:
             # Produced once, then lost with a worker: counted as a restart, whatever
             # finished in between, so that outputs lost again and again (a worker killed
@@ -774,7 +781,8 @@ class ServiceTaskMachine:
             reason, self.lost_since_finished = self.lost_since_finished, None
             self.restarts += 1
             if self.restarts > self.max_restarts:
-                return self._fail(None, self._too_many_restarts(reason))
+                self.exhausted = self._too_many_restarts(reason)
+                return self._fail(None, self.exhausted)
         participants = tuple(ev.participants)
         wanted = tuple(ev.wanted)
         owner_workers = _owners(wanted, participants, ev.placement or {})
@@ -997,6 +1005,8 @@ class ServiceTaskMachine:
             self.pending_outcome = (self.failure,)
             return []
         if run is None:
+            if ev.retried:  # a retry (``retries=``) counts its own restarts
+                self.restarts, self.exhausted = 0, None
             over = self.run is not None and self.run.phase in (Phase.FINISHED, Phase.FAILED)
             self.pending_outcome = None
             self.failure = None
@@ -1030,14 +1040,18 @@ class ServiceTaskMachine:
         self.pending_outcome = None
         self.failure = None
         run, self.run = self.live_run, None
-        if ev.erred:
-            # the attempt is over: a retry of the task starts with its own count
-            self.restarts = 0
         if run is None:
             return []
         # erred by the scheduler while its run was live (its workers kept dying while it
-        # waited: KilledWorker): the run's instances stop, as after a failure
+        # waited: KilledWorker): the run's instances stop, as after a failure, and it
+        # counts as a restart (distributed may run it again when an input is recomputed)
         run.phase = Phase.FAILED
+        self.restarts += 1
+        if self.restarts > self.max_restarts:
+            self.restarts = self.max_restarts + 1
+            self.exhausted = self._too_many_restarts(
+                "the workers running the service task kept dying (distributed erred it "
+                "with KilledWorker)")
         return [StopInstances(run.snapshot(), "the service task erred"),
                 Log("failed", run.run_id, "the scheduler erred the service task")]
 

@@ -195,10 +195,11 @@ def test_a_retry_after_too_many_restarts_counts_its_own():
     m.handle(rs.RestartRequested(1, "first"))
     need(m, run_id=2)
     m.handle(rs.RestartRequested(2, "second"))
-    assert isinstance(m.pending_outcome[0], TooManyRestarts) and m.restarts == 0
+    assert isinstance(m.pending_outcome[0], TooManyRestarts) and m.restarts == 2
     assert kinds(m.handle(rs.ServiceTaskProcessing(WORKERS[0]))) == ["NotifyServiceTask"]
     assert need(m, run_id=3) == []  # told to err: no run until it did
     m.handle(rs.ServiceTaskReleased(still_wanted=True, inputs_kept=True, retried=True))
+    assert m.restarts == 0
     assert m.handle(rs.ServiceTaskProcessing(WORKERS[0])) == []  # the retry
     need(m, run_id=3)
     assert kinds(m.handle(rs.RestartRequested(3, "third"))) == [
@@ -601,8 +602,30 @@ def test_the_scheduler_erring_the_task_mid_run_stops_its_instances():
     assert m.restarts == 1
     actions = m.handle(rs.ServiceTaskDone(erred=True))
     assert kinds(actions) == ["StopInstances", "Log"]
-    assert actions[0].run.run_id == 2 and m.run is None and m.restarts == 0
+    assert actions[0].run.run_id == 2 and m.run is None and m.restarts == 2  # counted
     assert m.handle(rs.WorkerLost(WORKERS[0])) == []
+    # distributed runs an erred task again when an input it had is lost and recomputed
+    assert kinds(need(m, run_id=3)) == ["StartInstances", "Log"]
+    m.handle(rs.ServiceTaskDone(erred=True))
+    assert need(m, run_id=4) == [] and m.live_run is None  # used up: errs again
+    assert isinstance(m.pending_outcome[0], TooManyRestarts)
+    assert "KilledWorker" in str(m.pending_outcome[0])
+    m.validate()
+
+
+def test_a_task_erred_with_too_many_restarts_and_run_again_errs_again():
+    """distributed runs an erred service task again when one of its inputs is lost and
+    recomputed; after TooManyRestarts that started the losses again, from none."""
+    m = machine(max_restarts=0)
+    m.handle(rs.ServiceTaskProcessing(WORKERS[0]))
+    need(m)
+    assert kinds(m.handle(rs.WorkerLost(WORKERS[1]))) == [
+        "StopInstances", "Log", "NotifyServiceTask"]
+    m.handle(rs.ServiceTaskDone(erred=True))
+    m.handle(rs.ServiceTaskProcessing(WORKERS[0]))  # run again by distributed
+    actions = need(m, run_id=2)
+    assert kinds(actions) == ["NotifyServiceTask"] and m.live_run is None
+    assert isinstance(actions[0].error, TooManyRestarts)
     m.validate()
 
 
