@@ -30,6 +30,7 @@ from dask_services._counters import Traffic, size_of
 from dask_services._known_sizes import checked_nbytes, remember
 from dask_services._messages import contained
 from dask_services._payload import known_arguments_nbytes
+from dask_services._threads import cancel_unstarted
 from dask_services.service import (
     Concierge,
     PeerUnreachableError,
@@ -103,7 +104,7 @@ class Environment(abc.ABC):
     def let_go_of_jobs(self, jobs: set[concurrent.futures.Future[Any]]) -> int:
         """The instance that submitted ``jobs`` stopped: those not started are cancelled.
         Returns how many still run."""
-        return sum(1 for f in list(jobs) if not f.cancel() and not f.done())
+        return len(cancel_unstarted(jobs))
 
     async def memory_backpressure(self) -> None:
         """Return once the place has memory to take more produced outputs."""

@@ -12,6 +12,7 @@ the pool may start one thread more until that job returns, so the runs that foll
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import threading
 from collections.abc import Callable, Iterable
@@ -23,6 +24,23 @@ T = TypeVar("T")
 # (tests/test_hooks.py checks that they are still there)
 CAPACITY_ATTRIBUTE = "_max_workers"
 THREAD_START_METHOD = "_adjust_thread_count"
+
+
+def kept_until_done(job: concurrent.futures.Future[T],
+                    jobs: set[concurrent.futures.Future[Any]] | None
+                    ) -> asyncio.Future[T]:
+    """``job`` awaitable on the running loop, and kept in ``jobs`` (an instance's) until
+    it returns."""
+    if jobs is not None:
+        jobs.add(job)
+        job.add_done_callback(jobs.discard)
+    return asyncio.wrap_future(job)
+
+
+def cancel_unstarted(jobs: Iterable[concurrent.futures.Future[Any]]
+                     ) -> list[concurrent.futures.Future[Any]]:
+    """Cancel the ``jobs`` not started yet; returns those still running."""
+    return [f for f in list(jobs) if not f.cancel() and not f.done()]
 
 
 class ServiceThreads:
@@ -43,7 +61,7 @@ class ServiceThreads:
         """The instance that submitted ``jobs`` stopped: cancel those not started, and give
         the pool a thread more for each one still running, until it returns.  Returns how
         many are still running."""
-        running = [f for f in list(jobs) if not f.cancel() and not f.done()]
+        running = cancel_unstarted(jobs)
         if running:
             self._resize(len(running))
             for f in running:

@@ -17,6 +17,7 @@ import dask
 from dask.typing import Key
 
 from dask_services._host import Environment, InstanceSpec, ServiceHost, stop_grace
+from dask_services._threads import kept_until_done
 from dask_services.graph import ServiceDefinition
 from dask_services.service import ServiceId, TooManyRestarts
 
@@ -68,11 +69,7 @@ class LocalEnvironment(Environment):
     def run_in_executor(self, fn: Callable[..., T], *args: Any,
                         jobs: set[concurrent.futures.Future[Any]] | None = None
                         ) -> asyncio.Future[T]:
-        job = self.executor.submit(fn, *args)
-        if jobs is not None:
-            jobs.add(job)
-            job.add_done_callback(jobs.discard)
-        return asyncio.wrap_future(job)
+        return kept_until_done(self.executor.submit(fn, *args), jobs)
 
 
 async def _one_run(definition: ServiceDefinition, service_key: Key, inputs: dict,

@@ -38,7 +38,7 @@ from dask_services._pending_inputs import PendingInputs
 from dask_services._produced import ProducedOutputs
 from dask_services._sending import window_size
 from dask_services._streams import flush
-from dask_services._threads import ServiceThreads
+from dask_services._threads import ServiceThreads, kept_until_done
 from dask_services._worker_context import as_worker, in_current_context
 from dask_services.service import (
     OutputLostError,
@@ -259,11 +259,7 @@ class WorkerEnvironment(Environment):
     def run_in_executor(self, fn: Callable[..., T], *args: Any,
                         jobs: set[concurrent.futures.Future[Any]] | None = None
                         ) -> asyncio.Future[T]:
-        job = self.ext.threads.submit(in_current_context(fn), *args)
-        if jobs is not None:
-            jobs.add(job)
-            job.add_done_callback(jobs.discard)
-        return asyncio.wrap_future(job)
+        return kept_until_done(self.ext.threads.submit(in_current_context(fn), *args), jobs)
 
     def let_go_of_jobs(self, jobs: set[concurrent.futures.Future[Any]]) -> int:
         return self.ext.threads.let_go(jobs)

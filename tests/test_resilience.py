@@ -43,6 +43,13 @@ def machines(client) -> int:
         lambda dask_scheduler: len(dask_scheduler.extensions["dask_services"].machines))
 
 
+def service_task_worker(client) -> str:
+    """The worker running the one service task the scheduler plugin keeps state for."""
+    (worker,) = client.run_on_scheduler(lambda dask_scheduler: [
+        m.task_worker for m in dask_scheduler.extensions["dask_services"].machines.values()])
+    return worker
+
+
 def task_states(client, futures) -> list[str]:
     keys = [f.key for f in futures]
     return client.run_on_scheduler(
@@ -74,9 +81,7 @@ def test_the_worker_running_a_task_without_inputs_killed_costs_one_restart(clust
         futures = client.compute(dask_services.service_task(SlowPidReporter, [], outputs=3,
                                                             delay=3.0))
         poll_for(lambda: live_run_in(client, Phase.INPUTS_DONE), timeout=60)
-        (worker,) = client.run_on_scheduler(lambda dask_scheduler: [
-            m.task_worker for m in dask_scheduler.extensions["dask_services"]
-            .machines.values()])
+        worker = service_task_worker(client)
         pid = client.run(os.getpid, workers=[worker])[worker]
         kill(client, worker)
         pids = client.gather(futures)
@@ -165,16 +170,13 @@ def test_the_scheduler_erring_a_service_task_mid_run_stops_its_instances(cluster
     cluster, client = cluster
     client.run_on_scheduler(lambda dask_scheduler: setattr(
         dask_scheduler, "allowed_failures", 0))
-    if True:
-        futures = client.compute(dask_services.service_task(SlowPidReporter, [], outputs=3,
-                                                            delay=30.0))
-        poll_for(lambda: live_run_in(client, Phase.INPUTS_DONE), timeout=60)
-        (worker,) = client.run_on_scheduler(lambda dask_scheduler: [
-            m.task_worker for m in dask_scheduler.extensions["dask_services"]
-            .machines.values()])
-        assert instances_left(client) > 0
-        kill(client, worker)
-        exc = futures[0].exception(timeout=60)
+    futures = client.compute(dask_services.service_task(SlowPidReporter, [], outputs=3,
+                                                        delay=30.0))
+    poll_for(lambda: live_run_in(client, Phase.INPUTS_DONE), timeout=60)
+    worker = service_task_worker(client)
+    assert instances_left(client) > 0
+    kill(client, worker)
+    exc = futures[0].exception(timeout=60)
     assert type(exc).__name__ == "KilledWorker", repr(exc)
     poll_for(lambda: instances_left(client) == 0, timeout=20)
     validate_scheduler(client)
