@@ -67,6 +67,28 @@ MODULES = {
     "multi": "dataframe/tests/test_multi.py",
     "rechunk": "array/tests/test_rechunk.py",
 }
+# modules whose operations shuffle or rechunk on the way (groupby with ``split_out``,
+# merges on index and columns, reshapes, overlaps, ...): run with ``--modules`` by name
+MORE_MODULES = {
+    "groupby": "dataframe/tests/test_groupby.py",
+    "merge_index": "dataframe/tests/test_merge_column_and_index.py",
+    "categorical": "dataframe/tests/test_categorical.py",
+    "dataframe": "dataframe/tests/test_dataframe.py",
+    "expr_shuffle": "dataframe/dask_expr/tests/test_shuffle.py",
+    "expr_merge": "dataframe/dask_expr/tests/test_merge.py",
+    "expr_groupby": "dataframe/dask_expr/tests/test_groupby.py",
+    "expr_distributed": "dataframe/dask_expr/tests/test_distributed.py",
+    "array_core": "array/tests/test_array_core.py",
+    "reshape": "array/tests/test_reshape.py",
+    "overlap": "array/tests/test_overlap.py",
+    "gufunc": "array/tests/test_gufunc.py",
+    "reductions": "array/tests/test_reductions.py",
+    "linalg": "array/tests/test_linalg.py",
+    "fft": "array/tests/test_fft.py",
+    "masked": "array/tests/test_masked.py",
+    "routines": "array/tests/test_routines.py",
+}
+ALL_MODULES = {**MODULES, **MORE_MODULES}
 PLUGIN = "benchmarks.dask_suites"
 
 # ---------------------------------------------------------------------------------------
@@ -183,7 +205,7 @@ def run(module: str, method: str, scheduler: str, args: argparse.Namespace,
         f"--suite-method={method}", f"--suite-scheduler={scheduler}",
         f"--timeout={args.timeout}", f"--junitxml={xml}",
     ]
-    path = str(dask_dir() / MODULES[module])
+    path = str(dask_dir() / ALL_MODULES[module])
     cmd += [_node_id(path, test) for test in only] if only else [path]
     if args.k and not only:
         cmd += ["-k", args.k]
@@ -229,7 +251,8 @@ def outcomes(xml: Path) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modules", default=",".join(MODULES),
-                        help=f"comma-separated subset of {', '.join(MODULES)}")
+                        help="comma-separated modules, by default "
+                             f"{', '.join(MODULES)}; also {', '.join(MORE_MODULES)}")
     parser.add_argument("--schedulers", default=",".join(SCHEDULERS),
                         help="comma-separated subset of sync, distributed")
     parser.add_argument("-k", default=None, help="pytest -k expression for every run")
@@ -246,8 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     modules = [m.strip() for m in args.modules.split(",") if m.strip()]
     schedulers = [s.strip() for s in args.schedulers.split(",") if s.strip()]
     for m in modules:
-        if m not in MODULES:
-            parser.error(f"unknown module {m!r}; choose from {', '.join(MODULES)}")
+        if m not in ALL_MODULES:
+            parser.error(f"unknown module {m!r}; choose from {', '.join(ALL_MODULES)}")
     for s in schedulers:
         if s not in SCHEDULERS:
             parser.error(f"unknown scheduler {s!r}; choose from {', '.join(SCHEDULERS)}")
