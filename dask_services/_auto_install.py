@@ -16,17 +16,21 @@ their operands: a node class with the attribute ``runs_service_tasks`` (the ``"s
 shuffle, whose tasks are made on the scheduler), the tasks of the materialized layers of a
 ``HighLevelGraph`` (``service_task``, a rechunk with service tasks, ``dask.optimize``'s
 output) and of task dicts, and the collections held by operands (``to_delayed``,
-``delayed(f)(df)``, ``from_dask_array``).  Only a synchronous
-client installs (an asynchronous one cannot wait for the plugins while it sends the graph:
-``await install_async(client)``); a failure to install, or to search, is left to the
-worker's error, which says what to do.  ``tests/test_hooks.py`` fails loudly if an upgrade
-moves the method.
+``delayed(f)(df)``, ``from_dask_array``).  A synchronous client installs before it
+sends.  An asynchronous one cannot wait there (``_graph_to_futures`` is a plain method run
+on its event loop), so it holds what it sends to the scheduler from that graph on
+(``_send_to_scheduler``, the one way its messages leave) while ``install_async`` runs on
+its loop, then sends the held messages in their order: the graph reaches the scheduler
+after the plugins, and nothing sent meanwhile (releases, cancellations, other graphs)
+overtakes it.  A failure to install, or to search, is left to the worker's error, which
+says what to do.  ``tests/test_hooks.py`` fails loudly if an upgrade moves the methods.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -94,15 +98,22 @@ def _tasks_hold_a_service_task(tasks: Mapping) -> bool:
     return any(isinstance(task, ServiceTaskSpec) for task in tasks.values())
 
 
+# Asynchronous clients installing now, with the messages they hold until then.
+_holding: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _installing(send: Callable) -> Callable:
     @functools.wraps(send)
     def _graph_to_futures(client: Any, expr: Any, *args: Any, **kwargs: Any) -> Any:
         from dask_services.client import _installed, install
 
-        if _made and client not in _installed and not client.asynchronous:
+        if _made and client not in _installed and client not in _holding:
             try:  # every graph of the process comes here: nothing may fail its sending
                 if runs_service_tasks(expr):
-                    install(client)
+                    if client.asynchronous:
+                        _install_then_send_held(client)
+                    else:
+                        install(client)
             except Exception:  # noqa: BLE001 - the worker's error says what to do
                 logger.debug("installing dask_services on %s failed", client, exc_info=True)
         return send(client, expr, *args, **kwargs)
@@ -119,3 +130,38 @@ def install() -> None:
     current = Client._graph_to_futures
     if not getattr(current, "installs_dask_services", False):
         Client._graph_to_futures = _installing(current)
+
+
+def _install_then_send_held(client: Any) -> None:
+    """Hold what the asynchronous ``client`` sends to its scheduler while ``install_async``
+    runs on its event loop, then send it, in order."""
+    import asyncio
+
+    from dask_services.client import install_async
+
+    loop = asyncio.get_running_loop()  # the client's; raises (holding nothing) if none
+    held: list = []
+    _holding[client] = held
+    client._send_to_scheduler = held.append  # shadows the method until installed
+
+    async def install_then_send() -> None:
+        try:
+            await install_async(client)
+        except Exception:  # noqa: BLE001 - the worker's error says what to do
+            logger.debug("installing dask_services on %s failed", client, exc_info=True)
+        finally:
+            del client._send_to_scheduler
+            _holding.pop(client, None)
+            for message in held:
+                try:
+                    client._send_to_scheduler(message)
+                except Exception:  # noqa: BLE001 - a client closed meanwhile
+                    logger.debug("%s could not send %s", client, message.get("op"),
+                                 exc_info=True)
+
+    task = loop.create_task(install_then_send())
+    _installs.add(task)  # a task the loop only references weakly
+    task.add_done_callback(_installs.discard)
+
+
+_installs: set = set()

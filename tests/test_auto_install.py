@@ -4,6 +4,8 @@ default one, run as those built with a default client do (``_auto_install.py``).
 
 from __future__ import annotations
 
+import asyncio
+
 import dask
 import dask.array as da
 import dask.dataframe as dd
@@ -115,12 +117,56 @@ def test_persist_and_dask_compute_install_through_the_default_client():
         validate_scheduler(client)
 
 
-@gen_cluster(client=True)
-async def test_an_asynchronous_client_is_told_how_to_install(c, s, a, b):
-    (total,) = dask_services.service_task(AllReduce, [dask.delayed(float)(1)], outputs=1)
-    with pytest.raises(RuntimeError, match=r"not installed on this worker.*install"):
-        await c.compute(total)
+@pytest.mark.parametrize("kind", list(graphs()))
+@gen_cluster(client=True, timeout=60)
+async def test_an_asynchronous_client_installs_before_its_graph_arrives(c, s, a, b, kind):
+    collection, expected = graphs()[kind]
     assert c not in _installed and "dask_services" not in s.plugins
+    future = c.compute(collection)
+    assert_equal(await future, expected)
+    assert c in _installed and "dask_services" in s.plugins
+    s.validate_state()
+    for w in (a, b):
+        w.validate_state()
+
+
+@gen_cluster(client=True, timeout=60)
+async def test_what_an_asynchronous_client_sends_while_installing_keeps_its_order(c, s, a, b):
+    from dask_services import _auto_install
+
+    first = c.compute(all_to_all().sum(axis=0))
+    assert c in _auto_install._holding  # installing: the graph is held
+    second = c.compute(dd.from_pandas(FRAME, npartitions=5)
+                       .shuffle("a", shuffle_method="service").b.sum())
+    released = c.compute(all_to_all().sum(axis=1))
+    key = released.key
+    del released  # its release is held behind its graph, not sent before it
+    plain = c.submit(sum, [1, 2])
+    np.testing.assert_array_equal(await first, ARRAY.sum(axis=0))
+    assert await second == FRAME.b.sum() and await plain == 3
+    assert c not in _auto_install._holding and "_send_to_scheduler" not in vars(c)
+    while key in s.tasks:  # the released graph is forgotten, not left waiting
+        await asyncio.sleep(0.01)
+    s.validate_state()
+
+
+@gen_cluster(client=True, timeout=60)
+async def test_an_asynchronous_client_that_cannot_install_is_told_how(c, s, a, b):
+    from dask_services import client as client_module
+
+    async def refused(client):
+        raise OSError("the scheduler refused the plugin")
+
+    original = client_module.install_async
+    client_module.install_async = refused
+    try:
+        (total,) = dask_services.service_task(AllReduce, [dask.delayed(float)(1)], outputs=1)
+        with pytest.raises(RuntimeError, match=r"not installed on this worker.*install"):
+            await c.compute(total)
+    finally:
+        client_module.install_async = original
+    assert c not in _installed and "dask_services" not in s.plugins
+    assert "_send_to_scheduler" not in vars(c)
 
 
 def test_graphs_are_not_searched_in_a_process_that_made_no_service_task(monkeypatch):

@@ -200,6 +200,11 @@ def test_every_way_of_computing_sends_through_graph_to_futures():
         assert "self._graph_to_futures(" in inspect.getsource(method), method
     # dask.compute() and .compute() with a distributed client go through Client.get:
     # tests/test_auto_install.py computes so
+    # an asynchronous client's graph is held while it installs: the graph and every other
+    # message leave through the instance's ``_send_to_scheduler``, looked up per call
+    assert "self._send_to_scheduler(" in inspect.getsource(Client._graph_to_futures.__wrapped__)
+    for method in (Client._release_key, Client._cancel):
+        assert "self._send_to_scheduler(" in inspect.getsource(method), method
 
 
 def test_current_worker_context_variable():
