@@ -347,6 +347,47 @@ def test_set_index_sort_values_groupby_via_config():
                                    check_names=False)
 
 
+def lowered_kinds(collection) -> set[str]:
+    return {type(node).__name__ for node in collection.expr.lower_completely().walk()}
+
+
+@pytest.mark.parametrize("how", ["inner", "left", "leftsemi"])
+@pytest.mark.parametrize("broadcast", [True, None])
+@service_cluster(nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_few_partitions_joined_with_many_are_broadcast(c, s, a, b, how, broadcast):
+    """As with ``tasks`` and ``p2p``: ``broadcast=True``, or 2 partitions joined with 64,
+    broadcast the small side instead of shuffling both (``broadcast=True`` was ignored)."""
+    rng = np.random.default_rng(3)
+    big = pd.DataFrame({"k": rng.integers(0, 50, 3_000), "a": rng.random(3_000)})
+    small = pd.DataFrame({"k": np.arange(40), "b": np.arange(40.0)})
+    merged = dd.from_pandas(big, npartitions=64).merge(
+        dd.from_pandas(small, npartitions=2), on="k", how=how, broadcast=broadcast,
+        shuffle_method="service")
+    assert "BroadcastJoin" in lowered_kinds(merged)
+    # a left join shuffles the small side first (with the default method, as dask does)
+    with dask.config.set({"dataframe.shuffle.method": "service"}):
+        res = await c.compute(merged)
+    if how == "leftsemi":
+        exp = big[big.k.isin(small.k)]
+    else:
+        exp = big.merge(small, on="k", how=how)
+    cols = list(exp.columns)
+    pd.testing.assert_frame_equal(res.sort_values(cols).reset_index(drop=True),
+                                  exp.sort_values(cols).reset_index(drop=True))
+    del res
+    await assert_nothing_left(s, [a, b])
+
+
+def test_broadcast_false_and_outer_joins_still_shuffle_both_sides():
+    big = dd.from_pandas(pd.DataFrame({"k": range(640)}), npartitions=64)
+    small = dd.from_pandas(pd.DataFrame({"k": range(40), "b": 1.0}), npartitions=2)
+    for how, broadcast in (("inner", False), ("outer", True), ("outer", None)):
+        merged = big.merge(small, on="k", how=how, broadcast=broadcast,
+                           shuffle_method="service")
+        kinds = lowered_kinds(merged)
+        assert "BroadcastJoin" not in kinds and "ServiceShuffle" in kinds, (how, broadcast)
+
+
 @service_cluster(nthreads=[("127.0.0.1", 1)] * 3)
 async def test_on_a_cluster_and_merge_alignment(c, s, a, b, w3):
     pdf = mixed_frame(120)

@@ -28,6 +28,21 @@ def test_shuffle_lower_is_wrapped():
     assert "self.method or get_default_shuffle_method()" in inspect.getsource(_expr._dask_lower)
 
 
+def test_broadcast_join_choice_is_wrapped():
+    from dask.dataframe.dask_expr._merge import BlockwiseMerge, BroadcastJoin, Merge
+
+    import dask_services  # noqa: F401
+    from dask_services.dataframe import _expr
+
+    assert Merge.__dict__["is_broadcast_join"] is _expr._broadcast_join_choice
+    dask_choice = inspect.getsource(_expr._dask_is_broadcast_join.func)
+    # dask names the methods that may broadcast; "service" decides as "tasks" does
+    assert '"tasks"' in dask_choice and "self.shuffle_method" in dask_choice
+    assert "shuffle_method" in Merge._parameters
+    assert "shuffle_method" not in BroadcastJoin._parameters  # left to dask's own choice
+    assert BlockwiseMerge.is_broadcast_join is False
+
+
 def test_unknown_methods_still_refused_by_dask():
     import dask.dataframe as dd
     import pandas as pd

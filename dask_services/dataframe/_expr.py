@@ -5,7 +5,11 @@ dask-expr lowers every hash shuffle (``shuffle``, ``set_index``, ``sort_values``
 ``Shuffle`` expression, whose ``_lower`` picks an implementation by method name and refuses
 unknown names.  Importing ``dask_services`` wraps ``Shuffle._lower`` so that the name
 ``"service"`` lowers to :class:`ServiceShuffle`; every other name goes to dask unchanged.
-``tests/test_dataframe_hooks.py`` fails loudly if a dask upgrade moves this hook.
+A merge picks a broadcast join (``broadcast=True``, or a few partitions joined with many)
+only for the methods dask names there; ``Merge.is_broadcast_join`` is wrapped so that
+``"service"`` decides as ``"tasks"`` and ``"p2p"`` do (without it ``broadcast=True`` was
+ignored and both sides shuffled).  ``tests/test_dataframe_hooks.py`` fails loudly if a
+dask upgrade moves these hooks.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import functools
 
 from dask._task_spec import Alias, TaskRef
 from dask.dataframe.dask_expr._expr import Blockwise, Expr, Fused
+from dask.dataframe.dask_expr._merge import Merge
 from dask.dataframe.dask_expr._shuffle import AssignPartitioningIndex, Shuffle, SimpleShuffle
 from dask.dataframe.dask_expr.io import FromGraph
 from dask.tokenize import tokenize
@@ -222,6 +227,20 @@ def drops_index(shuffle: Shuffle) -> bool:
 
 _lower.__wrapped__ = _dask_lower  # type: ignore[attr-defined]
 
+_dask_is_broadcast_join = Merge.__dict__["is_broadcast_join"]
+
+
+def _is_broadcast_join(self: Merge) -> bool:
+    """dask's choice of a broadcast join, with ``"service"`` deciding as ``"tasks"``."""
+    if ("shuffle_method" in self._parameters
+            and (self.shuffle_method or get_default_shuffle_method()) == METHOD):
+        return self.substitute_parameters({"shuffle_method": "tasks"}).is_broadcast_join
+    return _dask_is_broadcast_join.func(self)  # also a lowered join's, as before
+
+
+_is_broadcast_join.__wrapped__ = _dask_is_broadcast_join.func  # type: ignore[attr-defined]
+_broadcast_join_choice = functools.cached_property(_is_broadcast_join)
+
 
 def register() -> None:
     """Make ``"service"`` a shuffle method of dask.dataframe (idempotent)."""
@@ -229,4 +248,7 @@ def register() -> None:
 
     if Shuffle._lower is not _lower:
         Shuffle._lower = _lower
+    if Merge.__dict__["is_broadcast_join"] is not _broadcast_join_choice:
+        Merge.is_broadcast_join = _broadcast_join_choice
+        _broadcast_join_choice.__set_name__(Merge, "is_broadcast_join")
     _compute_fusion.install()
