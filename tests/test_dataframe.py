@@ -506,3 +506,27 @@ async def test_fused_hand_offs_on_a_cluster(c, s, a, b):
     pd.testing.assert_frame_equal(await c.compute(shuffled), expected[0])
     del got, selections, persisted, shuffled
     await assert_nothing_left(s, [a, b])
+
+
+@pytest.mark.parametrize("index", [
+    pd.date_range("2010-01-01", periods=60, freq="D"),
+    pd.date_range("2010-01-01", periods=60, freq="h", tz="Europe/Paris"),
+    pd.timedelta_range("1s", periods=60, freq="s"),
+    pd.date_range("2010-01-01", periods=60, freq="D")[np.r_[0:30, 31:61][:60] % 60],
+])
+@pytest.mark.parametrize("npartitions", [1, 3, 7])
+def test_a_datetime_index_keeps_its_frequency_as_with_tasks(index, npartitions):
+    """pandas keeps a frequency through a concatenation of contiguous slices of one; the
+    partitions rebuilt from arrays had none (dask's ``groupby(...).shift(freq=...)`` test)."""
+    pdf = pd.DataFrame({"k": np.arange(60) // 7 % 3, "x": np.arange(60.0)}, index=index)
+    ddf = dd.from_pandas(pdf, npartitions=6, sort=False)
+    ours = partitions(ddf.shuffle("k", npartitions=npartitions, shuffle_method="service"))
+    ref = partitions(ddf.shuffle("k", npartitions=npartitions, shuffle_method="tasks"))
+    for a, b in zip(ours, ref, strict=True):
+        # (an empty partition's frequency differs between tasks' own partitions)
+        pd.testing.assert_frame_equal(a, b, check_freq=len(b) > 0)
+    expected = pdf.groupby("k").shift(periods=-2, freq=index.freq or "D")
+    with dask.config.set({"dataframe.shuffle.method": "service"}):
+        got = ddf.groupby("k").shift(periods=-2, freq=index.freq or "D", meta=expected)
+        got = got.compute(scheduler="sync")
+    pd.testing.assert_frame_equal(got.sort_index(), expected.sort_index(), check_freq=True)

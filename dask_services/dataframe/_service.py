@@ -315,8 +315,25 @@ def assemble_group(received: list[Received], window: list[int], meta: pd.DataFra
             out.append(assemble([], meta, ignore_index))
         else:
             out.append(frame.iloc[a:b].reset_index(drop=True) if ignore_index
-                       else frame.iloc[a:b])
+                       else with_index_freq(frame.iloc[a:b], meta))
     return out
+
+
+def with_index_freq(frame: pd.DataFrame, meta: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with the ``freq`` of the meta's datetime or timedelta index where its rows
+    are spaced by it, as ``tasks`` gives it: pandas keeps a frequency through a
+    concatenation of contiguous slices of one, and the pieces here are rebuilt from arrays,
+    which have none (``groupby(...).shift(freq=...)`` compares it)."""
+    freq = getattr(meta.index, "freq", None)
+    index = frame.index
+    if (freq is None or not isinstance(index, (pd.DatetimeIndex, pd.TimedeltaIndex))
+            or index.freq is not None or not len(index)):
+        return frame
+    try:
+        frame.index = type(index)(index, freq=freq)  # checks the spacing
+    except (ValueError, TypeError):
+        pass  # not evenly spaced by it: no frequency, as with tasks
+    return frame
 
 
 def frame_is_uniform(frame: pd.DataFrame, meta: pd.DataFrame) -> bool:
@@ -352,12 +369,12 @@ def assemble(pieces: list[tuple[int, pd.DataFrame | FrameRows]], meta: pd.DataFr
     rows = [piece if isinstance(piece, FrameRows) else FrameRows(RowSource(piece), 0, len(piece))
             for _, piece in pieces]
     if all(r.source.takes_column_way(meta) for r in rows):
-        return concat_rows(rows, meta, ignore_index)
-    frames = [r.frame(meta) for r in rows]
-    result = _concat(frames, ignore_index=ignore_index)
-    if ignore_index:
-        result = result.reset_index(drop=True)
-    return result
+        result = concat_rows(rows, meta, ignore_index)
+    else:
+        result = _concat([r.frame(meta) for r in rows], ignore_index=ignore_index)
+        if ignore_index:
+            return result.reset_index(drop=True)
+    return result if ignore_index else with_index_freq(result, meta)
 
 
 class DataFrameShuffle(PeerExchange):
