@@ -165,13 +165,19 @@ def pytest_collection_modifyitems(session: Any, config: Any, items: list) -> Non
 def _swap_tasks(func: Any, method: str) -> Any:
     import contextlib
     import functools
+    import inspect
 
     import dask
 
     @functools.wraps(func)
     def fixture(request: Any) -> Any:
         if getattr(request, "param", None) != "tasks":
-            yield from func(request)
+            # dask's fixture yields; a test parametrizing ``shuffle_method`` directly gets
+            # pytest's stand-in, which returns its parameter
+            if inspect.isgeneratorfunction(func):
+                yield from func(request)
+            else:
+                yield func(request)
             return
         with contextlib.ExitStack() as stack:
             stack.enter_context(dask.config.set({"dataframe.shuffle.method": method}))
