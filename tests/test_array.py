@@ -215,6 +215,32 @@ def test_other_array_types_are_refused_at_graph_construction():
         x.rechunk(4, method="service")
 
 
+def test_other_array_types_rechunked_by_the_session_method_go_to_tasks():
+    """``array.rechunk.method: service`` set for a session reaches masked arrays too, in
+    rechunks dask makes itself (a reshape, an elementwise step unifying chunks): those
+    are dask's ``tasks`` rechunks, masks kept, rather than an error."""
+    data = np.arange(8 * 12, dtype="f8").reshape(8, 12)
+    x = da.ma.masked_greater(da.from_array(data, chunks=(3, 5)), 60)
+    other = da.from_array(data, chunks=(4, 6))
+    cases = {"rechunk": lambda: x.rechunk((4, 4)), "reshape": lambda: x.reshape(96),
+             "where": lambda: da.where(x > 10, x, other), "add": lambda: x + other}
+    for name, make in cases.items():
+        with dask.config.set({"array.rechunk.method": "tasks"}):
+            expected = make().compute(scheduler="sync")
+        with dask.config.set({"array.rechunk.method": "service"}):
+            got = make().compute(scheduler="sync")
+        assert type(got) is type(expected), name
+        np.testing.assert_array_equal(np.ma.getmaskarray(got), np.ma.getmaskarray(expected),
+                                      err_msg=name)
+        np.testing.assert_array_equal(np.ma.filled(got, -1), np.ma.filled(expected, -1),
+                                      err_msg=name)
+    assert np.ma.getmaskarray(x.rechunk((4, 4)).compute(scheduler="sync")).any()
+    with dask.config.set({"array.rechunk.method": "service"}):
+        # nothing to move: the array as it is, whatever its type (as dask does)
+        assert x.rechunk(x.chunks, method="service") is x
+        assert x.rechunk((4, 4)).name == x.rechunk((4, 4), method="tasks").name
+
+
 @pytest.mark.parametrize("new", [(20, 2), (10, 18), (7, 18)])  # copies, merges, a service
 def test_masked_chunks_behind_a_numpy_meta_are_refused_on_every_path(new):
     a = np.arange(20 * 18, dtype="f8").reshape(20, 18)

@@ -37,6 +37,12 @@ _module = importlib.import_module("dask.array.rechunk")
 _dask_rechunk = _module.rechunk
 
 
+def handles(x: Array) -> bool:
+    """Whether the service rechunk handles ``x``'s chunks: numpy arrays, not masked arrays,
+    cupy or sparse ones (their masks or devices would be lost)."""
+    return type(x._meta) is np.ndarray
+
+
 def service_rechunk(x: Array, chunks: Any = "auto", block_size_limit: Any = None,
                     balance: bool = False) -> Array:
     """``x`` rechunked by one :class:`ArrayRechunk` service task.
@@ -44,12 +50,6 @@ def service_rechunk(x: Array, chunks: Any = "auto", block_size_limit: Any = None
     Accepts what ``Array.rechunk`` accepts: a tuple, a dict by axis, ``-1``, ``None``,
     ``"auto"``, and ``balance=True``.
     """
-    if type(x._meta) is not np.ndarray:  # masked arrays, cupy, sparse, ...: not ours
-        raise TypeError(
-            "the 'service' rechunk handles numpy-backed arrays; this array's chunks are "
-            f"{type(x._meta).__module__}.{type(x._meta).__name__}. Use method='tasks' "
-            "(or 'p2p') for other array types"
-        )
     check_config()
     if x.ndim > 0 and all(s == 0 for s in x.shape):
         return x  # as dask does: an array with no element along every axis stays as it is
@@ -59,6 +59,12 @@ def service_rechunk(x: Array, chunks: Any = "auto", block_size_limit: Any = None
     _module._validate_rechunk(x.chunks, chunks)
     if x.ndim == 0 or chunks == x.chunks:
         return x
+    if not handles(x):
+        raise TypeError(
+            "the 'service' rechunk handles numpy-backed arrays; this array's chunks are "
+            f"{type(x._meta).__module__}.{type(x._meta).__name__}. Use method='tasks' "
+            "(or 'p2p') for other array types"
+        )
     if x.size == 0:
         # no element to move: new empty chunks, without the inputs (as ``tasks`` does)
         return da.empty(x.shape, chunks=chunks, dtype=x.dtype)
@@ -316,6 +322,12 @@ def _method(method: str | None) -> str | None:
 def _rechunk(x, chunks="auto", threshold=None, block_size_limit=None, balance=False,
              method=None):
     if _method(method) == METHOD:
+        if method is None and not handles(x):
+            # the session's method, set for numpy arrays, reached by another array type
+            # (a masked array's reshape or rechunk): dask's tasks, rather than an error
+            return _dask_rechunk(x, chunks, threshold=threshold,
+                                 block_size_limit=block_size_limit, balance=balance,
+                                 method="tasks")
         from dask_services.client import _maybe_install_default_client
 
         _maybe_install_default_client()
