@@ -46,6 +46,30 @@ modules fails that passes with ``tasks``, under sync or distributed.  Under dist
 ``test_set_index_empty_partition`` and ``test_empty_partitions`` run past the 120 s
 timeout, ``test_disk_shuffle_with_unknown_compression`` expects an ImportError that the
 distributed scheduler does not raise).  Not run: the ``slow`` tests.
+
+The other modules (``MORE_MODULES``, by name with ``--modules``), under sync, where each
+test builds its own cluster if it wants one: no ``service``-only failure in ``groupby``
+(2,234 tests), ``merge_index``, ``categorical``, ``expr_shuffle``, ``expr_groupby``,
+``reshape``, ``overlap``, ``gufunc``, ``fft``, ``linalg``, ``routines``, ``reductions``
+and ``array_core`` (1,254 service rechunks in ``routines``, 968 in ``linalg``).  They found
+four differences, now fixed: a datetime index's frequency lost by the shuffle (groupby's
+``shift(freq=...)``), ``broadcast=True`` ignored by merges (dask-expr's merge tests), an
+asynchronous client not installing (``gen_cluster`` tests), and masked arrays refused
+where the setting, not the caller, chose ``service`` (11 masked-array tests).  What
+remains, and why: ``masked`` 2 (``test_mixed_random``: masked chunks behind a numpy meta,
+refused at run time with the error that says to use ``tasks``); ``expr_merge`` 1
+(``test_merge_combine_similar_intermediate_projections`` looks for the projection that
+drops ``_partitions`` above the shuffle, a step the service shuffle takes itself);
+``dataframe`` 1 (``test_deterministic_apply_concat_apply_names`` sorts a graph's keys,
+which mixes the service task's string key with tuples, as p2p's barrier does);
+``expr_distributed`` 3 (``test_respect_context_shuffle`` checks the method chosen when
+the collection was built, which this plugin's session-wide setting changes for every
+method but ``tasks``).  Under distributed, ``gen_cluster`` modules (``expr_distributed``)
+cannot run (their leak check counts this session's own cluster), and
+``--baseline-of-failures`` runs the failures alone, which hides failures that depend on
+the tests before them (``linalg``'s tsqr tests reuse one array name): compare full runs
+there.  A pytest process that crashes (``test_memmap`` under distributed, with either
+method) leaves its tests "not run".
 """
 
 from __future__ import annotations
@@ -225,8 +249,9 @@ def run(module: str, method: str, scheduler: str, args: argparse.Namespace,
     with log.open("w") as out:
         subprocess.run(cmd, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT)
     seconds = time.perf_counter() - start
-    if not xml.exists():
-        raise RuntimeError(f"pytest wrote no report ({' '.join(cmd)}); see {log}")
+    if not xml.exists():  # the process crashed (a test's segfault): its tests not run
+        print(f"pytest wrote no report ({' '.join(cmd)}); see {log}", flush=True)
+        return {}, seconds
     return outcomes(xml), seconds
 
 
