@@ -179,7 +179,8 @@ def submit(service_class: type[Service], inputs: Sequence[Any], *,
     from distributed import Future, default_client
 
     client = client or default_client()
-    install(client)
+    if not client.asynchronous:  # an asynchronous one installs as it sends the graph
+        install(client)
     collections = []
     for obj in inputs:
         if isinstance(obj, Future):

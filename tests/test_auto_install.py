@@ -131,6 +131,13 @@ async def test_an_asynchronous_client_installs_before_its_graph_arrives(c, s, a,
 
 
 @gen_cluster(client=True, timeout=60)
+async def test_submit_with_an_asynchronous_client(c, s, a, b):
+    futures = dask_services.submit(AllReduce, c.map(abs, range(10)), outputs=2, client=c)
+    assert await c.gather(futures) == [45, 45]
+    assert c in _installed
+
+
+@gen_cluster(client=True, timeout=60)
 async def test_what_an_asynchronous_client_sends_while_installing_keeps_its_order(c, s, a, b):
     from dask_services import _auto_install
 
