@@ -98,8 +98,10 @@ def _tasks_hold_a_service_task(tasks: Mapping) -> bool:
     return any(isinstance(task, ServiceTaskSpec) for task in tasks.values())
 
 
-# Asynchronous clients installing now, with the messages they hold until then.
-_holding: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Asynchronous clients installing now (holding what they send), and their installs: the
+# loop keeps only weak references to tasks.
+_holding: weakref.WeakSet = weakref.WeakSet()
+_installs: set = set()
 
 
 def _installing(send: Callable) -> Callable:
@@ -141,7 +143,7 @@ def _install_then_send_held(client: Any) -> None:
 
     loop = asyncio.get_running_loop()  # the client's; raises (holding nothing) if none
     held: list = []
-    _holding[client] = held
+    _holding.add(client)
     client._send_to_scheduler = held.append  # shadows the method until installed
 
     async def install_then_send() -> None:
@@ -151,7 +153,7 @@ def _install_then_send_held(client: Any) -> None:
             logger.debug("installing dask_services on %s failed", client, exc_info=True)
         finally:
             del client._send_to_scheduler
-            _holding.pop(client, None)
+            _holding.discard(client)
             for message in held:
                 try:
                     client._send_to_scheduler(message)
@@ -160,8 +162,5 @@ def _install_then_send_held(client: Any) -> None:
                                  exc_info=True)
 
     task = loop.create_task(install_then_send())
-    _installs.add(task)  # a task the loop only references weakly
+    _installs.add(task)
     task.add_done_callback(_installs.discard)
-
-
-_installs: set = set()

@@ -4,8 +4,6 @@ default one, run as those built with a default client do (``_auto_install.py``).
 
 from __future__ import annotations
 
-import asyncio
-
 import dask
 import dask.array as da
 import dask.dataframe as dd
@@ -14,7 +12,7 @@ import pandas as pd
 import pytest
 from distributed import Client, LocalCluster
 from distributed.client import _get_global_client
-from distributed.utils_test import gen_cluster
+from distributed.utils_test import async_poll_for, gen_cluster
 from utils import validate_scheduler
 
 import dask_services
@@ -152,8 +150,7 @@ async def test_what_an_asynchronous_client_sends_while_installing_keeps_its_orde
     np.testing.assert_array_equal(await first, ARRAY.sum(axis=0))
     assert await second == FRAME.b.sum() and await plain == 3
     assert c not in _auto_install._holding and "_send_to_scheduler" not in vars(c)
-    while key in s.tasks:  # the released graph is forgotten, not left waiting
-        await asyncio.sleep(0.01)
+    await async_poll_for(lambda: key not in s.tasks, timeout=10)  # forgotten, not waiting
     s.validate_state()
 
 

@@ -238,7 +238,6 @@ def _is_broadcast_join(self: Merge) -> bool:
     return _dask_is_broadcast_join.func(self)  # also a lowered join's, as before
 
 
-_is_broadcast_join.__wrapped__ = _dask_is_broadcast_join.func  # type: ignore[attr-defined]
 _broadcast_join_choice = functools.cached_property(_is_broadcast_join)
 
 

@@ -373,7 +373,7 @@ def assemble(pieces: list[tuple[int, pd.DataFrame | FrameRows]], meta: pd.DataFr
     else:
         result = _concat([r.frame(meta) for r in rows], ignore_index=ignore_index)
         if ignore_index:
-            return result.reset_index(drop=True)
+            result = result.reset_index(drop=True)
     return result if ignore_index else with_index_freq(result, meta)
 
 
