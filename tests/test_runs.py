@@ -112,8 +112,10 @@ def blocked() -> None:
 
 
 class ProducesThenRestarts(dask_services.Service):
-    """Every instance produces its outputs; in the first run the instance on
-    ``restart_on`` then restarts the run, and later runs produce once ``GATE`` is set."""
+    """In the first run the instance on ``restart_on`` produces its outputs, then restarts
+    the run; every other instance, and every instance of later runs, produces once
+    ``GATE`` is set (so the first run cannot finish before its restart: a restart after
+    the last output was produced comes too late to count)."""
 
     GATE: asyncio.Event | None = None
     restarted: set = set()
@@ -126,12 +128,13 @@ class ProducesThenRestarts(dask_services.Service):
 
     async def all_inputs_done(self):
         first = self.key not in self.restarted
-        if not first:
+        restarts = first and self.concierge.address == self.restart_on
+        if not restarts:
             await self.GATE.wait()
         for out in self.concierge.wanted_outputs:
             if self.concierge.owner(out) == self.id:
                 await self.concierge.produce_key(out, self.concierge.run_id)
-        if first and self.concierge.address == self.restart_on:
+        if restarts:
             self.restarted.add(self.key)
             self.concierge.restart("once, after producing")
 
