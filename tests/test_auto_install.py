@@ -4,6 +4,8 @@ default one, run as those built with a default client do (``_auto_install.py``).
 
 from __future__ import annotations
 
+from unittest import mock
+
 import dask
 import dask.array as da
 import dask.dataframe as dd
@@ -161,14 +163,10 @@ async def test_an_asynchronous_client_that_cannot_install_is_told_how(c, s, a, b
     async def refused(client):
         raise OSError("the scheduler refused the plugin")
 
-    original = client_module.install_async
-    client_module.install_async = refused
-    try:
-        (total,) = dask_services.service_task(AllReduce, [dask.delayed(float)(1)], outputs=1)
-        with pytest.raises(RuntimeError, match=r"not installed on this worker.*install"):
-            await c.compute(total)
-    finally:
-        client_module.install_async = original
+    (total,) = dask_services.service_task(AllReduce, [dask.delayed(float)(1)], outputs=1)
+    with mock.patch.object(client_module, "install_async", refused), \
+            pytest.raises(RuntimeError, match=r"not installed on this worker.*install"):
+        await c.compute(total)
     assert c not in _installed and "dask_services" not in s.plugins
     assert "_send_to_scheduler" not in vars(c)
 
