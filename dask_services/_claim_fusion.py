@@ -120,6 +120,8 @@ def _fuse(result: dict, service: ServiceTaskSpec, consumers: dict[Key, Key],
         definition,
         handoff_keys=tuple(handoffs.values()),
         output_keys=tuple(outputs.values()),
+        wanted_outputs=None if definition.wanted_outputs is None else tuple(
+            outputs[out] for out in definition.wanted_outputs),
         affinity=None if definition.affinity is None else {
             outputs[out]: key for out, key in definition.affinity.items()},
     )

@@ -55,6 +55,10 @@ class ServiceDefinition:
     # input holders first), for a shuffle or a rechunk: a worker holding no input and
     # owning no output has no instance
     participants: str = "all"
+    # the outputs a graph made from this definition can want, where that is not all of
+    # them (a graph culled to some outputs, whose service task then takes only the inputs
+    # those need): a run in-process, which does not see the graph, produces just these
+    wanted_outputs: tuple[Key, ...] | None = None
 
     def __post_init__(self) -> None:
         note_service_graph()  # the client sending it installs dask_services (_auto_install)

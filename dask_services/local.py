@@ -78,7 +78,8 @@ async def _one_run(definition: ServiceDefinition, service_key: Key, inputs: dict
         env = LocalEnvironment(directory)
         host = ServiceHost(env)
         ids = [ServiceId(f"local-{run_id}.{i}") for i in range(n_instances)]
-        wanted = tuple(definition.output_keys)
+        wanted = tuple(definition.output_keys if definition.wanted_outputs is None
+                       else definition.wanted_outputs)
         owners = {k: ids[i % len(ids)] for i, k in enumerate(wanted)}
         instances = []
         for sid in ids:

@@ -8,8 +8,9 @@ is a task of its own: a scheduler round trip and the workers' state machines, ~2
 two-core machine, where the copy itself is a fraction of that.  The local rechunk of 1 GB
 then ``.sum()`` ran 834 such aliases among its 3,335 tasks.
 
-Where a fused chain contains one of the service rechunk's copies, the fused task here takes
-the chain's last key itself and the alias is dropped: every task that named the last key
+Where a fused chain contains one of the service rechunk's copies (or an output chunk of a
+culled service task, an alias of its renamed output: ``_culling``), the fused task here
+takes the chain's last key itself and the alias is dropped: every task that named the last key
 still does, and it is the fused task.  Chains without a copy of ours are left as dask made
 them.  ``install()`` wraps the function where ``dask.array.optimization.optimize`` looks it
 up; ``tests/test_array_hooks.py`` fails loudly if an upgrade moves it.
@@ -33,13 +34,26 @@ def _copies() -> frozenset[Callable]:
     return frozenset((copy_pieces, copy_part))
 
 
+def is_culled_output(node: Any) -> bool:
+    """Whether ``node`` is an output chunk's key kept as an alias of the output of a culled
+    service task (``_culling.with_inputs``: the same key with a suffix on its name)."""
+    if not isinstance(node, Alias):
+        return False
+    key, target = node.key, node.target
+    return (isinstance(key, tuple) and isinstance(target, tuple) and len(key) > 1
+            and isinstance(key[0], str) and isinstance(target[0], str)
+            and target[0].startswith(f"{key[0]}-") and target[1:] == key[1:])
+
+
 def fuses_a_copy(node: Any, copies: frozenset[Callable]) -> bool:
-    """Whether ``node`` is a fused task (``Task.fuse``) of which a copy is a part."""
+    """Whether ``node`` is a fused task (``Task.fuse``) of which a copy, or an output of a
+    culled service task, is a part."""
     if not (isinstance(node, Task) and node.has_subgraph()):
         return False
     inner = node.args[0] if node.args else None
     return isinstance(inner, dict) and any(
-        isinstance(t, Task) and t.func in copies for t in inner.values()
+        (isinstance(t, Task) and t.func in copies) or is_culled_output(t)
+        for t in inner.values()
     )
 
 

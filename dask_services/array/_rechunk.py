@@ -26,6 +26,7 @@ from dask.highlevelgraph import HighLevelGraph
 from dask.utils import parse_bytes
 
 from dask_services._config_check import check_config
+from dask_services.array._culling import RechunkLayer
 from dask_services.graph import ServiceDefinition, build_service_graph
 
 METHOD = "service"
@@ -80,7 +81,7 @@ def service_rechunk(x: Array, chunks: Any = "auto", block_size_limit: Any = None
     return Array(graph, name, chunks, meta=x._meta)
 
 
-def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> dict:
+def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> RechunkLayer:
     """The tasks of a rechunk, one independent region (or box of regions) at a time.
 
     Regions (``region_boxes``) share no input: a region with one output chunk is one task
@@ -90,7 +91,9 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> dict:
     other region (or box of neighbouring regions) is a service task of its own.  Several
     service tasks instead of one keep the scheduler's ordering cheap (it
     walks every pair of an input and an output that the service task connects) and let
-    dask order each region's consumers right after it, as for any other task.
+    dask order each region's consumers right after it, as for any other task.  Culled to
+    some of a service task's outputs, the layer takes only the inputs those need
+    (``RechunkLayer``).
     """
     from dask_services.array._service import (
         ArrayRechunk,
@@ -117,10 +120,12 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> dict:
     by_output = [inputs_by_output(axis, len(chunks[d])) for d, axis in enumerate(overlaps)]
     saving = parse_bytes(dask.config.get("dask_services.rechunk.slice-saving", SLICE_SAVING))
     copy = functools.partial(_copy_tasks, x, name, token, chunks, by_output, saving)
+    services: dict = {}
+    result = RechunkLayer(layer, services, x.name, name, by_output)
     if 0 < max_inputs_per_output(overlaps, chunks) <= copy_max:
         for j in itertools.product(*(range(len(c)) for c in chunks)):
             layer.update(copy(j))
-        return layer
+        return result
     merge_max = parse_bytes(dask.config.get("dask_services.rechunk.merge-region-max",
                                             MERGE_REGION_MAX))
     boxes = list(region_boxes(x.chunks, chunks, max_pairs))
@@ -129,14 +134,17 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> dict:
         # each region in a task and cut its outputs out of it instead, as ``tasks`` does;
         # the runs' fixed costs (hand-offs, barrier, claims) outweighed the data
         starts = ([_starts(c) for c in x.chunks], [_starts(c) for c in chunks])
+        result.split_region = functools.partial(_merge_and_split_tasks, x.name, x.dtype,
+                                                name, starts)
         for r, (old_box, new_box) in enumerate(region_boxes(x.chunks, chunks, 0)):
             outputs = list(itertools.product(*new_box))
             if len(outputs) == 1:
                 layer.update(copy(outputs[0]))
             elif outputs:
-                layer.update(_merge_and_split_tasks(x, name, token, starts, r, old_box,
-                                                    outputs))
-        return layer
+                region_key = (f"rechunk-region-{token}", r)
+                result.regions[region_key] = (old_box, outputs)
+                layer.update(result.split_region(region_key, old_box, outputs))
+        return result
     for b, (old_box, new_box) in enumerate(boxes):
         outputs = list(itertools.product(*new_box))
         inputs = list(itertools.product(*old_box))
@@ -168,9 +176,10 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> dict:
             # inputs are and its outputs go
             participants="input-holders" if len(boxes) > 1 else "involved",
         )
-        layer.update(build_service_graph(
-            definition, f"rechunk-service-task-{token}-{b}", input_keys))
-    return layer
+        service_key = f"rechunk-service-task-{token}-{b}"
+        services[service_key] = definition
+        layer.update(build_service_graph(definition, service_key, input_keys))
+    return result
 
 
 def _copy_tasks(x: Array, name: str, token: str, chunks: tuple, by_output: list,
@@ -224,13 +233,14 @@ def largest_region_bytes(old: tuple, new: tuple, dtype: np.dtype) -> float:
     return size
 
 
-def _merge_and_split_tasks(x: Array, name: str, token: str,
-                           starts: tuple[list[list[int]], list[list[int]]], r: int,
+def _merge_and_split_tasks(input_name: str, dtype: np.dtype, name: str,
+                           starts: tuple[list[list[int]], list[list[int]]], region_key: tuple,
                            old_box: tuple[range, ...], outputs: list[tuple[int, ...]]
                            ) -> dict:
-    """The tasks of one small independent region: one task that merges its input chunks
-    into one array, and a task per output chunk that copies its part out of it
-    (``starts``: where every old and every new chunk starts, per axis, ``_starts``)."""
+    """The tasks of one small independent region: one task (``region_key``) that merges
+    its input chunks (``old_box``) into one array, and a task per output chunk
+    (``outputs``) that copies its part out of it (``starts``: where every old and every new
+    chunk starts, per axis, ``_starts``)."""
     from dask._task_spec import Task, TaskRef
 
     from dask_services.array._service import copy_part, merge_blocks
@@ -239,11 +249,10 @@ def _merge_and_split_tasks(x: Array, name: str, token: str,
     origin = [old_at[d][box.start] for d, box in enumerate(old_box)]
     shape = tuple(old_at[d][box.stop] - origin[d] for d, box in enumerate(old_box))
     inputs = list(itertools.product(*old_box))
-    region_key = (f"rechunk-region-{token}", r)
     tasks: dict = {region_key: Task(
-        region_key, merge_blocks, shape, x.dtype,
+        region_key, merge_blocks, shape, dtype,
         [tuple(old_at[d][id_] - origin[d] for d, id_ in enumerate(i)) for i in inputs],
-        *(TaskRef((x.name, *i)) for i in inputs),
+        *(TaskRef((input_name, *i)) for i in inputs),
     )}
     for j in outputs:
         part = tuple(slice(new_at[d][jd] - origin[d], new_at[d][jd + 1] - origin[d])
