@@ -51,6 +51,10 @@ async def install_async(client: Any) -> None:
 
     if client in _installed:
         return
+    # a client made and used without being awaited first (``cluster.get_client()`` in
+    # async code, ``Client(address, asynchronous=True)``) is still connecting: its graph
+    # waits in its buffer, a plugin's registration needs the connection
+    await client
     for plugin in scheduler_plugins():
         await client.register_plugin(plugin)
     _installed.add(client)

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 from distributed import Client, LocalCluster
 from distributed.client import _get_global_client
-from distributed.utils_test import async_poll_for, gen_cluster
+from distributed.utils_test import async_poll_for, gen_cluster, gen_test
 from utils import validate_scheduler
 
 import dask_services
@@ -128,6 +128,26 @@ async def test_an_asynchronous_client_installs_before_its_graph_arrives(c, s, a,
     s.validate_state()
     for w in (a, b):
         w.validate_state()
+
+
+@pytest.mark.parametrize("kind", ["rechunk", "shuffle"])
+@gen_test(timeout=60)
+async def test_an_asynchronous_client_used_before_it_is_connected_installs(kind):
+    """``cluster.get_client()`` in async code gives a client still connecting: computing
+    at once, its install waited for nothing and failed, and every hand-off then raised
+    "not installed" (distributed's own p2p test of a LocalCluster does this)."""
+    collection, expected = graphs()[kind]
+    with dask.config.set(VALIDATION):
+        async with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                                asynchronous=True, dashboard_address=":0") as cluster:
+            client = cluster.get_client()
+            assert client.status != "running"
+            assert_equal(await client.compute(collection), expected)
+            assert client in _installed
+            assert "dask_services" in cluster.scheduler.plugins
+            cluster.scheduler.validate_state()
+            for w in cluster.workers.values():
+                w.validate_state()
 
 
 @gen_cluster(client=True, timeout=60)
