@@ -652,6 +652,18 @@ class ServiceTaskMachine:
     def live_run(self) -> Run | None:
         return self.run if self.run is not None and self.run.live else None
 
+    def workers_in_use(self) -> set[str]:
+        """The workers this service task's run needs until it is over: every participant
+        of a live run (its instances hold what they received, which the scheduler does
+        not see), and the workers holding outputs produced but not yet in memory."""
+        run = self.run
+        if run is None:
+            return set()
+        in_use = set(run.participants) if run.live else set()
+        in_use.update(worker for key, worker in run.produced.items()
+                      if key not in run.landed)
+        return in_use
+
     def _current(self, run_id: int) -> Run | None:
         run = self.live_run
         return run if run is not None and run.run_id == run_id else None

@@ -49,7 +49,7 @@ from dask_services.service import ServiceGraphError, ServiceId
 from dask_services.worker import EXTENSION, ServiceWorkerPlugin
 
 if TYPE_CHECKING:
-    from distributed.scheduler import Scheduler, TaskState
+    from distributed.scheduler import Scheduler, TaskState, WorkerState
 
 logger = logging.getLogger("dask_services")
 
@@ -506,6 +506,13 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                 self.unplaced.add(key)  # a check may be waiting too: it finds it placed
                 self._later(self._claim_without_worker, self.output_of[key], key,
                             stimulus_id)
+
+    def valid_workers_downscaling(self, scheduler: Scheduler,
+                                  workers: list[WorkerState]) -> list[WorkerState]:
+        """Workers an adaptive cluster may close (``Scheduler.workers_to_close``): not those
+        a running service task needs (``workers_in_use``), whose loss would restart it."""
+        in_use = set().union(*(m.workers_in_use() for m in self.machines.values()))
+        return [ws for ws in workers if ws.address not in in_use]
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
         stimulus_id = rs.new_stimulus_id(f"add-worker-{worker}")

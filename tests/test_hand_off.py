@@ -203,3 +203,26 @@ def inc_one(x: int) -> int:
 async def test_the_hand_off_buffer_is_at_most_a_32nd_of_the_memory_limit(c, s, a, b):
     for w in (a, b):
         assert w.extensions["dask_services"].pending_inputs.limit == 600_000_000 // 32
+
+
+@service_cluster()
+async def test_an_adaptive_cluster_does_not_close_a_worker_a_running_service_task_needs(
+        c, s, a, b, gated):
+    """``Scheduler.workers_to_close`` (what an adaptive cluster retires) leaves out the
+    workers of a live run, and of outputs produced but not yet in memory; a worker that
+    joins meanwhile, outside the run, may go."""
+    from distributed import Worker
+
+    futs = c.map(block, range(10))
+    await wait(futs)
+    assert len(s.workers_to_close(n=2)) == 2
+    outs = dask_services.submit(gated, futs, outputs=2, client=c)
+    await async_poll_for(lambda: gated.entered == 10, timeout=30)
+    assert s.workers_to_close(n=2) == []
+    async with Worker(s.address, nthreads=1) as extra:
+        assert s.workers_to_close(n=3) == [extra.address]
+    gated.gate.set()
+    await c.gather(outs)
+    assert len(s.workers_to_close(n=2)) == 2  # the run is over
+    del outs, futs
+    await assert_nothing_left(s, [a, b])

@@ -80,6 +80,25 @@ def test_happy_path():
     assert kinds(m.handle(rs.ServiceTaskProcessing(WORKERS[1]))) == ["NotifyServiceTask"]
 
 
+def test_workers_in_use_are_a_live_runs_and_those_of_outputs_not_yet_in_memory():
+    m = machine()
+    assert m.workers_in_use() == set()
+    need(m)
+    assert m.workers_in_use() == set(WORKERS)  # starting
+    start_all(m)
+    for k in INPUTS:
+        m.handle(rs.InputHandedOff(1, k))
+    assert m.workers_in_use() == set(WORKERS)  # inputs done, outputs to come
+    m.handle(rs.OutputProduced(1, "o0", WORKERS[0]))
+    m.handle(rs.OutputProduced(1, "o1", WORKERS[1]))
+    assert m.run.phase is rs.Phase.FINISHED
+    assert m.workers_in_use() == set(WORKERS)  # produced, not yet claimed
+    m.handle(rs.OutputLanded("o0"))
+    assert m.workers_in_use() == {WORKERS[1]}
+    m.handle(rs.OutputLanded("o1"))
+    assert m.workers_in_use() == set()
+
+
 def inputs_done(m, run_id=1):
     start_all(m, run_id)
     for k in INPUTS:
