@@ -14,7 +14,6 @@ import contextlib
 import functools
 import inspect
 import logging
-import os
 import shutil
 import tempfile
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
@@ -27,6 +26,7 @@ from dask.utils import parse_timedelta
 
 from dask_services._buffers import IncomingBuffers, as_incoming, buffers_of
 from dask_services._counters import Traffic, size_of
+from dask_services._directory import in_directory, remove_if_empty
 from dask_services._known_sizes import checked_nbytes, remember
 from dask_services._messages import contained
 from dask_services._payload import known_arguments_nbytes
@@ -327,9 +327,9 @@ class ServiceHost:
     def create(self, spec: InstanceSpec) -> Instance:
         """Create the instance at once (so that hand-offs find it); start it later."""
         service = spec.service_class()  # first: a class that cannot be made leaves nothing
-        directory = tempfile.mkdtemp(
+        directory = in_directory(self.env.local_directory, lambda: tempfile.mkdtemp(
             prefix=f"{spec.id}-".replace("/", "_"), dir=self.env.local_directory
-        )
+        ))
         service.id = spec.id
         service.key = spec.service_key
         service.input_keys = tuple(spec.input_keys)
@@ -464,6 +464,7 @@ class ServiceHost:
                              exc_info=stopped.exception())
         finally:
             shutil.rmtree(inst.directory, ignore_errors=True)
+            remove_if_empty(self.env.local_directory)
             del self.instances[sid]
             if self.current.get(inst.spec.service_key) is inst:
                 del self.current[inst.spec.service_key]
@@ -686,13 +687,6 @@ def _safe_sizeof(service: Service) -> int:
         return int(service.__sizeof__())
     except Exception:
         return 0
-
-
-def make_directory(base: str | None) -> str:
-    base = base or tempfile.gettempdir()
-    path = os.path.join(base, "dask-services")
-    os.makedirs(path, exist_ok=True)
-    return path
 
 
 def known_or_size_of(args: tuple, kwargs: dict) -> int:

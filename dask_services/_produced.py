@@ -9,6 +9,7 @@ they are, then waits too).  While the worker is paused they are written to disk
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -21,6 +22,7 @@ from dask.typing import Key
 from distributed.protocol import deserialize_bytes, serialize_bytelist
 
 from dask_services._counters import size_of
+from dask_services._directory import in_directory, remove_if_empty
 
 logger = logging.getLogger("dask_services")
 
@@ -80,9 +82,8 @@ class ProducedOutputs:
             except Exception:
                 logger.debug("produced output %r cannot be serialized: kept in memory", key)
                 continue
-            os.makedirs(self.directory, exist_ok=True)
             path = os.path.join(self.directory, f"produced-{uuid.uuid4().hex}")
-            with open(path, "wb") as f:
+            with in_directory(self.directory, functools.partial(open, path, "wb")) as f:
                 f.writelines(frames)
             with self._lock:
                 kept = self._values.get(key) is value  # not taken meanwhile
@@ -119,7 +120,9 @@ class ProducedOutputs:
 
 
 def _remove(path: str) -> None:
+    """Remove a value's file, and its directory with the last one (``_directory``)."""
     try:
         os.remove(path)
     except FileNotFoundError:
         pass
+    remove_if_empty(os.path.dirname(path))

@@ -30,7 +30,8 @@ from tornado.ioloop import PeriodicCallback
 from dask_services._buffers import IncomingBuffers, buffers_of, put_slot
 from dask_services._bulk import BulkLane, LaneUnreachable, Turn, lane_host
 from dask_services._counters import CounterReports, Traffic, instance_counters, size_of
-from dask_services._host import Environment, InstanceSpec, ServiceHost, make_directory
+from dask_services._directory import directory_in
+from dask_services._host import Environment, InstanceSpec, ServiceHost
 from dask_services._memory import release_freed_memory
 from dask_services._messages import dumps_exception, loads_exception, unwrap
 from dask_services._payload import known_arguments_nbytes, pack, unpack
@@ -83,7 +84,7 @@ class WorkerEnvironment(Environment):
         self.ext = ext
         worker = ext.worker
         self.address = worker.address
-        self.local_directory = make_directory(worker.local_directory)
+        self.local_directory = directory_in(worker.local_directory)
         self.memory_limit = worker.memory_manager.memory_limit or None
 
     def _send(self, msg: dict) -> None:

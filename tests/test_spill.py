@@ -10,6 +10,7 @@ import threading
 import numpy as np
 import pandas as pd
 import pytest
+from distributed.utils_test import gen_cluster
 from utils import suspended_in, until
 
 from dask_services import _spill
@@ -151,4 +152,30 @@ def test_produced_outputs_spilled_are_read_back_once(tmp_path):
     assert produced.take("o4") is lock
     produced.drop("o2")
     produced.clear()
-    assert len(produced) == 0 and not os.listdir(tmp_path)
+    assert len(produced) == 0 and not tmp_path.exists()  # gone with its last file
+    produced.put("o5", np.arange(3))
+    assert produced.spill()[0] == 1 and len(os.listdir(tmp_path)) == 1  # made again
+    np.testing.assert_array_equal(produced.take("o5"), np.arange(3))
+    assert not tmp_path.exists()
+
+
+@pytest.mark.parametrize("spill", [False, True])
+@gen_cluster(client=True, timeout=60)
+async def test_a_workers_local_directory_is_as_it_was_after_a_run(c, s, a, b, spill):
+    """No ``dask-services`` directory stays behind on a worker once its runs are over,
+    whether or not their pieces were spilled to disk (as p2p leaves a worker's directory;
+    the directory was made when dask_services was installed, and stayed)."""
+    import dask
+    import dask.dataframe as dd
+
+    before = {w.address: list(os.walk(w.local_directory)) for w in (a, b)}
+    frame = pd.DataFrame({"a": np.arange(2000) % 37, "b": np.arange(2000.0)})
+    config = {"dask_services.shuffle.buffer-fraction": 1e-9} if spill else {}
+    with dask.config.set(config):
+        out = dd.from_pandas(frame, npartitions=8).shuffle("a", shuffle_method="service")
+        head = await c.compute(out.partitions[0])
+        total = await c.compute(out.b.sum())
+    assert total == frame.b.sum() and set(head.a) <= set(frame.a)
+    await until(lambda: all(not w.extensions["dask_services"].host.instances
+                            for w in (a, b)))
+    assert {w.address: list(os.walk(w.local_directory)) for w in (a, b)} == before

@@ -60,8 +60,8 @@ async def assert_nothing_left(s, workers, timeout: float = 10) -> None:
             if ext.pending_inputs.bytes or ext.pending_inputs.count:
                 left.append(f"{w.address} pending inputs: {ext.pending_inputs.count}")
             base = ext.host.env.local_directory
-            if os.path.isdir(base) and os.listdir(base):
-                left.append(f"{w.address} files: {os.listdir(base)}")
+            if os.path.isdir(base):  # made with the first thing in it, gone with the last
+                left.append(f"{w.address} directory {base}: {os.listdir(base)}")
         plugin = s.extensions["dask_services"]
         for name in ("machines", "cut", "unplaced", "produced_at", "restrictions", "handoff_of",
                      "output_of"):
