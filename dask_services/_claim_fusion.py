@@ -100,7 +100,8 @@ def _lone_consumers(dsk: dict, service: ServiceTaskSpec, asked: set,
     return consumers
 
 
-def _renamed(key: Key, suffix: str) -> Key:
+def renamed_key(key: Key, suffix: str) -> Key:
+    """``key`` with ``suffix`` on its name (a tuple key's first element)."""
     if isinstance(key, tuple):
         return (f"{key[0]}-{suffix}", *key[1:])
     return f"{key}-{suffix}"
@@ -112,9 +113,9 @@ def _fuse(result: dict, service: ServiceTaskSpec, consumers: dict[Key, Key],
     ``consumers`` are fused with their consumers."""
     definition = service.definition
     suffix = tokenize(service.key, sorted(consumers.items(), key=str))
-    new_key = _renamed(service.key, suffix)
-    handoffs = {h: _renamed(h, suffix) for h in definition.handoff_keys}
-    outputs = {out: consumers.get(out) or _renamed(out, suffix)
+    new_key = renamed_key(service.key, suffix)
+    handoffs = {h: renamed_key(h, suffix) for h in definition.handoff_keys}
+    outputs = {out: consumers.get(out) or renamed_key(out, suffix)
                for out in definition.output_keys}
     new_definition = dataclasses.replace(
         definition,

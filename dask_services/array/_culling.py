@@ -10,13 +10,13 @@ chunks of 3), that is every input along that axis, where the wanted outputs need
 outputs, it replaces that service task by one that takes only the inputs those outputs
 need.  The same holds for a small region merged by one task and cut into its outputs:
 culled, the merge takes the box of inputs the wanted outputs need.  The new service task
-has its own keys (a suffix on its key, its hand-offs' and its
-outputs'), as a fused one does (``_claim_fusion``): a graph that wants every output of the
-same rechunk, live at the same time, keeps its own service task, and no output key is
-claimed by two service tasks.  The output chunks keep their keys as aliases of the new
-outputs.  The service finds its outputs by position in the region and receives pieces for
-the wanted ones only (``Concierge.wanted_outputs``), so the region's geometry stays as it
-was: only the inputs, and so the hand-offs, are fewer.
+has its own keys (a suffix on its key, its hand-offs' and its outputs'), as a fused one
+does (``_claim_fusion``): a graph that wants every output of the same rechunk, live at the
+same time, keeps its own service task, and no output key is claimed by two service tasks.
+The output chunks keep their keys as aliases of the new outputs.  The service finds its
+outputs by position in the region and receives pieces for the wanted ones only
+(``Concierge.wanted_outputs``), so the region's geometry stays as it was: only the inputs,
+and so the hand-offs, are fewer.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dask.highlevelgraph import Layer, MaterializedLayer
 from dask.tokenize import tokenize
 from dask.typing import Key
 
-from dask_services._claim_fusion import _renamed
+from dask_services._claim_fusion import renamed_key
 from dask_services.graph import ServiceDefinition, build_service_graph
 
 Index = tuple[int, ...]
@@ -107,7 +107,7 @@ class RechunkLayer(MaterializedLayer):
             if needed_box != box:
                 assert self.split_region is not None
                 replaced.update(self.split_region(
-                    _renamed(region_key, tokenize(needed_box)), needed_box, wanted_outputs))
+                    renamed_key(region_key, tokenize(needed_box)), needed_box, wanted_outputs))
         mapping = {**self.mapping, **replaced} if replaced else self.mapping
         # only this layer's keys: dask's culling keeps a whole layer when it is asked for
         # as many keys as the layer has, and ``keys`` holds other layers' keys too
@@ -128,19 +128,19 @@ def with_inputs(service_key: Key, definition: ServiceDefinition, wanted: list[Ke
     output keys as aliases of its outputs."""
     kept = [n for n, key in enumerate(definition.input_keys) if key in needed]
     suffix = tokenize(service_key, kept)
-    outputs = {out: _renamed(out, suffix) for out in definition.output_keys}
+    outputs = {out: renamed_key(out, suffix) for out in definition.output_keys}
     input_keys = tuple(definition.input_keys[n] for n in kept)
     culled = dataclasses.replace(
         definition,
         input_keys=input_keys,
-        handoff_keys=tuple(_renamed(definition.handoff_keys[n], suffix) for n in kept),
+        handoff_keys=tuple(renamed_key(definition.handoff_keys[n], suffix) for n in kept),
         output_keys=tuple(outputs.values()),
         wanted_outputs=tuple(outputs[out] for out in wanted),
         affinity=None if definition.affinity is None else {
             outputs[out]: key for out, key in definition.affinity.items()
             if key in needed},
     )
-    tasks: dict[Key, Any] = build_service_graph(culled, _renamed(service_key, suffix),
+    tasks: dict[Key, Any] = build_service_graph(culled, renamed_key(service_key, suffix),
                                                 input_keys)
     for out in wanted:
         tasks[out] = Alias(out, outputs[out])
