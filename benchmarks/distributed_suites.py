@@ -17,11 +17,13 @@ printed per module.
 Many of those tests look at p2p's own machinery (its worker and scheduler plugins, shuffle
 runs, barrier keys, ``P2P ... failed`` messages, the ``shuffle-transfer`` prefix) and fail
 or time out with any other method: the failures need reading one by one.  Measured with
-distributed 2026.8.0's tests: ``test_rechunk`` 135 of 138 pass (the 3 others read p2p's
-runs, barrier keys or task groups), ``test_merge`` and ``test_merge_column_and_index`` 73
-of 76 (the 3 count p2p's shuffle ids or wait for its run manager), ``test_shuffle`` 142 of
-197 (the others wait for p2p's runs or check its errors; ``test_handle_null_partitions_2``,
-which p2p fails with pandas 3, passes).  The differences they found in the package, now
+the tests of distributed's repository at 40fcd99 (July 2026) against distributed 2026.8.0:
+``test_rechunk`` 135 of 138 pass (the 3 others read p2p's runs, barrier keys or task
+groups), ``test_merge`` and ``test_merge_column_and_index`` 73 of 76 (the 3 count p2p's
+shuffle ids or wait for its run manager), ``test_shuffle`` 142 of 197 before the fixes
+below, which made 3 more pass (the others wait for p2p's runs, check its errors or mock its
+classes; ``test_handle_null_partitions_2``, which p2p fails with pandas 3 and marks as a
+strict xfail, passes, so it is listed).  The differences they found in the package, now
 fixed: a culled rechunk kept inputs its wanted outputs do not need
 (``test_cull_p2p_rechunk_overlapping_partitions``), an asynchronous client used before it
 connected did not install (``test_basic_integration_local_cluster``), an adaptive cluster
