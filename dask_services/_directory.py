@@ -27,14 +27,14 @@ def directory_in(base: str | None) -> str:
 def in_directory(directory: str, make: Callable[[], T], attempts: int = 3) -> T:
     """``make()``, which makes something in ``directory``, that directory made first where
     missing, and again where it went away before ``make`` ran."""
-    for attempt in range(attempts):
+    for _ in range(attempts - 1):
         os.makedirs(directory, exist_ok=True)
         try:
             return make()
         except FileNotFoundError:
-            if attempt == attempts - 1:
-                raise
-    raise AssertionError("unreachable")  # pragma: no cover
+            continue
+    os.makedirs(directory, exist_ok=True)
+    return make()
 
 
 def remove_if_empty(directory: str) -> None:

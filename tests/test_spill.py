@@ -6,6 +6,7 @@ import asyncio
 import errno
 import os
 import threading
+from unittest import mock
 
 import numpy as np
 import pandas as pd
@@ -171,11 +172,19 @@ async def test_a_workers_local_directory_is_as_it_was_after_a_run(c, s, a, b, sp
     before = {w.address: list(os.walk(w.local_directory)) for w in (a, b)}
     frame = pd.DataFrame({"a": np.arange(2000) % 37, "b": np.arange(2000.0)})
     config = {"dask_services.shuffle.buffer-fraction": 1e-9} if spill else {}
-    with dask.config.set(config):
+    buffers = []
+    made = SpillBuffer.__init__
+
+    def keep(buffer, *args, **kwargs):
+        made(buffer, *args, **kwargs)
+        buffers.append(buffer)
+
+    with dask.config.set(config), mock.patch.object(SpillBuffer, "__init__", keep):
         out = dd.from_pandas(frame, npartitions=8).shuffle("a", shuffle_method="service")
         head = await c.compute(out.partitions[0])
         total = await c.compute(out.b.sum())
     assert total == frame.b.sum() and set(head.a) <= set(frame.a)
+    assert any(buffer.spilled_total for buffer in buffers) == spill
     await until(lambda: all(not w.extensions["dask_services"].host.instances
                             for w in (a, b)))
     assert {w.address: list(os.walk(w.local_directory)) for w in (a, b)} == before

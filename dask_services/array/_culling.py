@@ -73,11 +73,11 @@ class RechunkLayer(MaterializedLayer):
             box.append(range(min(needed), max(needed) + 1))
         return tuple(box)
 
-    def culled_to(self, wanted: list[Index], outputs: list[Index]) -> bool:
-        """Whether a region or service task whose output chunks are ``outputs`` is culled
-        to the ``wanted`` ones: some, not all, and all taking pieces of inputs (an empty
-        output chunk is left to the task as it was)."""
-        return 0 < len(wanted) < len(outputs) and all(map(self.takes_pieces, wanted))
+    def culled_to(self, wanted: list[Index], outputs: int) -> bool:
+        """Whether a region or service task of ``outputs`` output chunks is culled to the
+        ``wanted`` ones: some, not all, and all taking pieces of inputs (an empty output
+        chunk is left to the task as it was)."""
+        return 0 < len(wanted) < outputs and all(map(self.takes_pieces, wanted))
 
     def needed_inputs(self, outputs: Collection[Key]) -> set[Key]:
         """The input keys the output chunks ``outputs`` (keys ``(name, *j)``) take pieces
@@ -94,14 +94,14 @@ class RechunkLayer(MaterializedLayer):
         replaced: dict[Key, Any] = {}
         for service_key, definition in self.services.items():
             wanted = [out for out in definition.output_keys if out in keys]
-            if not self.culled_to([out[1:] for out in wanted], definition.output_keys):
+            if not self.culled_to([out[1:] for out in wanted], len(definition.output_keys)):
                 continue
             needed = self.needed_inputs(wanted)
             if len(needed) < len(definition.input_keys):
                 replaced.update(with_inputs(service_key, definition, wanted, needed))
         for region_key, (box, outputs) in self.regions.items():
             wanted_outputs = [j for j in outputs if (self.output_name, *j) in keys]
-            if not self.culled_to(wanted_outputs, outputs):
+            if not self.culled_to(wanted_outputs, len(outputs)):
                 continue
             needed_box = self.needed_box(wanted_outputs)
             if needed_box != box:
