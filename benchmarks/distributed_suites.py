@@ -20,10 +20,11 @@ or time out with any other method: the failures need reading one by one.  Measur
 the tests of distributed's repository at 40fcd99 (July 2026) against distributed 2026.8.0:
 ``test_rechunk`` 135 of 138 pass (the 3 others read p2p's runs, barrier keys or task
 groups), ``test_merge`` and ``test_merge_column_and_index`` 73 of 76 (the 3 count p2p's
-shuffle ids or wait for its run manager), ``test_shuffle`` 142 of 197 before the fixes
-below, which made 3 more pass (the others wait for p2p's runs, check its errors or mock its
-classes; ``test_handle_null_partitions_2``, which p2p fails with pandas 3 and marks as a
-strict xfail, passes, so it is listed).  The differences they found in the package, now
+shuffle ids or wait for its run manager), ``test_shuffle`` 153 of 197 (142 before the
+fixes below, and 8 more once the generated ``conftest.py`` gave the fixtures distributed's
+own conftest gives; the others wait for p2p's runs, check its errors or mock its classes;
+``test_handle_null_partitions_2``, which p2p fails with pandas 3 and marks as a strict
+xfail, passes, so it is listed).  The differences they found in the package, now
 fixed: a culled rechunk kept inputs its wanted outputs do not need
 (``test_cull_p2p_rechunk_overlapping_partitions``), an asynchronous client used before it
 connected did not install (``test_basic_integration_local_cluster``), an adaptive cluster
@@ -65,7 +66,11 @@ def prepare(tests: Path, root: Path) -> Path:
     package.mkdir()
     for path in tests.glob("*.py"):
         (package / path.name).write_text(adapted(path.read_text()))
-    (package / "conftest.py").write_text("import dask_services  # noqa: F401\n")
+    # dask_services, and the fixtures distributed's own conftest makes available
+    (package / "conftest.py").write_text(
+        "import dask_services  # noqa: F401\n"
+        "from distributed.utils_test import (  # noqa: F401\n"
+        "    cleanup, client, client_secondary, cluster_fixture, loop, loop_in_thread)\n")
     (root / "pytest.ini").write_text("[pytest]\n")
     return package
 
