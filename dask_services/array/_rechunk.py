@@ -120,8 +120,7 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> RechunkLaye
     by_output = [inputs_by_output(axis, len(chunks[d])) for d, axis in enumerate(overlaps)]
     saving = parse_bytes(dask.config.get("dask_services.rechunk.slice-saving", SLICE_SAVING))
     copy = functools.partial(_copy_tasks, x, name, token, chunks, by_output, saving)
-    services: dict = {}
-    result = RechunkLayer(layer, services, x.name, name, by_output)
+    result = RechunkLayer(layer, {}, x.name, name, by_output)
     if 0 < max_inputs_per_output(overlaps, chunks) <= copy_max:
         for j in itertools.product(*(range(len(c)) for c in chunks)):
             layer.update(copy(j))
@@ -177,7 +176,7 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> RechunkLaye
             participants="input-holders" if len(boxes) > 1 else "involved",
         )
         service_key = f"rechunk-service-task-{token}-{b}"
-        services[service_key] = definition
+        result.services[service_key] = definition
         layer.update(build_service_graph(definition, service_key, input_keys))
     return result
 
