@@ -44,6 +44,7 @@ from dask_services.service import (
     ServiceId,
     StaleRunError,
     TooManyRestarts,
+    WorkerSetupError,
     rpc,
 )
 
@@ -76,6 +77,7 @@ __all__ = [
     "ServiceUnavailable",
     "StaleRunError",
     "TooManyRestarts",
+    "WorkerSetupError",
     "endpoint",
     "install",
     "install_async",

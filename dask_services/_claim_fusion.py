@@ -31,12 +31,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-import dask
 from dask._task_spec import Task, TaskRef
 from dask.core import flatten
 from dask.tokenize import tokenize
 from dask.typing import Key
 
+from dask_services.config import setting
 from dask_services.graph import (
     Consumer,
     ConsumingClaimSpec,
@@ -53,7 +53,7 @@ from dask_services.graph import (
 def fuse_consumers(dsk: dict, keys: Iterable) -> dict:
     """``dsk`` with the lone consumers of service outputs fused into their claims (see the
     module docstring); ``keys``: the keys asked for."""
-    if not dask.config.get("dask_services.fuse-consumers", True):
+    if not setting("fuse-consumers"):
         return dsk
     services = [node for node in dsk.values()
                 if isinstance(node, ServiceTaskSpec)

@@ -8,11 +8,11 @@ and spilled bytes to the worker, spills when the worker asks, and clears both on
 
 from __future__ import annotations
 
-import dask
 from dask.utils import parse_bytes
 
 from dask_services._sending import PeerStream, window_size
 from dask_services._spill import SpillBuffer
+from dask_services.config import setting
 from dask_services.service import Concierge, Service, ServiceId, rpc
 
 
@@ -29,12 +29,12 @@ class PeerExchange(Service):
 
     def open_exchange(self, concierge: Concierge) -> None:
         """Create the buffer and the stream (call from ``start``)."""
-        section = f"dask_services.{self.config_section}"
+        section = self.config_section
         limit = concierge.memory_limit
-        fraction = float(dask.config.get(f"{section}.buffer-fraction"))
+        fraction = float(setting(f"{section}.buffer-fraction"))
         self.buffer = SpillBuffer(concierge.local_directory,
                                   int(limit * fraction) if limit else 2**62)
-        configured = parse_bytes(dask.config.get(f"{section}.bytes-in-flight"))
+        configured = parse_bytes(setting(f"{section}.bytes-in-flight"))
         self.stream = PeerStream(self, window_size(configured, limit),
                                  trim=self.trim_after_sends)
 

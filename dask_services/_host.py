@@ -31,6 +31,7 @@ from dask_services._known_sizes import checked_nbytes, remember
 from dask_services._messages import contained
 from dask_services._payload import known_arguments_nbytes
 from dask_services._threads import cancel_unstarted
+from dask_services.config import setting
 from dask_services.service import (
     Concierge,
     PeerUnreachableError,
@@ -709,7 +710,7 @@ def _peer_lost(exc: BaseException) -> PeerUnreachableError | None:
 
 def stop_grace() -> float:
     """Seconds a stopping instance gives its cancelled hooks, then its ``stop()``."""
-    return float(parse_timedelta(dask.config.get("dask_services.stop-grace", "30s")))
+    return float(parse_timedelta(setting("stop-grace")))
 
 
 def _hook_name(fn: Callable[..., Any]) -> str:

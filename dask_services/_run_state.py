@@ -41,6 +41,7 @@ from typing import Any, ClassVar
 import dask.config
 from dask.typing import Key
 
+from dask_services.config import setting
 from dask_services.service import (
     OutputsNotProducedError,
     ProduceKeyError,
@@ -593,8 +594,8 @@ class RunStory:
 
 def story_limits() -> tuple[int, int]:
     """``(entries per run, runs)`` from ``dask_services.story``."""
-    return (max(1, int(dask.config.get("dask_services.story.entries", 1000))),
-            max(1, int(dask.config.get("dask_services.story.runs", 100))))
+    return (max(1, int(setting("story.entries"))),
+            max(1, int(setting("story.runs"))))
 
 
 # ---------------------------------------------------------------- the machine

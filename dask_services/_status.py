@@ -23,11 +23,10 @@ from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping, Se
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import dask.config
-
 from dask_services._counters import COUNTERS, GAUGES
 from dask_services._metrics import RunTotals
 from dask_services._run_state import RunSnapshot
+from dask_services.config import setting
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -144,7 +143,7 @@ class RunHistory:
 
     def __init__(self, keep: int | None = None) -> None:
         if keep is None:
-            keep = int(dask.config.get("dask_services.status.recent-runs", 100))
+            keep = int(setting("status.recent-runs"))
         self.keep = max(0, keep)
         self.records: OrderedDict[int, RunRecord] = OrderedDict()  # run id -> record
         self.ended: OrderedDict[int, None] = OrderedDict()  # ended run ids, oldest first

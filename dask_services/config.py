@@ -1,8 +1,10 @@
-"""Registers the ``dask_services`` section of the dask config, with its defaults."""
+"""Registers the ``dask_services`` section of the dask config, with its defaults, and reads
+it (:func:`setting`) so that a config without the section still works."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import dask.config
 import yaml
@@ -12,3 +14,32 @@ with open(_fn) as f:
     defaults = yaml.safe_load(f)
 
 dask.config.update_defaults(defaults)
+
+
+def packaged_default(name: str) -> Any:
+    """The value of ``dask_services.<name>`` in the package's own ``dask_services.yaml``.
+
+    Raises ``KeyError`` for a name the package does not define."""
+    node: Any = defaults["dask_services"]
+    for part in name.split("."):
+        if not isinstance(node, dict):
+            raise KeyError(f"dask_services.{name}")
+        for spelling in (part, part.replace("_", "-"), part.replace("-", "_")):
+            if spelling in node:
+                node = node[spelling]
+                break
+        else:
+            raise KeyError(f"dask_services.{name}")
+    return node
+
+
+def setting(name: str) -> Any:
+    """``dask_services.<name>`` from the dask config, or the packaged default where the
+    config has no such key.
+
+    The config can lose the whole section after import: ``dask.config.refresh()`` or a
+    reset to a copy taken before ``dask_services`` was imported (distributed's test
+    utilities reset to theirs around every ``gen_cluster`` test) leaves only what the
+    config files and environment say.  Every read goes through here instead of a bare
+    ``dask.config.get``."""
+    return dask.config.get(f"dask_services.{name}", default=packaged_default(name))

@@ -13,11 +13,11 @@ import tempfile
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import dask
 from dask.typing import Key
 
 from dask_services._host import Environment, InstanceSpec, ServiceHost, stop_grace
 from dask_services._threads import kept_until_done
+from dask_services.config import setting
 from dask_services.graph import ServiceDefinition
 from dask_services.service import ServiceId, TooManyRestarts
 
@@ -132,8 +132,8 @@ async def _one_run(definition: ServiceDefinition, service_key: Key, inputs: dict
 
 def run_in_process(definition: ServiceDefinition, service_key: Key, inputs: dict) -> dict:
     """Carry out a service task in this process; returns ``{output key: value}``."""
-    n_instances = max(1, int(dask.config.get("dask_services.local-instances", 2)))
-    max_restarts = int(dask.config.get("dask_services.restarts", 3))
+    n_instances = max(1, int(setting("local-instances")))
+    max_restarts = int(setting("restarts"))
     reason = ""
     for attempt in range(max_restarts + 1):
         with concurrent.futures.ThreadPoolExecutor(1) as pool:

@@ -28,7 +28,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import dask
 from dask.typing import Key
 from dask.utils import parse_timedelta
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -39,6 +38,7 @@ from dask_services import _run_state as rs
 from dask_services._host import InstanceSpec
 from dask_services._messages import dumps_exception, loads_exception
 from dask_services._streams import flush
+from dask_services.config import setting
 from dask_services.graph import (
     OutputClaimSpec,
     ServiceDefinition,
@@ -140,11 +140,16 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         })
         scheduler.handlers["service_run_info"] = self.run_info
         scheduler.handlers["service_story"] = self.story
-        await scheduler.register_worker_plugin(
+        replies = await scheduler.register_worker_plugin(
             # pickled, so that every worker gets its own object (inproc comms would hand
             # in-process workers one and the same)
             None, dumps(ServiceWorkerPlugin()), name=EXTENSION, idempotent=True
         )
+        failed = {w: r.get("text") or r.get("exception") for w, r in (replies or {}).items()
+                  if isinstance(r, dict) and r.get("status") == "error"}
+        if failed:
+            logger.warning("dask_services could not set up on %d worker(s); service tasks "
+                           "taking part there fail with the error: %s", len(failed), failed)
 
     def heartbeat(self, ws: Any, data: Any) -> None:  # scheduler-extension protocol
         records = data.get("instances", ())
@@ -175,7 +180,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
 
     @property
     def max_restarts(self) -> int:
-        return int(dask.config.get("dask_services.restarts", 3))
+        return int(setting("restarts"))
 
     # ------------------------------------------------------------- graph intake
 
@@ -695,7 +700,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         self._send(action.worker, {"op": "service-drop-output", "key": action.key})
 
     def _do_watch_unproduced(self, service_key: Key, action: rs.WatchUnproduced) -> None:
-        timeout = dask.config.get("dask_services.unproduced-timeout", "60s")
+        timeout = setting("unproduced-timeout")
         if timeout is None or timeout is False:
             return  # wait for ever, as asked
 

@@ -287,6 +287,11 @@ class ServiceGraphError(ServiceError, ValueError):
     """A graph breaks a rule of service tasks (see the message for the key and the fix)."""
 
 
+class WorkerSetupError(ServiceError):
+    """dask_services could not set up on a worker (a bad config value given to the workers
+    alone, say): a run needing that worker, and a hand-off on it, fail with this error."""
+
+
 class TooManyRestarts(ServiceError):
     """A service task was restarted more often than ``dask_services.restarts`` allows."""
 

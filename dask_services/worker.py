@@ -14,6 +14,7 @@ import concurrent.futures
 import gc
 import logging
 import shutil
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -41,12 +42,14 @@ from dask_services._sending import window_size
 from dask_services._streams import flush
 from dask_services._threads import ServiceThreads, kept_until_done
 from dask_services._worker_context import as_worker, in_current_context
+from dask_services.config import setting
 from dask_services.service import (
     OutputLostError,
     PeerCallError,
     PeerUnreachableError,
     ServiceId,
     StaleRunError,
+    WorkerSetupError,
 )
 
 if TYPE_CHECKING:
@@ -130,7 +133,7 @@ class WorkerEnvironment(Environment):
         call = f"{method}() from {source} to {target}"
         lane = self.ext.lane
         # (a call with two Buffers was refused before it took its sequence number)
-        if lane is not None and dask.config.get("dask_services.bulk-lane") \
+        if lane is not None and setting("bulk-lane") \
                 and buffers_of(args, kwargs) is not None:
             # its place in the line to that worker, before the first await (_bulk.py)
             ticket = lane.ticket(address)
@@ -293,7 +296,7 @@ def service_threads(worker: Worker) -> ServiceThreads:
     again.  dask.distributed's P2P extensions have threads of their own for the same
     reason (``distributed.p2p.threads``).
     """
-    threads = dask.config.get("dask_services.threads", None)
+    threads = setting("threads")
     if threads is None:
         threads = worker.state.nthreads
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
@@ -316,23 +319,34 @@ class ServiceWorkerPlugin(WorkerPlugin):
     idempotent = True
 
     def setup(self, worker: Worker) -> None:
+        try:
+            self._setup(worker)
+        except Exception as exc:
+            _refuse_runs(worker, exc)
+            raise  # distributed logs it, and returns it to whoever registered the plugin
+
+    def _setup(self, worker: Worker) -> None:
         if getattr(self, "worker", worker) is not worker:
             raise RuntimeError(
                 "one ServiceWorkerPlugin object was given to two workers; register it "
                 "pickled (distributed.protocol.pickle.dumps(plugin)) so that every worker "
                 "gets its own"
             )
+        # what can fail (the config's values) before anything is registered or started:
+        # a failed setup leaves nothing for teardown to undo
+        # at most 1/32 of the worker's memory limit, as the bytes in flight: inputs waiting
+        # to be taken are memory distributed can neither see nor spill
+        pending_inputs = PendingInputs(window_size(
+            parse_bytes(setting("hand-off-buffer")),
+            getattr(worker.memory_manager, "memory_limit", None)))
+        threads = service_threads(worker)
         self.worker = worker
+        self.pending_inputs = pending_inputs
+        self.threads = threads
         self.host = ServiceHost(WorkerEnvironment(self))
         self.produced = ProducedOutputs(self.host.env.local_directory)
         self.outcomes: dict[Key, asyncio.Future] = {}
         self._background: set[asyncio.Task] = set()
-        # at most 1/32 of the worker's memory limit, as the bytes in flight: inputs waiting
-        # to be taken are memory distributed can neither see nor spill
-        self.pending_inputs = PendingInputs(window_size(
-            parse_bytes(dask.config.get("dask_services.hand-off-buffer")),
-            getattr(worker.memory_manager, "memory_limit", None)))
-        self.threads = service_threads(worker)
         self.executor = self.threads.executor
         self.counter_reports = CounterReports()
         for op in _STREAM_OPS:
@@ -356,6 +370,8 @@ class ServiceWorkerPlugin(WorkerPlugin):
         self._memory_check.start()
 
     async def teardown(self, worker: Worker) -> None:
+        if getattr(self, "worker", None) is not worker:
+            return  # its setup failed (before registering anything) or never ran
         self._memory_check.stop()
         with as_worker(worker):
             await self.host.stop_all()
@@ -466,8 +482,9 @@ class ServiceWorkerPlugin(WorkerPlugin):
         return fut
 
     def transition(self, key: Key, start: str, finish: str, **kwargs: Any) -> None:
-        # A waiting service task that is cancelled must stop waiting.
-        if key in self.outcomes and finish in _NOT_RUNNING:
+        # A waiting service task that is cancelled must stop waiting.  (No outcomes after
+        # a failed setup: distributed calls the plugin all the same.)
+        if finish in _NOT_RUNNING and key in getattr(self, "outcomes", ()):
             fut = self.outcomes.pop(key)
             if not fut.done():
                 fut.set_result(("cancelled", None))
@@ -707,11 +724,40 @@ class ServiceWorkerPlugin(WorkerPlugin):
         return count
 
 
+def _refuse_runs(worker: Worker, exc: Exception) -> None:
+    """After a failed setup: every run that starts an instance on ``worker`` fails with
+    the setup's error, and a hand-off there raises it, instead of a run waiting for ever
+    on a worker that cannot take part (an unknown op would also close its stream)."""
+    error = WorkerSetupError(
+        f"dask_services could not set up on worker {worker.address}: {exc!r}; fix what it "
+        "names (a config value set for the workers: environment variables, config files) "
+        "and restart the worker")
+    error.__cause__ = exc
+    _setup_errors[worker] = error
+
+    def refuse(spec: Any, **_: Any) -> None:
+        spec = unwrap(spec)
+        worker.batched_stream.send({
+            "op": "service-failed", "service_key": spec.service_key,
+            "run_id": spec.run_id, "exception": dumps_exception(error)})
+        flush(worker.batched_stream)
+
+    for op in _STREAM_OPS:
+        worker.stream_handlers[op] = refuse if op == "service-start" else _ignore_stream_op
+
+
+# worker -> the error of its failed setup (``_refuse_runs``)
+_setup_errors: weakref.WeakKeyDictionary[Worker, WorkerSetupError] = weakref.WeakKeyDictionary()
+
+
 def _worker_extension() -> tuple[Worker, ServiceWorkerPlugin]:
     from distributed.worker import get_worker
 
     worker = get_worker()
     ext = worker.extensions.get(EXTENSION)
+    if ext is None and worker in _setup_errors:
+        error = _setup_errors[worker]
+        raise WorkerSetupError(*error.args) from error.__cause__
     if ext is None:
         raise RuntimeError(
             "dask_services is not installed on this worker; call "

@@ -27,13 +27,10 @@ from dask.utils import parse_bytes
 
 from dask_services._config_check import check_config
 from dask_services.array._culling import RechunkLayer
+from dask_services.config import setting
 from dask_services.graph import ServiceDefinition, build_service_graph
 
 METHOD = "service"
-PAIRS_PER_TASK = 400  # dask_services.rechunk.pairs-per-task
-COPY_MAX_INPUTS = 4  # dask_services.rechunk.copy-max-inputs
-SLICE_SAVING = "256 KiB"  # dask_services.rechunk.slice-saving
-MERGE_REGION_MAX = "16 MiB"  # dask_services.rechunk.merge-region-max
 _module = importlib.import_module("dask.array.rechunk")
 _dask_rechunk = _module.rechunk
 
@@ -109,24 +106,23 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> RechunkLaye
     # holding its inputs, a barrier), and ordering costs per pair.  One region of 3 inputs
     # and 2 outputs per service task made a 0.25 GB local rechunk-then-sum 1.60x p2p's
     # time, groups of 8 regions 1.07x (one run each, load 15).
-    max_pairs = int(dask.config.get("dask_services.rechunk.pairs-per-task", PAIRS_PER_TASK))
+    max_pairs = int(setting("rechunk.pairs-per-task"))
     overlaps = [axis_overlaps(o, n) for o, n in zip(x.chunks, chunks, strict=True)]
     layer: dict = {}
     # Where no output chunk needs more than ``copy-max-inputs`` input chunks (100-row chunks
     # to 150-row chunks: at most 2), every output chunk is one task that copies from its
     # inputs, as a region with a single output always is: no hand-offs, no claims, and the
     # consumer of an output (a ``.sum()``) follows it as the next task of a chain.
-    copy_max = int(dask.config.get("dask_services.rechunk.copy-max-inputs", COPY_MAX_INPUTS))
+    copy_max = int(setting("rechunk.copy-max-inputs"))
     by_output = [inputs_by_output(axis, len(chunks[d])) for d, axis in enumerate(overlaps)]
-    saving = parse_bytes(dask.config.get("dask_services.rechunk.slice-saving", SLICE_SAVING))
+    saving = parse_bytes(setting("rechunk.slice-saving"))
     copy = functools.partial(_copy_tasks, x, name, token, chunks, by_output, saving)
     result = RechunkLayer(layer, {}, x.name, name, by_output)
     if 0 < max_inputs_per_output(overlaps, chunks) <= copy_max:
         for j in itertools.product(*(range(len(c)) for c in chunks)):
             layer.update(copy(j))
         return result
-    merge_max = parse_bytes(dask.config.get("dask_services.rechunk.merge-region-max",
-                                            MERGE_REGION_MAX))
+    merge_max = parse_bytes(setting("rechunk.merge-region-max"))
     boxes = list(region_boxes(x.chunks, chunks, max_pairs))
     if len(boxes) > 1 and largest_region_bytes(x.chunks, chunks, x.dtype) <= merge_max:
         # many service runs, each moving little (every region's data fits one task): merge

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import dask
 from dask._expr import Expr, FinalizeCompute
 from dask.dataframe.dask_expr._expr import Fused, optimize_blockwise_fusion
+
+from dask_services.config import setting
 
 _dask_optimize = Expr.optimize
 
@@ -43,7 +44,7 @@ def unfused_service_shuffle(expr: Expr) -> bool:
 def fused_if_shuffled(expr: Expr) -> Expr:
     """``expr`` with its blockwise steps fused, where it contains an unfused service
     shuffle (and ``dask_services.shuffle.fuse-compute`` is on)."""
-    if not dask.config.get("dask_services.shuffle.fuse-compute", True):
+    if not setting("shuffle.fuse-compute"):
         return expr
     if not unfused_service_shuffle(expr):
         return expr

@@ -20,13 +20,13 @@ import bisect
 from collections.abc import Callable, Hashable
 from typing import Any
 
-import dask
 import numpy as np
 import pandas as pd
 from dask.sizeof import sizeof
 
 from dask_services._exchange import PeerExchange
 from dask_services._memory import TrimAfter, release_freed_memory
+from dask_services.config import setting
 from dask_services.dataframe._partitioning import Assign, target_partitions
 from dask_services.dataframe._rows import (
     ColumnWay,
@@ -394,7 +394,7 @@ class DataFrameShuffle(PeerExchange):
         self.partition_of = dict(zip(output_keys, parts_out, strict=True))
         self.destination = group_partitions(
             {self.partition_of[k]: concierge.owner(k) for k in concierge.wanted_outputs},
-            int(dask.config.get("dask_services.shuffle.groups")),
+            int(setting("shuffle.groups")),
         )
         self.routing = Routing(self.destination)
         self.column_way = ColumnWay(meta)

@@ -26,6 +26,7 @@ import dask.config
 from distributed.core import send_recv
 
 from dask_services._messages import loads_exception
+from dask_services.config import setting
 from dask_services.replicated._errors import (
     EndpointRefused,
     ServiceOverloaded,
@@ -606,7 +607,7 @@ class ReplicatedService:
                 failure = "no healthy replica"
             failures.append(failure)
             if delay < 0:
-                retries = int(dask.config.get("dask_services.replicated.call-retries"))
+                retries = int(setting("replicated.call-retries"))
                 delay = config_seconds("retry-backoff")
                 max_delay = config_seconds("retry-backoff-max")
             if len(failures) > retries:

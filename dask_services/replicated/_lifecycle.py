@@ -33,9 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
-import dask.config
-
 from dask_services._run_state import describe, new_stimulus_id
+from dask_services.config import setting
 from dask_services.service import ServiceId
 
 _sequence = itertools.count()
@@ -225,7 +224,7 @@ class ReplicaStoryEntry:
 
 
 def _story_log() -> deque[ReplicaStoryEntry]:
-    return deque(maxlen=max(1, int(dask.config.get("dask_services.story.entries", 1000))))
+    return deque(maxlen=max(1, int(setting("story.entries"))))
 
 
 # ------------------------------------------------------------------ the machine

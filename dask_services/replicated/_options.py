@@ -7,15 +7,15 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-import dask.config
 from dask.utils import parse_timedelta
 
+from dask_services.config import setting
 from dask_services.replicated._routing import check_router
 
 
 def config_seconds(name: str) -> float:
     """``dask_services.replicated.<name>`` (a duration) in seconds."""
-    return float(parse_timedelta(dask.config.get(f"dask_services.replicated.{name}")))
+    return float(parse_timedelta(setting(f"replicated.{name}")))
 
 T = TypeVar("T")
 _ENDPOINT_MARK = "__dask_services_endpoint__"

@@ -21,13 +21,13 @@ from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import dask.config
 from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 from tornado.ioloop import PeriodicCallback
 
 from dask_services._run_state import new_stimulus_id
+from dask_services.config import setting
 from dask_services.replicated import _adaptive
 from dask_services.replicated import _lifecycle as lc
 from dask_services.replicated._autoscale import AutoscalePolicy, AutoscalingConfig, Decision
@@ -476,7 +476,7 @@ class Deployments(SchedulerPlugin):
         dep.next_slot += 1
         machine = lc.ReplicaMachine(
             base=f"{self._prefix}{dep.name}.{slot}",
-            max_setup_attempts=int(dask.config.get("dask_services.replicated.setup-attempts")),
+            max_setup_attempts=int(setting("replicated.setup-attempts")),
             size=dep.procs_per_replica,
         )
         dep.slots[slot] = machine

@@ -30,12 +30,12 @@ import inspect
 import time
 from typing import TYPE_CHECKING, Any
 
-import dask.config
 from distributed.comm.core import CommClosedError
 from distributed.core import Status
 
 from dask_services._messages import dumps_exception, loads_exception
 from dask_services._worker_context import in_current_context
+from dask_services.config import setting
 from dask_services.replicated._errors import (
     ReplicaGone,
     ServiceOverloaded,
@@ -56,7 +56,7 @@ _END = object()
 
 def stream_window() -> int:
     """Items a replica may send ahead of what the caller has taken."""
-    return max(1, int(dask.config.get("dask_services.replicated.stream-window", 8)))
+    return max(1, int(setting("replicated.stream-window")))
 
 
 # ------------------------------------------------------------------ the replica's side
@@ -404,7 +404,7 @@ class Stream:
         """Route the stream to a replica, re-sending on infrastructure failures until the
         first message arrives; returns that message."""
         h = self._handle
-        retries = int(dask.config.get("dask_services.replicated.call-retries"))
+        retries = int(setting("replicated.call-retries"))
         delay = config_seconds("retry-backoff")
         max_delay = config_seconds("retry-backoff-max")
         connect_timeout = config_seconds("connect-timeout")
