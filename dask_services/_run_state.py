@@ -179,6 +179,10 @@ class RunNeeded:
     # computing) the inputs; the participants that are not among them and own no output
     # are left out of the run
     input_holders: frozenset[str] | None = None
+    # where the round-robin of outputs without a place starts among the participants: the
+    # plugin turns it on from run to run, so that many small runs (the regions of one
+    # rechunk) spread their outputs over the workers instead of each starting at the first
+    first_owner: int = 0
     stimulus_id: str = _stimulus_field("run-needed")
 
 
@@ -798,7 +802,7 @@ class ServiceTaskMachine:
                 return self._fail(None, self.exhausted)
         participants = tuple(ev.participants)
         wanted = tuple(ev.wanted)
-        owner_workers = _owners(wanted, participants, ev.placement or {})
+        owner_workers = _owners(wanted, participants, ev.placement or {}, ev.first_owner)
         if ev.input_holders is not None:
             involved = ev.input_holders | set(owner_workers.values())
             participants = tuple(w for w in participants if w in involved)
@@ -1193,21 +1197,22 @@ def _decisions(before: tuple, after: tuple) -> list[str]:
 
 
 def _owners(wanted: Sequence[Key], participants: Sequence[str],
-            placement: dict[Key, str]) -> dict[Key, str]:
+            placement: dict[Key, str], first: int = 0) -> dict[Key, str]:
     """The worker of every wanted output: its place in ``placement`` where that is a
-    participant; the others round-robin, or, once some are placed, each to the participant
-    with the fewest outputs so far."""
+    participant; the others round-robin from participant ``first`` (modulo their number),
+    or, once some are placed, each to the participant with the fewest outputs so far."""
     present = set(participants)
     chosen = {key: placement[key] for key in wanted if placement.get(key) in present}
     load = dict.fromkeys(participants, 0)
     for worker in chosen.values():
         load[worker] += 1
     rest = [key for key in wanted if key not in chosen]
+    some_placed = bool(chosen)
     for i, key in enumerate(rest):
-        if chosen:
+        if some_placed:
             worker = min(participants, key=load.__getitem__)
         else:
-            worker = participants[i % len(participants)]
+            worker = participants[(first + i) % len(participants)]
         chosen[key] = worker
         load[worker] += 1
     return {key: chosen[key] for key in wanted}

@@ -118,6 +118,8 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         self.restrictions: dict[Key, tuple] = {}  # output -> its own restrictions while cut
         self.placements: dict[str, dict[Key, str]] = {}  # placement group -> index -> worker
         self._run_ids = itertools.count(1)
+        # the round-robin of outputs carries on from run to run (``RunNeeded.first_owner``)
+        self._next_owner = 0
         self._prefix = uuid.uuid4().hex[:6] + "-"
         self.observers: list[RunObserver] = []  # e.g. the diagnostics (``_observe.py``)
         # stories of forgotten service tasks: key -> their machine's stories
@@ -581,13 +583,21 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             placement = self._placement(group, service_key, participants)
         elif self.definitions[service_key].affinity and participants:
             placement = self._near_inputs(service_key, participants)
+        wanted = self._wanted(service_key)
+        first_owner = 0
+        if input_holders is None and participants:
+            # not "involved" (whose outputs go to the input holders first): start where the
+            # last such run's outputs stopped
+            first_owner = self._next_owner % len(participants)
+            self._next_owner += len(wanted)
         event = rs.RunNeeded(
             run_id=next(self._run_ids),
             id_prefix=self._prefix,
             participants=participants,
-            wanted=self._wanted(service_key),
+            wanted=wanted,
             placement=placement,
             input_holders=input_holders,
+            first_owner=first_owner,
             stimulus_id=stimulus_id,
         )
         self._event(service_key, event)

@@ -592,6 +592,33 @@ async def test_a_region_runs_only_on_the_workers_holding_its_inputs(c, s, a, b, 
     await assert_nothing_left(s, [a, b, w3, w4])
 
 
+@service_cluster(nthreads=[("127.0.0.1", 1)] * 5, timeout=90,
+                 config={"distributed.scheduler.active-memory-manager.start": False})
+async def test_the_runs_of_many_regions_spread_their_outputs_over_the_workers(c, s, *workers):
+    """A rechunk cut into ten service tasks of four output chunks each, on five workers:
+    each run's round-robin starts where the last one's stopped, so the 40 outputs land 8
+    on each worker, as p2p's, instead of the first workers of every run getting more."""
+    addresses = sorted(w.address for w in workers)
+    arr = np.arange(400 * 400, dtype="f8").reshape(400, 400)
+    # every region (a row of ten input chunks) has inputs on every worker
+    columns = [c.persist(da.from_array(arr[:, k * 40:(k + 1) * 40], chunks=40),
+                         workers=[addresses[k % 5]]) for k in range(10)]
+    await wait(columns)
+    x = da.concatenate(columns, axis=1)
+    with dask.config.set({"dask_services.rechunk.merge-region-max": 0,
+                          "dask_services.rechunk.pairs-per-task": 40}):
+        y = x.rechunk((10, -1), method="service")
+    assert sum(str(k).startswith("rechunk-service-task") for k in y.__dask_graph__()) == 10
+    y = c.persist(y)
+    await wait(y)
+    out = set(flatten(y.__dask_keys__()))
+    counts = sorted(len(w.data.keys() & out) for w in workers)
+    assert counts == [8] * 5, counts
+    np.testing.assert_array_equal(await c.compute(y), arr)
+    del x, y, columns
+    await assert_nothing_left(s, list(workers))
+
+
 @pytest.mark.parametrize("allocate", ["new_array", "fresh_array"])
 @pytest.mark.parametrize("dtype", ["f8", "bool", "c16", "M8[ns]", "m8[s]", "S7", "U3",
                                    [("a", "i4"), ("b", "f8")]])

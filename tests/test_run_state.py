@@ -375,6 +375,34 @@ def test_owners_keep_placement_and_balance_the_rest(wanted, workers, placed):
                 assert counts[w] <= least + 1, (counts, placed_on)
 
 
+@given(wanted=st.integers(0, 40), workers=st.integers(1, 5), first=st.integers(0, 100))
+def test_owners_round_robin_from_the_first_owner_given(wanted, workers, first):
+    keys = [("o", i) for i in range(wanted)]
+    participants = [f"w{i}" for i in range(workers)]
+    owners = rs._owners(keys, participants, {}, first)
+    assert [owners[k] for k in keys] == [participants[(first + i) % workers]
+                                         for i in range(wanted)]
+
+
+def test_runs_one_after_the_other_spread_their_outputs():
+    """The first owner each run is given carries on from the last run's outputs: ten runs
+    of four outputs on five workers own eight each (each starting at the first: 16, 8,
+    8, 8, 0)."""
+    participants = [f"w{i}" for i in range(5)]
+    counts = dict.fromkeys(participants, 0)
+    next_owner = 0
+    for r in range(10):
+        keys = [("o", r, i) for i in range(4)]
+        m = rs.ServiceTaskMachine(f"svc{r}", INPUTS, keys, 2)
+        (start, _log) = m.handle(rs.RunNeeded(1, "p-", participants, keys,
+                                              first_owner=next_owner % 5))
+        next_owner += len(keys)
+        worker_of = {sid: w for w, sid in start.run.ids.items()}
+        for sid in start.run.owners.values():
+            counts[worker_of[sid]] += 1
+    assert list(counts.values()) == [8] * 5
+
+
 @given(
     outputs=st.integers(0, 8),
     workers=st.integers(1, 6),
