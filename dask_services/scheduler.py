@@ -20,7 +20,6 @@ cut and restored), ``loose_restrictions``, ``resource_restrictions`` and ``prior
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import uuid
 from collections import OrderedDict
@@ -117,7 +116,9 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         self.produced_at: dict[Key, str] = {}  # produced output -> worker that may hold it
         self.restrictions: dict[Key, tuple] = {}  # output -> its own restrictions while cut
         self.placements: dict[str, dict[Key, str]] = {}  # placement group -> index -> worker
-        self._run_ids = itertools.count(1)
+        # a plain number, not an ``itertools.count``: the plugin travels pickled from the
+        # client, and itertools objects stop pickling in Python 3.14 (3.12 warns)
+        self._last_run_id = 0
         # the round-robin of outputs carries on from run to run (``RunNeeded.first_owner``)
         self._next_owner = 0
         self._prefix = uuid.uuid4().hex[:6] + "-"
@@ -590,8 +591,9 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             # last such run's outputs stopped
             first_owner = self._next_owner % len(participants)
             self._next_owner += len(wanted)
+        self._last_run_id += 1
         event = rs.RunNeeded(
-            run_id=next(self._run_ids),
+            run_id=self._last_run_id,
             id_prefix=self._prefix,
             participants=participants,
             wanted=wanted,

@@ -130,3 +130,40 @@ def test_nothing_the_core_imports_at_module_level_imports_an_extension():
             elif imported != "dask_services":
                 todo.append((imported, via))
     assert not bad, bad
+
+
+def _itertools_objects_in(obj: object) -> list[str]:
+    """The itertools objects (counters, cycles...) that pickling ``obj`` meets."""
+    import io
+    import pickle
+
+    found: list[str] = []
+
+    class Finder(pickle.Pickler):
+        def reducer_override(self, value):
+            if type(value).__module__ == "itertools":
+                found.append(repr(value))
+            return NotImplemented
+
+    Finder(io.BytesIO()).dump(obj)
+    return found
+
+
+def test_what_travels_pickled_holds_no_itertools_object():
+    """Plugins go pickled from the client to the scheduler and the workers, routers with
+    the handles of replicated services; itertools objects stop pickling in Python 3.14
+    (3.12 and 3.13 warn, which failed the README's examples run with warnings as
+    errors)."""
+    from dask_services._plugins import scheduler_plugins
+    from dask_services.replicated import _routing
+    from dask_services.replicated._worker import ReplicaWorker
+    from dask_services.worker import ServiceWorkerPlugin
+
+    router_classes = [cls for cls in vars(_routing).values() if isinstance(cls, type)
+                      and cls.__module__ == _routing.__name__ and hasattr(cls, "choose")
+                      and cls is not _routing.Router]
+    assert len(router_classes) >= 3
+    travelling = [*scheduler_plugins(), ServiceWorkerPlugin(), ReplicaWorker(),
+                  *(cls() for cls in router_classes)]
+    for obj in travelling:
+        assert _itertools_objects_in(obj) == [], type(obj).__name__

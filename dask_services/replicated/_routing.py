@@ -9,7 +9,6 @@ larger of the calls it has in flight on a replica and the calls running or queue
 
 from __future__ import annotations
 
-import itertools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,26 +40,30 @@ class RoundRobin:
     """Each replica in turn."""
 
     def __init__(self) -> None:
-        self._counter = itertools.count()
+        # a plain number, not an ``itertools.count``: a router travels pickled with its
+        # handle, and itertools objects stop pickling in Python 3.14 (3.12 warns)
+        self._turns = 0
 
     def choose(self, replicas: Sequence[ReplicaView]) -> ReplicaView:
         """The next replica in id order."""
         ordered = sorted(replicas, key=lambda r: r.id)
-        return ordered[next(self._counter) % len(ordered)]
+        self._turns += 1
+        return ordered[(self._turns - 1) % len(ordered)]
 
 
 class LeastLoaded:
     """The replica with the fewest calls in flight (ties: fewest sessions, then in turn)."""
 
     def __init__(self) -> None:
-        self._counter = itertools.count()
+        self._turns = 0  # a plain number: see RoundRobin
 
     def choose(self, replicas: Sequence[ReplicaView]) -> ReplicaView:
         """The least-loaded replica."""
         best = min((r.load, r.sessions) for r in replicas)
         tied = sorted((r for r in replicas if (r.load, r.sessions) == best),
                       key=lambda r: r.id)
-        return tied[next(self._counter) % len(tied)]
+        self._turns += 1
+        return tied[(self._turns - 1) % len(tied)]
 
 
 class PowerOfTwo:
