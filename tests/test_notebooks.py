@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -23,9 +24,13 @@ def test_there_are_notebooks():
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
 def test_stored_without_outputs(path):
     nbformat = pytest.importorskip("nbformat")
-    nb = nbformat.read(path, as_version=4)
-    nbformat.validate(nb)
+    with warnings.catch_warnings():
+        # a cell without an id warns now and will be an error in later nbformat versions
+        warnings.simplefilter("error")
+        nb = nbformat.read(path, as_version=4)
+        nbformat.validate(nb)
     for cell in nb.cells:
+        assert cell.get("id"), cell.source[:60]
         if cell.cell_type == "code":
             assert cell.outputs == [] and cell.execution_count is None, cell.source[:60]
 
