@@ -228,15 +228,19 @@ def test_no_call_without_the_cluster_certificates(tls):
             "tcp": (lambda a: a.replace("tls://", "tcp://"), {}, CommClosedError, ""),
             # another authority's certificates: the worker's certificate is not trusted
             "other-ca": (lambda a: a, others, CommClosedError, "CERTIFICATE_VERIFY_FAILED"),
-            # trusting any server, without a client certificate: the worker refuses
-            "no-client-cert": (lambda a: a, _no_client_certificate(), CommClosedError, "SSL"),
+            # trusting any server, without a client certificate: the worker refuses (with
+            # TLS 1.3 after the client's side of the handshake: an SSL alert, or the
+            # connection reset, as the timing goes; seen with Python 3.13)
+            "no-client-cert": (lambda a: a, _no_client_certificate(), CommClosedError,
+                               ("SSL", "Connection reset by peer")),
         }
         for r in replicas:
             for op, make in messages.items():
                 for way, (addr, args, exc_type, match) in ways_in.items():
                     answer = asyncio.run(_attempt(addr(r["worker"]), args, op, **make(r)))
                     assert isinstance(answer, exc_type), (way, op, answer)
-                    assert match in _chain(answer), (way, op, _chain(answer))
+                    matches = (match,) if isinstance(match, str) else match
+                    assert any(m in _chain(answer) for m in matches), (way, op, _chain(answer))
         assert not any(client.run(_recorded_ops).values())  # no handler was reached
         assert sum(m["calls"] for m in svc.metrics()) == 0  # no replica saw a call
 
