@@ -180,7 +180,7 @@ class RunNeeded:
     # are left out of the run
     input_holders: frozenset[str] | None = None
     # where the round-robin of outputs without a place starts among the participants: the
-    # plugin turns it on from run to run, so that many small runs (the regions of one
+    # plugin carries it on from run to run, so that many small runs (the regions of one
     # rechunk) spread their outputs over the workers instead of each starting at the first
     first_owner: int = 0
     stimulus_id: str = _stimulus_field("run-needed")

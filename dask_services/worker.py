@@ -332,10 +332,10 @@ class ServiceWorkerPlugin(WorkerPlugin):
                 "pickled (distributed.protocol.pickle.dumps(plugin)) so that every worker "
                 "gets its own"
             )
-        # what can fail (the config's values) before anything is registered or started:
-        # a failed setup leaves nothing for teardown to undo
-        # at most 1/32 of the worker's memory limit, as the bytes in flight: inputs waiting
-        # to be taken are memory distributed can neither see nor spill
+        # The config's values first, which can fail, before anything is registered or
+        # started: a failed setup leaves nothing for teardown to undo.
+        # Inputs waiting to be taken are memory distributed can neither see nor spill: at
+        # most 1/32 of the worker's memory limit, as the bytes in flight.
         pending_inputs = PendingInputs(window_size(
             parse_bytes(setting("hand-off-buffer")),
             getattr(worker.memory_manager, "memory_limit", None)))
