@@ -16,6 +16,7 @@ import collections
 import concurrent.futures
 import contextlib
 import contextvars
+import inspect
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterator, Mapping
@@ -378,7 +379,7 @@ class OwnEndpoints(PeerEndpoints):
         fn = getattr(self._service, name)
 
         async def run(args: tuple, kwargs: dict) -> Any:
-            if asyncio.iscoroutinefunction(fn):
+            if inspect.iscoroutinefunction(fn):  # (asyncio's is deprecated in 3.14)
                 return await fn(*args, **kwargs)
             return await asyncio.to_thread(fn, *args, **kwargs)
 
