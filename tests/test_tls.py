@@ -181,11 +181,14 @@ def _unrecord_ops(dask_worker) -> None:
         dask_worker.handlers[op] = getattr(handler, "original", handler)
 
 
-def _no_client_certificate() -> dict:
-    """TLS that trusts any server but has no certificate of its own to show."""
+def _no_client_certificate(tls_version: ssl.TLSVersion | None = None) -> dict:
+    """TLS that trusts any server but has no certificate of its own to show (at most
+    ``tls_version``)."""
     ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
+    if tls_version is not None:
+        ctx.maximum_version = tls_version
     return {"ssl_context": ctx, "require_encryption": True}
 
 
@@ -228,9 +231,13 @@ def test_no_call_without_the_cluster_certificates(tls):
             "tcp": (lambda a: a.replace("tls://", "tcp://"), {}, CommClosedError, ""),
             # another authority's certificates: the worker's certificate is not trusted
             "other-ca": (lambda a: a, others, CommClosedError, "CERTIFICATE_VERIFY_FAILED"),
-            # trusting any server, without a client certificate: the worker refuses (with
-            # TLS 1.3 after the client's side of the handshake: an SSL alert, or the
-            # connection reset, as the timing goes; seen with Python 3.13)
+            # trusting any server, without a client certificate: the worker refuses; with
+            # TLS 1.2 within the handshake (an SSL error), with TLS 1.3 after the client's
+            # side of it (an SSL alert, or the connection reset, as the timing goes: seen
+            # with Python 3.13 under load)
+            "no-client-cert-tls1.2": (lambda a: a,
+                                      _no_client_certificate(ssl.TLSVersion.TLSv1_2),
+                                      CommClosedError, "SSL"),
             "no-client-cert": (lambda a: a, _no_client_certificate(), CommClosedError,
                                ("SSL", "Connection reset by peer")),
         }
