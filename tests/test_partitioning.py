@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from dask.dataframe.dask_expr._shuffle import AssignPartitioningIndex
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dask_services.dataframe._partitioning import target_partitions
@@ -43,6 +43,9 @@ def expected(df, assign):
 
 
 @settings(max_examples=60, deadline=None)
+# -0.0 and a NaN with its sign bit set: pandas 2 hashes their bit patterns, pandas 3 hashes
+# them as 0.0 and NaN
+@example(rows=5, on=["z"], npartitions=3, seed=0, meta_from_other_dtype=False)
 @given(
     rows=st.integers(0, 60),
     on=st.lists(st.sampled_from(list(COLUMNS) + ["idx"]), min_size=1, max_size=3,

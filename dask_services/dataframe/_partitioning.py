@@ -52,16 +52,30 @@ _NEGATIVE_ZERO = np.array(-0.0).view(np.uint64)
 _NAN = np.array(np.nan).view(np.uint64)
 
 
+def _hashes_alike(a: float, b: float) -> bool:
+    hashed = pd.util.hash_array(np.array([a, b], dtype=np.float64))
+    return bool(hashed[0] == hashed[1])
+
+
+# Whether pandas hashes every NaN as NaN, and -0.0 as 0.0 (pandas 3 does; pandas 2 hashes
+# the bit patterns as they are): dask's partitions follow the installed pandas, and so
+# must ours
+_CANONICAL_NAN = _hashes_alike(np.nan, -np.nan)
+_CANONICAL_ZERO = _hashes_alike(0.0, -0.0)
+
+
 def _hash_numbers(values: np.ndarray) -> np.ndarray:
     """``pd.util.hash_array(values)`` of 8-byte numbers, computed in one copy of them and
     one scratch array: pandas makes a new array at every step (on a 517,000-row key that
     was ~10 arrays of 4 MB, each new one faulting its pages in)."""
     out = values.view(np.uint64).copy()
-    if values.dtype.kind == "f":  # as pandas: every NaN and -0.0 hash as NaN and 0.0
-        nan = np.isnan(values)
-        if nan.any():
-            out[nan] = _NAN
-        out[out == _NEGATIVE_ZERO] = 0
+    if values.dtype.kind == "f":  # as the installed pandas: NaNs and -0.0 perhaps alike
+        if _CANONICAL_NAN:
+            nan = np.isnan(values)
+            if nan.any():
+                out[nan] = _NAN
+        if _CANONICAL_ZERO:
+            out[out == _NEGATIVE_ZERO] = 0
     scratch = np.empty_like(out)
     for shift, mix in ((30, _MIX[0]), (27, _MIX[1])):
         np.right_shift(out, np.uint64(shift), out=scratch)
