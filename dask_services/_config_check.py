@@ -16,6 +16,8 @@ from typing import Any
 import dask.config
 from dask.utils import parse_bytes, parse_timedelta
 
+from dask_services.config import packaged_default
+
 # key (under dask_services.) -> (kind, least value for counts and durations, null allowed)
 KEYS: dict[str, tuple[str, float, bool]] = {
     "restarts": ("count", 0, False),
@@ -96,7 +98,6 @@ def _problem(kind: str, least: float, value: Any) -> str | None:
 def check_config() -> None:
     """Raise ``ValueError`` for the first ``dask_services`` config value that is not
     valid, naming it and what it should be."""
-    defaults = dask.config.defaults
     for key, (kind, least, nullable) in KEYS.items():
         full = f"dask_services.{key}"
         value = dask.config.get(full, _MISSING)
@@ -105,13 +106,8 @@ def check_config() -> None:
         problem = _problem(kind, least, value)
         if problem is None:
             continue
-        default = _MISSING
-        for section in defaults:
-            default = dask.config.get(full, _MISSING, config=section)
-            if default is not _MISSING:
-                break
-        hint = "" if default is _MISSING else f" (default {default!r})"
-        raise ValueError(
+        raise ValueError(  # every key has a packaged default (tested)
             f"config value {full}={value!r} is not valid: it should be {problem}"
-            f"{' or null' if nullable else ''}{hint}; fix it in dask.config.set(...), your "
-            "dask config files or the DASK_DASK_SERVICES__... environment variables")
+            f"{' or null' if nullable else ''} (default {packaged_default(key)!r}); fix it "
+            "in dask.config.set(...), your dask config files or the "
+            "DASK_DASK_SERVICES__... environment variables")

@@ -16,21 +16,17 @@ with open(_fn) as f:
 dask.config.update_defaults(defaults)
 
 
+_MISSING = object()
+
+
 def packaged_default(name: str) -> Any:
     """The value of ``dask_services.<name>`` in the package's own ``dask_services.yaml``.
 
     Raises ``KeyError`` for a name the package does not define."""
-    node: Any = defaults["dask_services"]
-    for part in name.split("."):
-        if not isinstance(node, dict):
-            raise KeyError(f"dask_services.{name}")
-        for spelling in (part, part.replace("_", "-"), part.replace("-", "_")):
-            if spelling in node:
-                node = node[spelling]
-                break
-        else:
-            raise KeyError(f"dask_services.{name}")
-    return node
+    try:
+        return dask.config.get(f"dask_services.{name}", config=defaults)
+    except KeyError:
+        raise KeyError(f"dask_services.{name}") from None
 
 
 def setting(name: str) -> Any:
@@ -42,4 +38,5 @@ def setting(name: str) -> Any:
     utilities reset to theirs around every ``gen_cluster`` test) leaves only what the
     config files and environment say.  Every read goes through here instead of a bare
     ``dask.config.get``."""
-    return dask.config.get(f"dask_services.{name}", default=packaged_default(name))
+    value = dask.config.get(f"dask_services.{name}", _MISSING)
+    return packaged_default(name) if value is _MISSING else value
