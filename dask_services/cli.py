@@ -1,4 +1,5 @@
-"""``dask-services demo`` and ``dask-services bench``."""
+"""``dask-services demo``, ``dask-services bench`` and ``dask-services status``
+(``_cli_status.py``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+from dask_services import _cli_status
 
 
 def _local_cluster(workers: int, threads: int, processes: bool, **kwargs: Any) -> Any:
@@ -405,7 +408,8 @@ def bench_replicated(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="dask-services",
-        description="Run the dask-services demo on a local cluster, or its benchmarks.",
+        description="Run the dask-services demo on a local cluster or its benchmarks, or "
+                    "show a running cluster's services.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     p_demo = sub.add_parser("demo", help="run services on a local cluster and print results")
@@ -476,10 +480,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "workers holding only its input, so that no method's peak "
                               "memory counts heap another method left behind)")
     p_bench.set_defaults(func=bench)
+    p_status = _cli_status.add_parser(sub)
     args = parser.parse_args(argv)
-    problem = _bad_argument(args)
+    problem = (_cli_status.bad_argument(args) if args.command == "status"
+               else _bad_argument(args))
     if problem is not None:
-        (p_bench if args.command == "bench" else p_demo).error(problem)
+        {"bench": p_bench, "demo": p_demo, "status": p_status}[args.command].error(problem)
     return int(args.func(args))
 
 

@@ -1,0 +1,119 @@
+"""``dask-services status``: the status tables of a running cluster, from a terminal.
+
+The same rows as ``dask_services.status(client, table=...)`` (``_status.py``), for a
+cluster the caller reaches by its scheduler's address, a scheduler file, or the dask
+config's ``scheduler-address`` (``DASK_SCHEDULER_ADDRESS``), as ``dask worker`` finds its
+scheduler.  It only reads: the rows are the scheduler's, as of its last heartbeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+DEFAULT_TIMEOUT = "10s"
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """The ``status`` subcommand's parser, on ``sub`` (the CLI's subparsers)."""
+    parser = sub.add_parser(
+        "status", help="the service runs (or replicas) of a running cluster",
+        description="Print a status table of a running cluster's services: 'runs' (one "
+                    "row per live or recently ended service run) or 'replicas' (one row "
+                    "per replica of every deployed service).")
+    parser.add_argument("address", nargs="?", default=None,
+                        help="the scheduler's address, e.g. tcp://10.0.0.1:8786 (default: "
+                             "--scheduler-file, else the dask config's scheduler-address, "
+                             "i.e. DASK_SCHEDULER_ADDRESS)")
+    parser.add_argument("--scheduler-file", default=None,
+                        help="a scheduler file, as written by `dask scheduler "
+                             "--scheduler-file`")
+    parser.add_argument("--table", default="runs",
+                        help="the table: 'runs' (default) or 'replicas'")
+    parser.add_argument("--columns", default="",
+                        help="comma-separated columns to print (default: all)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the rows as a JSON list of objects")
+    parser.add_argument("--timeout", default=DEFAULT_TIMEOUT,
+                        help=f"how long to try to reach the scheduler (default "
+                             f"{DEFAULT_TIMEOUT})")
+    parser.set_defaults(func=status_command)
+    return parser
+
+
+def bad_argument(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``status``'s arguments before connecting (None: nothing)."""
+    from dask.utils import parse_timedelta
+
+    if args.address and args.scheduler_file:
+        return "give the scheduler's address or --scheduler-file, not both"
+    try:
+        if parse_timedelta(args.timeout) <= 0:
+            raise ValueError
+    except (ValueError, TypeError, KeyError):
+        return f"--timeout takes a duration such as 10s or 2min; got {args.timeout!r}"
+    if not args.table:
+        return "--table takes a table's name, e.g. runs or replicas"
+    if scheduler_address(args) is None and not args.scheduler_file:
+        return ("no scheduler to ask: give its address (dask-services status "
+                "tcp://10.0.0.1:8786), --scheduler-file, or set DASK_SCHEDULER_ADDRESS")
+    return None
+
+
+def scheduler_address(args: argparse.Namespace) -> str | None:
+    """The address given, else the dask config's ``scheduler-address`` (None: neither)."""
+    import dask
+
+    return args.address or dask.config.get("scheduler-address", None) or None
+
+
+def status_command(args: argparse.Namespace) -> int:
+    """Print the table; 0 once printed, 1 if the scheduler could not be reached or
+    asked, 2 for a table or column it does not have."""
+    from dask.utils import parse_timedelta
+    from distributed import Client
+
+    from dask_services._status import status
+
+    timeout = parse_timedelta(args.timeout)
+    where = args.scheduler_file or scheduler_address(args)
+    try:
+        client = Client(address=None if args.scheduler_file else where,
+                        scheduler_file=args.scheduler_file, timeout=timeout,
+                        set_as_default=False)
+    except (OSError, TimeoutError, ValueError) as exc:
+        print(f"dask-services status: could not reach the scheduler at {where} within "
+              f"{args.timeout}: {exc}", file=sys.stderr)
+        return 1
+    with client:
+        try:
+            frame = status(client, table=args.table)
+        except KeyError as exc:
+            print(f"dask-services status: {exc.args[0] if exc.args else exc}",
+                  file=sys.stderr)
+            return 2
+        except Exception as exc:  # the scheduler could not install or answer
+            print(f"dask-services status: the scheduler at {client.scheduler.address} "
+                  f"could not give its {args.table!r} table: {type(exc).__name__}: {exc} "
+                  "(is dask_services installed in the scheduler's environment?)",
+                  file=sys.stderr)
+            return 1
+    columns = [c for c in args.columns.split(",") if c]
+    unknown = [c for c in columns if c not in frame.columns]
+    if unknown:
+        print(f"dask-services status: the {args.table!r} table has no column "
+              f"{', '.join(map(repr, unknown))}; its columns: {', '.join(frame.columns)}",
+              file=sys.stderr)
+        return 2
+    if columns:
+        frame = frame[columns]
+    if args.json:
+        print(json.dumps(frame.to_dict(orient="records"), indent=2, default=str))
+    elif frame.empty:
+        print(f"no rows in the {args.table!r} table (nothing has run or been deployed "
+              "yet, or it has ended longer ago than the table keeps)")
+    else:
+        print(frame.to_string(index=False, max_colwidth=60))
+    return 0
