@@ -327,19 +327,26 @@ class ServiceHost:
 
     def create(self, spec: InstanceSpec) -> Instance:
         """Create the instance at once (so that hand-offs find it); start it later."""
-        service = spec.service_class()  # first: a class that cannot be made leaves nothing
-        directory = in_directory(self.env.local_directory, lambda: tempfile.mkdtemp(
-            prefix=f"{spec.id}-".replace("/", "_"), dir=self.env.local_directory
-        ))
+        # first: a class that cannot be made, or whose attributes cannot be set (a
+        # read-only property named like one of them), leaves nothing
+        service = spec.service_class()
         service.id = spec.id
         service.key = spec.service_key
         service.input_keys = tuple(spec.input_keys)
         service.output_keys = tuple(spec.output_keys)
         service.leader = spec.leader
         service.params = dict(spec.params)
-        inst = Instance(spec=spec, service=service, directory=directory)
-        service.concierge = InstanceConcierge(self, inst)
-        service.peers = {sid: PeerHandle(self, inst, sid) for sid in spec.peers}
+        directory = in_directory(self.env.local_directory, lambda: tempfile.mkdtemp(
+            prefix=f"{spec.id}-".replace("/", "_"), dir=self.env.local_directory
+        ))
+        try:
+            inst = Instance(spec=spec, service=service, directory=directory)
+            service.concierge = InstanceConcierge(self, inst)
+            service.peers = {sid: PeerHandle(self, inst, sid) for sid in spec.peers}
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            remove_if_empty(self.env.local_directory)
+            raise
         self.instances[spec.id] = inst
         self.current[spec.service_key] = inst
         # start messages reach a worker in run order: a lower run can no longer come

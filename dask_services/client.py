@@ -16,7 +16,12 @@ from dask.utils import funcname
 
 from dask_services._config_check import check_config
 from dask_services.graph import ServiceDefinition, build_service_graph
-from dask_services.service import Service, ServiceGraphError
+from dask_services.service import (
+    INSTANCE_ATTRIBUTES,
+    Service,
+    ServiceGraphError,
+    check_instance_attributes,
+)
 
 _installed: weakref.WeakSet = weakref.WeakSet()
 
@@ -66,6 +71,8 @@ def _check_service_class(service_class: Any) -> None:
             f"expected a subclass of dask_services.Service, got {service_class!r}; "
             "define `class MyService(dask_services.Service): ...` and pass the class"
         )
+    check_instance_attributes(service_class, INSTANCE_ATTRIBUTES,
+                              "every instance of a service task")
 
 
 def _output_names(outputs: int | Sequence[Key], name: str, token: str) -> tuple[Key, ...]:

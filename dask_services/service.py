@@ -254,6 +254,40 @@ class Service(Deployable, abc.ABC):
         """The worker is under memory pressure: free about ``nbytes`` if you can."""
 
 
+# What the framework sets on every instance of a service task before ``start``.
+INSTANCE_ATTRIBUTES = ("id", "key", "peers", "input_keys", "output_keys", "concierge",
+                       "leader", "params")
+
+
+def check_instance_attributes(cls: type, names: Sequence[str], what: str) -> None:
+    """Refuse a class that defines one of ``names`` (attributes the framework sets on each
+    of its instances, ``what`` says when) as a method, a property or another descriptor.
+
+    The framework's assignment would fail on a property without a setter (on the worker,
+    after the graph was sent) and silently replace a method; a plain class attribute, a
+    default the framework's value then shadows, is fine.
+    """
+    import inspect
+
+    clashes = []
+    for name in names:
+        owner = next((c for c in cls.__mro__ if name in vars(c)), None)
+        if owner is None or owner.__module__.startswith("dask_services."):
+            continue
+        value = inspect.getattr_static(owner, name)
+        if hasattr(type(value), "__get__"):  # functions, properties, descriptors
+            kind = ("a property" if isinstance(value, property) else
+                    "a method" if callable(value) or isinstance(
+                        value, (staticmethod, classmethod)) else "a descriptor")
+            clashes.append(f"{name!r} ({kind}, in {owner.__name__})")
+    if clashes:
+        raise TypeError(
+            f"{cls.__name__} defines {', '.join(clashes)}, but dask_services sets "
+            f"{'these' if len(clashes) > 1 else 'this'} on {what} (it sets "
+            f"{', '.join(names)}); rename yours, e.g. with a leading underscore or a "
+            "prefix of your own")
+
+
 class ServiceError(Exception):
     """Base class of the errors raised by dask-services itself."""
 

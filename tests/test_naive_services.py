@@ -838,6 +838,83 @@ async def test_a_cancelled_error_out_of_a_hook_fails_the_run(c, s, a, b):
     await assert_nothing_left(s, [a, b])
 
 
+class HasAKeyProperty(Service):
+    """Defines ``key``, which the framework sets on every instance, as a read-only property
+    (and ``params`` as a method, which the framework's dict would silently replace)."""
+
+    @property
+    def key(self):
+        return "mine"
+
+    def params(self):
+        return {}
+
+    async def add_key(self, key, data):
+        pass
+
+
+class DefaultsALeader(Service):
+    """A plain class attribute named like a framework attribute: a default the framework's
+    value shadows, which is fine."""
+
+    leader = None
+
+    async def add_key(self, key, data):
+        pass
+
+    async def all_inputs_done(self):
+        for key in self.concierge.wanted_outputs:
+            if self.concierge.owner(key) == self.id:
+                self.concierge.produce_key(key, self.leader is not None)
+
+
+class RefusesALeader(Service):
+    """Refuses an attribute in ``__setattr__``, which no check of the class can see."""
+
+    def __setattr__(self, name, value):
+        if name == "leader":
+            raise AttributeError("RefusesALeader takes no leader")
+        super().__setattr__(name, value)
+
+    async def add_key(self, key, data):
+        pass
+
+
+def test_a_method_or_property_named_like_a_framework_attribute_is_refused_at_once():
+    with pytest.raises(TypeError) as info:
+        dask_services.service_task(HasAKeyProperty, [dask.delayed(1)], outputs=1)
+    message = str(info.value)
+    assert "HasAKeyProperty defines 'key' (a property, in HasAKeyProperty)" in message
+    assert "'params' (a method, in HasAKeyProperty)" in message
+    assert "dask_services sets these on every instance of a service task" in message
+    assert "rename yours" in message
+    # a subclass inherits the clash, named with the class that defines it
+    child = type("Child", (HasAKeyProperty,), {})
+    with pytest.raises(TypeError, match=r"Child defines 'key' \(a property, in "
+                                        r"HasAKeyProperty\)"):
+        dask_services.service_task(child, [dask.delayed(1)], outputs=1)
+
+
+@service_cluster()
+async def test_a_class_attribute_named_like_a_framework_attribute_is_a_default(c, s, a, b):
+    outs = c.compute(dask_services.service_task(DefaultsALeader, [dask.delayed(1)],
+                                                outputs=2))
+    assert await c.gather(outs) == [True, True]  # the framework's leader, not the default
+    del outs
+    await assert_nothing_left(s, [a, b])
+
+
+@service_cluster()
+async def test_an_instance_refusing_an_attribute_fails_the_run_leaving_nothing(c, s, a, b):
+    # the attributes are set before the instance's directory is made: none stays behind
+    outs = c.compute(dask_services.service_task(RefusesALeader, [dask.delayed(1)],
+                                                outputs=2))
+    for out in outs:
+        await assert_errs(out, AttributeError, "RefusesALeader takes no leader")
+    del outs, out
+    await assert_nothing_left(s, [a, b])  # no instance directory either
+
+
 @pytest.mark.parametrize("service, error, match", [
     (NeedsArguments, TypeError, "missing 1 required positional argument"),
     (CancelsItsHelper, RuntimeError, "raised asyncio.CancelledError"),

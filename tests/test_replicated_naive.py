@@ -242,6 +242,21 @@ async def test_endpoint_names_the_handle_uses_or_ending_with_an_underscore(c, s,
 
     with pytest.raises(TypeError, match=r"\['story'\] of Story clash"):
         await Story.options(replicas=1).as_service(client=c)
+
+    class Ranked(dask_services.Service):
+        @property
+        def rank(self):  # dask_services sets rank on every replica
+            return 0
+
+        @dask_services.endpoint
+        async def which(self):
+            return self.rank
+
+    with pytest.raises(TypeError, match=r"Ranked defines 'rank' \(a property, in Ranked\), "
+                                        r"but dask_services sets this on every replica"):
+        await Ranked.options(replicas=1).as_service(client=c)
+    replicated = s.extensions.get("dask_services_replicated")  # refused before installing
+    assert replicated is None or not replicated.deployments
     svc = await Naive.options(replicas=1).as_service(client=c)
     assert "class_" in svc.endpoints
     assert await svc.class_.route() == "a name ending with _"

@@ -16,7 +16,12 @@ from dask_services.replicated._handle import (
     check_names,
 )
 from dask_services.replicated._options import ReplicaOptions, config_seconds, unconfigured
-from dask_services.service import Service
+from dask_services.service import Service, check_instance_attributes
+
+# What the framework sets on every replica (``_worker.py``; ``rank``, ``world_size`` and
+# ``ranks`` on the ranks of a gang, ``_gang.py``).
+REPLICA_ATTRIBUTES = ("id", "key", "params", "service", "peers", "rank", "world_size",
+                      "ranks")
 
 
 def as_service(cls: type, args: tuple, kwargs: dict, client: Any = None) -> Any:
@@ -32,6 +37,7 @@ def as_service(cls: type, args: tuple, kwargs: dict, client: Any = None) -> Any:
     options = ReplicaOptions.merged(getattr(cls, "service_options", {}))
     base = unconfigured(cls)
     check_names(base)
+    check_instance_attributes(base, REPLICA_ATTRIBUTES, "every replica")
     client = client or default_client()
     name = options.name or f"{base.__name__.lower()}-{uuid.uuid4().hex[:8]}"
     shipped = {"router": options.router}
