@@ -7,9 +7,10 @@ import asyncio
 import pytest
 from distributed.utils_test import async_poll_for
 from gang_services import Sleeper
+from replicated_services import GATES, Adder
 from test_replicated import assert_nothing_left, cluster
 
-from dask_services.replicated import ReplicaOptions
+from dask_services.replicated import ReplicaOptions, ServiceShutdown
 from dask_services.replicated._autoscale import AutoscalePolicy, AutoscalingConfig, Decision
 
 pytestmark = pytest.mark.timeout(60)
@@ -180,6 +181,64 @@ def test_autoscaling_on_worker_processes_under_a_load_step():
         svc.shutdown()
 
 
+@cluster(nthreads=[("127.0.0.1", 1)] * 2, config=FAST)
+async def test_scale_below_min_replicas_keeps_min_replicas(c, s, a, b):
+    # svc.scale(1) under min_replicas=2 stopped a replica, which autoscaling relaunched
+    svc = await Sleeper.options(autoscaling={
+        "min_replicas": 2, "max_replicas": 4, "upscale_delay": "100ms",
+        "downscale_delay": "100ms"}).as_service(client=c)
+    dep = s.extensions[EXT].deployments[svc.name]
+    before = sorted(str(m.id) for m in dep.active().values())
+    assert len(before) == 2
+    await svc.scale(1)
+    assert dep.floor == 1 and dep.last_decision == (
+        "2 -> 2: svc.scale(1) sets the floor; min_replicas is 2")
+    s.extensions[EXT]._autoscale_all()
+    assert sorted(str(m.id) for m in dep.active().values()) == before  # none stopped
+    actions = [e["action"] for _, e in await c.get_events("dask_services")
+               if e.get("service") == svc.name]
+    assert "replica-stopped" not in actions, actions
+    assert await svc.work.route(1) == 2
+    await svc.shutdown()
+    await assert_nothing_left(s, [a, b])
+
+
+async def _holding_both_replicas(svc, s, workers, gate: str):
+    """A call of ``wait_for(gate)`` running on each of the service's two replicas (one per
+    worker); then ``svc.scale(1)`` under way, its victim stopped and draining."""
+    calls = asyncio.ensure_future(svc.wait_for.fanout(gate, 7))
+    await async_poll_for(lambda: [r.gate.in_flight for w in workers
+                                  for r in w.extensions[EXT].replicas.values()] == [1, 1],
+                         timeout=10)
+    scaling = asyncio.ensure_future(svc.scale(1))
+    ext = s.extensions[EXT]
+    dep = ext.deployments[svc.name]
+    await async_poll_for(lambda: any(m.state.value == "stopped" for m in dep.slots.values())
+                         and ext._stops_under_way, timeout=10)
+    (victim,) = [m for m in dep.slots.values() if m.state.value == "stopped"]
+    (worker,) = {w for w, sid in ext._stops_under_way if sid == str(victim.id)}
+    return calls, scaling, worker
+
+
+@cluster(nthreads=[("127.0.0.1", 1)] * 2,
+         config={"dask_services.replicated.drain-timeout": "60s"})
+async def test_shutdown_cuts_a_scale_downs_drain_to_its_own_timeout(c, s, a, b):
+    # the shutdown ignored a drain under way: it returned after 10 s with the draining
+    # replica still on its worker, which stayed until drain-timeout
+    svc = await Adder.options(replicas=2, max_replicas_per_worker=1).as_service(client=c)
+    calls, scaling, _ = await _holding_both_replicas(svc, s, [a, b], "never")
+    await svc.shutdown(timeout=0.2)
+    assert not any(w.extensions[EXT].replicas for w in (a, b))  # gone when it returns
+    assert not s.extensions[EXT]._stops_under_way
+    with pytest.raises(ServiceShutdown):
+        await calls
+    try:
+        await scaling
+    except ServiceShutdown:
+        pass  # its refresh found the service shut down
+    await assert_nothing_left(s, [a, b])
+
+
 # ------------------------------------------------------------------ adaptive clusters
 
 
@@ -211,6 +270,21 @@ async def test_replicas_count_in_the_adaptive_target(c, s, a, b):
         await svc.shutdown()
         await assert_nothing_left(s, [a, b, extra])
     assert s.adaptive_target() == 0
+
+
+@cluster(nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_draining_replica_keeps_its_worker_from_closing(c, s, a, b):
+    # a replica stopped by a scale-down while its calls drain still holds its worker: an
+    # adaptive cluster retired it mid-call (the call ran twice, stop() never ran)
+    svc = await Adder.options(replicas=2, max_replicas_per_worker=1).as_service(client=c)
+    calls, scaling, worker = await _holding_both_replicas(svc, s, [a, b], "drained")
+    assert s.adaptive_target() == 2 and worker not in s.workers_to_close()
+    GATES.setdefault("drained", asyncio.Event()).set()
+    assert await calls == [7, 7]  # both finished where they ran
+    await scaling
+    assert s.adaptive_target() == 1 and s.workers_to_close() == [worker]
+    await svc.shutdown()
+    await assert_nothing_left(s, [a, b])
 
 
 @pytest.mark.slow

@@ -287,7 +287,10 @@ class Deployments(SchedulerPlugin):
         active = dep.active()
         if dep.autoscaling is not None:
             dep.floor = n  # a manual floor: autoscaling adds above it, never goes below
-            self._log_decision(dep, Decision(len(active), n, f"svc.scale({n}) sets the floor"))
+            asked, n = n, dep.autoscaling.bounds(n)[0]  # never below min_replicas
+            self._log_decision(dep, Decision(len(active), n, f"svc.scale({asked}) sets the "
+                                             "floor" + ("" if n == asked else
+                                                        f"; min_replicas is {n}")))
         if n > len(active):
             new = [self._add_slot(dep) for _ in range(n - len(active))]
             result = await self.wait(comm, name, timeout, slots=new)
@@ -363,7 +366,8 @@ class Deployments(SchedulerPlugin):
     def demand(self) -> tuple[set[str], int]:
         """The workers that replicas (every rank) occupy, and how many more ranks wait
         for a worker: what the replicas ask of an adaptive cluster (``_adaptive.py``)."""
-        hosts: set[str] = set()
+        # a worker whose replica is stopping (a scale-down's drain) is still held by it
+        hosts: set[str] = {worker for worker, _ in self._stops_under_way}
         waiting = 0
         for dep in self.deployments.values():
             for m in dep.slots.values():
@@ -388,9 +392,17 @@ class Deployments(SchedulerPlugin):
         dep.stopping = True
         try:
             stops = []
+            draining = set()
             for s, m in list(dep.slots.items()):
+                if m.state is ReplicaState.STOPPED:
+                    draining.add(str(m.id))  # stopped by a scale-down, perhaps draining
                 stops += self._apply(dep, s, m.handle(lc.StopRequested()), reason="shutdown",
                                      timeout=timeout)
+            # a scale-down's drain still under way gets the shutdown's timeout too
+            for worker, sid in list(self._stops_under_way):
+                if sid in draining:
+                    stops.append(self._spawn(dep, self._stop(worker, sid, timeout,
+                                                             "shutdown")))
             await self._await(stops, timeout + 10)
             # Starts still under way answer "stopped" once their stop cancelled them.
             await self._await([t for t in dep.tasks if t not in stops], 10)

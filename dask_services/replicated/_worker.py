@@ -61,6 +61,10 @@ class HostedReplica:
     cancelled: bool = False
     closed_with: BaseException | None = None  # what queued calls were failed with
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    # when a stop's drain gives up on the calls in flight (loop time); a later stop with an
+    # earlier deadline brings it forward and sets ``hurry``
+    drain_deadline: float = float("inf")
+    hurry: asyncio.Event = field(default_factory=asyncio.Event)
     setup_task: asyncio.Task | None = None
     running: set[asyncio.Task] = field(default_factory=set)
     gang: GangMember | None = None  # its rank and the other ranks (``_gang.py``)
@@ -212,29 +216,33 @@ class ReplicaWorker(WorkerPlugin):
         return {"status": "stopped"}
 
     async def _stop(self, rep: HostedReplica, timeout: float, exc: BaseException) -> None:
+        deadline = asyncio.get_running_loop().time() + max(timeout, 0)
         if rep.closing:
-            await rep.stopped.wait()  # another stop is under way
+            # another stop is under way (a scale-down's drain): this one's deadline, if
+            # earlier (a shutdown, the worker closing), cuts its drain short
+            if deadline < rep.drain_deadline:
+                rep.drain_deadline = deadline
+                if isinstance(exc, ServiceShutdown):
+                    rep.closed_with = exc  # a stream cut now says so
+                rep.hurry.set()
+            await rep.stopped.wait()
             return
         rep.closing = True
         rep.closed_with = exc
+        rep.drain_deadline = deadline
         try:
             if rep.setup_task is not None and not rep.setup_task.done():
                 rep.setup_task.cancel()
             rep.gate.close(exc)
             for batcher in rep.batchers.values():
                 batcher.close(exc)
-            if rep.gate.in_flight:
-                try:
-                    if timeout <= 0:
-                        raise TimeoutError
-                    await asyncio.wait_for(rep.gate.wait_idle(), timeout)
-                except TimeoutError:
-                    rep.cancelled = True
-                    running = list(rep.running)
-                    for task in running:
-                        task.cancel()
-                    if running:  # the cancelled calls answer their callers first
-                        await asyncio.wait(running, timeout=1)
+            if rep.gate.in_flight and not await self._drained(rep):
+                rep.cancelled = True
+                running = list(rep.running)
+                for task in running:
+                    task.cancel()
+                if running:  # the cancelled calls answer their callers first
+                    await asyncio.wait(running, timeout=1)
             stop = getattr(rep.service, "stop", None)
             if stop is not None:
                 try:
@@ -249,6 +257,28 @@ class ReplicaWorker(WorkerPlugin):
             rep.stopped.set()
             if self.replicas.get(rep.id) is rep:
                 del self.replicas[rep.id]
+
+    @staticmethod
+    async def _drained(rep: HostedReplica) -> bool:
+        """Whether the replica's calls in flight finished before its drain deadline (which
+        a later stop may bring forward meanwhile)."""
+        loop = asyncio.get_running_loop()
+        idle = asyncio.ensure_future(rep.gate.wait_idle())
+        try:
+            while not idle.done():
+                rep.hurry.clear()
+                remaining = rep.drain_deadline - loop.time()
+                if remaining <= 0:
+                    return False
+                hurry = asyncio.ensure_future(rep.hurry.wait())
+                try:
+                    await asyncio.wait({idle, hurry}, timeout=remaining,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    hurry.cancel()
+            return True
+        finally:
+            idle.cancel()
 
     @worker_handler
     async def health(self, comm: Any, id: str, timeout: float) -> dict:
