@@ -73,7 +73,7 @@ def instance_counters(inst: Instance, final: bool = False) -> dict[str, Any]:
     for name in COUNTERS:
         try:
             record[name] = int(values.get(name, 0))
-        except (TypeError, ValueError):
+        except Exception:  # not a number, infinite (OverflowError), a failing __int__...
             record[name] = int(inst.traffic.counters().get(name, 0))
     gauges = dict.fromkeys(GAUGES, 0)
     if not final:

@@ -38,6 +38,7 @@ from dask_services.service import (
     ProduceKeyError,
     RPCRefused,
     Service,
+    ServiceError,
     ServiceId,
     StaleRunError,
     is_rpc_method,
@@ -296,6 +297,13 @@ class PeerHandle:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             cls = type(self._source.service)
+            if not self._source.started.is_set():
+                # only start() (or what it started) runs before the instance has started
+                return _raise(ServiceError(
+                    f"{cls.__name__}.start() called peer method {name!r}: a peer answers "
+                    "only once its own start() has returned, and every instance's start() "
+                    "may be waiting in the same way; make peer calls in all_started() or "
+                    "later (every instance has started then)"))
             if not is_rpc_method(cls, name):
                 # Refused before it takes a sequence number: the channel stays as it was.
                 return _raise(RPCRefused(_refusal(cls, name)))
@@ -375,7 +383,7 @@ class ServiceHost:
             s.start,
             s.id, s.key, s.peers, s.input_keys, s.output_keys, s.concierge, s.leader,
             **inst.spec.params,
-            wait_started=False,
+            wait_started=False, own_task=True,
         )
         if ok:
             inst.started.set()
@@ -384,18 +392,20 @@ class ServiceHost:
     async def all_started(self, sid: ServiceId) -> None:
         inst = self.instances.get(sid)
         if inst is not None:
-            if await self._hook(inst, inst.service.all_started):
+            if await self._hook(inst, inst.service.all_started, own_task=True):
                 inst.all_started_returned.set()
 
     async def all_inputs_done(self, sid: ServiceId) -> None:
         """Runs after ``all_started`` has returned on this instance."""
         inst = self.instances.get(sid)
-        if inst is not None and await self._hook(inst, self._all_inputs_done, inst):
+        if inst is not None and await self._hook(inst, self._all_inputs_done, inst,
+                                                 own_task=True):
             self.env.hooks_returned(inst.spec)
 
     async def _all_inputs_done(self, inst: Instance) -> None:
         await inst.all_started_returned.wait()
-        await _awaited(inst.service.all_inputs_done())
+        await _awaited(inst.service.all_inputs_done(),
+                       _named(inst.service, "all_inputs_done"))
 
     async def add_key(self, sid: ServiceId, key: Key, data: Any,
                       still_wanted: Callable[[], bool] = lambda: True,
@@ -415,7 +425,8 @@ class ServiceHost:
             if nbytes is not None:
                 inst.input_sizes[key] = nbytes
             try:
-                await _awaited(inst.service.add_key(key, data))
+                await _awaited(inst.service.add_key(key, data),
+                               _named(inst.service, "add_key"))
             finally:
                 inst.input_sizes.pop(key, None)
 
@@ -482,9 +493,12 @@ class ServiceHost:
 
     async def _hook(
         self, inst: Instance, fn: Callable[..., Any], *args: Any,
-        wait_started: bool = True, **kwargs: Any,
+        wait_started: bool = True, own_task: bool = False, **kwargs: Any,
     ) -> bool:
-        """Run one hook; report an exception as the failure of the run."""
+        """Run one hook; report an exception as the failure of the run.  ``own_task``: the
+        hook runs in a task of the framework's own, which nothing but the instance's stop
+        cancels (a hand-off's ``add_key`` runs in the hand-off task, which distributed
+        cancels when it releases it)."""
         if inst.stopping:
             return False
         task = asyncio.current_task()
@@ -493,12 +507,19 @@ class ServiceHost:
         try:
             if wait_started:
                 await inst.started.wait()
-            await _awaited(fn(*args, **kwargs))
+            await _awaited(fn(*args, **kwargs), _named(inst.service, _hook_name(fn)))
             return True
         except asyncio.CancelledError as exc:
             if inst.stopping:
                 return False
             if task.cancelling():  # this hook was cancelled
+                if own_task:
+                    # not by the framework, which stops the instance first: by the
+                    # service's own code (asyncio.current_task().cancel(), ...)
+                    self.env.failed(inst.spec, RuntimeError(
+                        f"{_named(inst.service, _hook_name(fn))} was cancelled while its "
+                        "instance was not stopping, by the service's own code (did it "
+                        "cancel the task it runs in?); raise an exception to fail the run"))
                 raise
             # the service's own code let a CancelledError out (it awaited a task it had
             # cancelled): a failure like any other exception, not a cancellation
@@ -602,7 +623,8 @@ class ServiceHost:
             args, kwargs = as_incoming(*await arguments())
             await inst.started.wait()
             try:
-                return await _awaited(getattr(inst.service, method)(*args, **kwargs))
+                return await _awaited(getattr(inst.service, method)(*args, **kwargs),
+                                      _named(inst.service, method))
             except (Exception, asyncio.CancelledError):
                 raise
             except BaseException as exc:  # SystemExit, KeyboardInterrupt...
@@ -666,7 +688,7 @@ def _named(service: Service, method: str) -> str:
 async def _stopped(service: Service) -> None:
     """``service.stop()``, with what it raises contained (``contained``)."""
     try:
-        await _awaited(service.stop())
+        await _awaited(service.stop(), _named(service, "stop"))
     except (Exception, asyncio.CancelledError):
         raise
     except BaseException as exc:
@@ -725,9 +747,19 @@ def _hook_name(fn: Callable[..., Any]) -> str:
     return {"add": "add_key", "_all_inputs_done": "all_inputs_done"}.get(name, name)
 
 
-async def _awaited(result: Any) -> Any:
+async def _awaited(result: Any, what: str = "a hook") -> Any:
     """A hook's result, awaited where it is awaitable: a hook written as a plain ``def``
-    has already run when it returns."""
+    has already run when it returns.  A generator (a ``yield`` in ``what``, named so) has
+    not run at all: refused."""
     if inspect.isawaitable(result):
         return await result
+    if inspect.isgenerator(result) or inspect.isasyncgen(result):
+        if inspect.isgenerator(result):
+            result.close()
+        else:
+            await result.aclose()
+        raise TypeError(
+            f"{what} is a generator function (a `yield` in its body), so calling it ran "
+            "none of its body; hooks and @rpc methods run once: remove the `yield` (return "
+            "a list instead)")
     return result

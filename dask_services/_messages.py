@@ -32,19 +32,39 @@ def dumps_exception(exc: BaseException) -> bytes:
     ``__main__`` (a notebook, a script) travel by value and keep their type.
     """
     text = "".join(traceback.format_exception(exc))
+    summary = describe_exception(exc)
     try:
         payload = quietly(dask_pickle.dumps, exc)
         dask_pickle.loads(payload)
     except Exception:
-        payload = dask_pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
-    return pickle.dumps((payload, text))
+        payload = dask_pickle.dumps(RuntimeError(summary))
+    return pickle.dumps((payload, text, summary))
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``Type: message`` of ``exc``, whatever its ``__str__`` does (a module-qualified type
+    where it is not a builtin)."""
+    cls = type(exc)
+    name = (cls.__qualname__ if cls.__module__ == "builtins"
+            else f"{cls.__module__}.{cls.__qualname__}")
+    try:
+        message = str(exc)
+    except Exception as e:
+        message = f"<its message could not be made: str() raised {type(e).__name__}>"
+    return f"{name}: {message}" if message else name
 
 
 def loads_exception(blob: bytes) -> BaseException:
     """The exception pickled by :func:`dumps_exception`, with the sender's traceback as a
-    note."""
-    payload, text = pickle.loads(blob)
-    exc = dask_pickle.loads(payload)
+    note.  One whose class cannot be loaded here (a library installed on the workers
+    only) is a ``RuntimeError`` with its type, message and traceback."""
+    payload, text, summary = pickle.loads(blob)
+    try:
+        exc = dask_pickle.loads(payload)
+    except Exception as e:
+        exc = RuntimeError(f"{summary} (this exception's class cannot be loaded here, "
+                           f"{type(e).__name__}: {e}; install the library it comes from "
+                           "where the error is read to get the exception itself)")
     with contextlib.suppress(Exception):
         exc.add_note("Raised by a service instance:\n" + text)
     return exc

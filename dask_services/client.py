@@ -185,10 +185,13 @@ def submit(service_class: type[Service], inputs: Sequence[Any], *,
            **params: Any) -> list[Any]:
     """Run a service task on a cluster now; returns one ``Future`` per output key.
 
-    ``inputs`` is a list of futures (or dask collections / ``Delayed`` objects).
+    ``inputs`` is a list of futures (or dask collections / ``Delayed`` objects), or one
+    future or collection.
     """
     from distributed import Future, default_client
 
+    if isinstance(inputs, Future):
+        inputs = [inputs]
     client = client or default_client()
     if not client.asynchronous:  # an asynchronous one installs as it sends the graph
         install(client)

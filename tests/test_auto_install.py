@@ -155,6 +155,9 @@ async def test_submit_with_an_asynchronous_client(c, s, a, b):
     futures = dask_services.submit(AllReduce, c.map(abs, range(10)), outputs=2, client=c)
     assert await c.gather(futures) == [45, 45]
     assert c in _installed
+    # one future, not in a list (it raised "'Future' object is not iterable")
+    one = dask_services.submit(AllReduce, c.submit(abs, -7), outputs=1, client=c)
+    assert await c.gather(one) == [7]
 
 
 @gen_cluster(client=True, timeout=60)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import re
 import threading
 import weakref
 from typing import Any
@@ -913,6 +914,156 @@ async def test_an_instance_refusing_an_attribute_fails_the_run_leaving_nothing(c
         await assert_errs(out, AttributeError, "RefusesALeader takes no leader")
     del outs, out
     await assert_nothing_left(s, [a, b])  # no instance directory either
+
+
+class CancelsItself(Service):
+    """Cancels the task its hook runs in: nothing but the service's own code does so."""
+
+    async def add_key(self, key, data):
+        pass
+
+    async def all_inputs_done(self):
+        asyncio.current_task().cancel()
+        await asyncio.sleep(0)
+
+
+class CallsPeersInStart(Service):
+    """Every instance waits in ``start`` for the others, which answer only once started."""
+
+    async def start(self, id, key, peers, input_keys, output_keys, concierge, leader):
+        await super().start(id, key, peers, input_keys, output_keys, concierge, leader)
+        await asyncio.gather(*(p.hello() for p in peers.values()))
+
+    async def add_key(self, key, data):
+        pass
+
+    @rpc
+    async def hello(self):
+        return "hi"
+
+
+class YieldsInAHook(Service):
+    """A leftover ``yield`` makes ``add_key`` a generator function: calling it runs nothing."""
+
+    async def add_key(self, key, data):
+        self.seen = True
+        yield
+
+    async def all_inputs_done(self):
+        for key in self.concierge.wanted_outputs:
+            if self.concierge.owner(key) == self.id:
+                self.concierge.produce_key(key, getattr(self, "seen", False))
+
+
+def _loadable_on_workers_only(message):
+    """An exception's loader that fails off a worker, as a class from a library installed
+    on the workers only does on the scheduler."""
+    get_worker()  # ValueError off a worker
+    return OnlyOnWorkers(message)
+
+
+class OnlyOnWorkers(Exception):
+    def __reduce__(self):
+        return _loadable_on_workers_only, self.args
+
+
+class RaisesAWorkerOnlyError(Service):
+    async def add_key(self, key, data):
+        pass
+
+    async def all_inputs_done(self):
+        raise OnlyOnWorkers("device out of memory")
+
+
+class Unprintable(Exception):
+    """Cannot be pickled, and its ``__str__`` raises."""
+
+    def __init__(self):
+        super().__init__()
+        self.lock = threading.Lock()
+
+    def __str__(self):
+        raise AttributeError("no message")
+
+
+class RaisesAnUnprintableError(Service):
+    async def add_key(self, key, data):
+        pass
+
+    async def all_inputs_done(self):
+        raise Unprintable()
+
+
+class CountsForever(Service):
+    """``counters()`` gives a figure no int can hold; outputs once ``gate`` is set."""
+
+    gate: asyncio.Event
+
+    async def add_key(self, key, data):
+        pass
+
+    async def all_inputs_done(self):
+        await self.gate.wait()
+        for key in self.concierge.wanted_outputs:
+            if self.concierge.owner(key) == self.id:
+                self.concierge.produce_key(key, 1)
+
+    def counters(self):
+        return {"bytes_spilled": float("inf"), "bytes_sent": float("nan")}
+
+
+@pytest.mark.parametrize("service, error, match", [
+    (CancelsItself, RuntimeError, "CancelsItself.all_inputs_done() was cancelled while its "
+                                  "instance was not stopping, by the service's own code"),
+    (CallsPeersInStart, dask_services.ServiceError,
+     "CallsPeersInStart.start() called peer method 'hello': a peer answers only once its "
+     "own start() has returned"),
+    (YieldsInAHook, TypeError, "YieldsInAHook.add_key() is a generator function"),
+    (RaisesAWorkerOnlyError, RuntimeError,
+     "test_naive_services.OnlyOnWorkers: device out of memory (this exception's class "
+     "cannot be loaded here"),
+    (RaisesAnUnprintableError, RuntimeError,
+     "test_naive_services.Unprintable: <its message could not be made: str() raised "
+     "AttributeError>"),
+])
+@service_cluster()
+async def test_mistakes_that_hung_or_were_skipped_fail_the_run(c, s, a, b, service, error,
+                                                               match):
+    # each hung (the run never failed) or, for the generator, gave results with add_key
+    # never run
+    outs = c.compute(dask_services.service_task(service, [dask.delayed(1)], outputs=2))
+    for out in outs:
+        await assert_errs(out, error, match)
+    del outs, out
+    await assert_nothing_left(s, [a, b])
+
+
+@pytest.mark.parametrize("service, error, match", [
+    (CancelsItself, RuntimeError, "was cancelled while its instance was not stopping"),
+    (CallsPeersInStart, dask_services.ServiceError, "make peer calls in all_started()"),
+    (YieldsInAHook, TypeError, "YieldsInAHook.add_key() is a generator function"),
+])
+def test_mistakes_that_hung_fail_under_the_local_scheduler(service, error, match):
+    outs = dask_services.service_task(service, [dask.delayed(1)], outputs=2)
+    with pytest.raises(error, match=re.escape(match)):
+        dask.compute(*outs, scheduler="sync")
+
+
+@service_cluster()
+async def test_counters_no_int_can_hold_keep_the_heartbeat(c, s, a, b):
+    # an infinite figure raised OverflowError in the heartbeat: both workers closed
+    CountsForever.gate = asyncio.Event()
+    outs = c.compute(dask_services.service_task(CountsForever, [dask.delayed(1)],
+                                                outputs=2))
+    await async_poll_for(lambda: all(w.extensions["dask_services"].host.instances
+                                     for w in (a, b)), timeout=10)
+    await a.heartbeat()  # with the instances' counters
+    await b.heartbeat()
+    CountsForever.gate.set()
+    assert await c.gather(outs) == [1, 1]
+    assert a.status.name == b.status.name == "running" and len(s.workers) == 2
+    del outs
+    await assert_nothing_left(s, [a, b])
 
 
 @pytest.mark.parametrize("service, error, match", [
