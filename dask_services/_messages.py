@@ -25,12 +25,19 @@ def unwrap(obj: Any) -> Any:
     return obj
 
 
+# the blob of an exception that could not be loaded, on the RuntimeError standing for it
+_UNLOADED = "_dask_services_unloaded_exception"
+
+
 def dumps_exception(exc: BaseException) -> bytes:
     """Pickle an exception with its traceback text attached as a note.
 
     distributed's pickle falls back to cloudpickle, so exception classes defined in
     ``__main__`` (a notebook, a script) travel by value and keep their type.
     """
+    original = getattr(exc, _UNLOADED, None)
+    if original is not None:  # one this process could not load: passed on as it came
+        return original
     text = "".join(traceback.format_exception(exc))
     summary = describe_exception(exc)
     try:
@@ -57,7 +64,9 @@ def describe_exception(exc: BaseException) -> str:
 def loads_exception(blob: bytes) -> BaseException:
     """The exception pickled by :func:`dumps_exception`, with the sender's traceback as a
     note.  One whose class cannot be loaded here (a library installed on the workers
-    only) is a ``RuntimeError`` with its type, message and traceback."""
+    only) is a ``RuntimeError`` with its type, message and traceback, which
+    :func:`dumps_exception` passes on as it came: where it can be loaded (the worker of
+    the service task, the client) it is the exception itself again."""
     payload, text, summary = pickle.loads(blob)
     try:
         exc = dask_pickle.loads(payload)
@@ -65,6 +74,7 @@ def loads_exception(blob: bytes) -> BaseException:
         exc = RuntimeError(f"{summary} (this exception's class cannot be loaded here, "
                            f"{type(e).__name__}: {e}; install the library it comes from "
                            "where the error is read to get the exception itself)")
+        setattr(exc, _UNLOADED, blob)
     with contextlib.suppress(Exception):
         exc.add_note("Raised by a service instance:\n" + text)
     return exc

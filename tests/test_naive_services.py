@@ -955,16 +955,20 @@ class YieldsInAHook(Service):
                 self.concierge.produce_key(key, getattr(self, "seen", False))
 
 
-def _loadable_on_workers_only(message):
-    """An exception's loader that fails off a worker, as a class from a library installed
-    on the workers only does on the scheduler."""
-    get_worker()  # ValueError off a worker
+def _not_loadable_by_the_scheduler(message):
+    """An exception's loader that fails in the scheduler's plugin, as a class from a
+    library installed on the workers and the client only does on the scheduler."""
+    import inspect
+
+    if any(f.filename.endswith(os.path.join("dask_services", "scheduler.py"))
+           for f in inspect.stack()):
+        raise ModuleNotFoundError("No module named 'gpulib' (not on the scheduler)")
     return OnlyOnWorkers(message)
 
 
 class OnlyOnWorkers(Exception):
     def __reduce__(self):
-        return _loadable_on_workers_only, self.args
+        return _not_loadable_by_the_scheduler, self.args
 
 
 class RaisesAWorkerOnlyError(Service):
@@ -1019,9 +1023,7 @@ class CountsForever(Service):
      "CallsPeersInStart.start() called peer method 'hello': a peer answers only once its "
      "own start() has returned"),
     (YieldsInAHook, TypeError, "YieldsInAHook.add_key() is a generator function"),
-    (RaisesAWorkerOnlyError, RuntimeError,
-     "test_naive_services.OnlyOnWorkers: device out of memory (this exception's class "
-     "cannot be loaded here"),
+    (RaisesAWorkerOnlyError, OnlyOnWorkers, "device out of memory"),
     (RaisesAnUnprintableError, RuntimeError,
      "test_naive_services.Unprintable: <its message could not be made: str() raised "
      "AttributeError>"),
@@ -1034,6 +1036,11 @@ async def test_mistakes_that_hung_or_were_skipped_fail_the_run(c, s, a, b, servi
     outs = c.compute(dask_services.service_task(service, [dask.delayed(1)], outputs=2))
     for out in outs:
         await assert_errs(out, error, match)
+    if service is RaisesAWorkerOnlyError:
+        # the scheduler, which cannot load it, says what it was; the client gets it itself
+        detail = (await dask_services.status(c))["detail"].iloc[-1]
+        assert ("test_naive_services.OnlyOnWorkers: device out of memory (this "
+                "exception's class cannot be loaded here") in detail, detail
     del outs, out
     await assert_nothing_left(s, [a, b])
 
