@@ -110,7 +110,9 @@ def status_command(args: argparse.Namespace) -> int:
     if columns:
         frame = frame[columns]
     if args.json:
-        print(json.dumps(frame.to_dict(orient="records"), indent=2, default=str))
+        # strict JSON: a missing figure (NaN: a replica without calls yet) is null
+        rows = frame.astype(object).where(frame.notna(), None).to_dict(orient="records")
+        print(json.dumps(rows, indent=2, default=str, allow_nan=False))
     elif frame.empty:
         print(f"no rows in the {args.table!r} table (nothing has run or been deployed "
               "yet, or it has ended longer ago than the table keeps)")
