@@ -266,6 +266,27 @@ async def test_round_robin_and_custom_router(c, s, *workers):
     ids = sorted(await svc.whoami.fanout())
     assert {await svc.whoami.route() for _ in range(4)} == {ids[-1]}
     await svc.shutdown()
+
+    class ById:  # an id is taken as its replica
+        def choose(self, replicas):
+            return min(r.id for r in replicas)
+
+    svc = await Adder.options(replicas=2, router=ById).as_service(client=c)
+    ids = sorted(await svc.whoami.fanout())
+    assert {await svc.whoami.route() for _ in range(4)} == {ids[0]}
+    await svc.shutdown()
+
+    class Wrong:  # None, or a replica it remembers that is no longer there
+        def choose(self, replicas):
+            return None
+
+    svc = await Adder.options(replicas=2, router=Wrong).as_service(client=c)
+    # it raised AttributeError ('NoneType' object has no attribute 'id'), and a replica
+    # not in the list "coroutine raised StopIteration"
+    with pytest.raises(ValueError, match=r"the router of service .*\(Wrong.choose\) "
+                                         r"returned None, which is not one of the healthy"):
+        await svc.add.route(2)
+    await svc.shutdown()
     svc = await Adder.options(replicas=2, router="power_of_two").as_service(client=c)
     assert await svc.add.route(2) == 2
     await svc.shutdown()
@@ -392,6 +413,28 @@ async def test_placement_options(c, s, w):
         await Adder.options(name="placed").as_service(client=c)
     await svc.shutdown()
     await assert_nothing_left(s, [w])
+
+
+@cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_handle_never_reaches_another_service_deployed_under_its_name(c, s, a, b):
+    # the old handle worked again once the name was reused, reached the new service's
+    # replicas (whose ids were the old ones), and its shutdown() stopped the new service
+    old = await Adder.options(name="model", replicas=2).as_service(offset=1, client=c)
+    old_ids = {str(r["id"]) for r in await old.replicas()}
+    pickled = pickle.loads(pickle.dumps(old))
+    await old.shutdown()
+    new = await Adder.options(name="model", replicas=2).as_service(offset=100, client=c)
+    assert await new.add.route(1) == 101
+    assert not old_ids & {str(r["id"]) for r in await new.replicas()}  # ids not reused
+    for handle in (old, pickled):
+        with pytest.raises(ServiceShutdown, match="model was shut down"):
+            await handle.add.route(1)
+        with pytest.raises(ServiceShutdown):
+            await handle.replicas()
+        await handle.shutdown()  # of a service gone already: nothing happens
+    assert await new.add.route(2) == 102
+    await new.shutdown()
+    await assert_nothing_left(s, [a, b])
 
 
 def dask_services_config(values):

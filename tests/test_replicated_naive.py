@@ -129,6 +129,10 @@ async def test_an_unsendable_result_fails_its_own_call_once(c, s, *workers):
     with pytest.raises(TypeError, match="sync_lock .* cannot be sent back"):
         await svc.sync_lock.route()
     assert RUNS["sync"] == 1
+    # the two calls whose result could not be sent count as errors (they counted as
+    # successes), the five others as successes
+    (figures,) = await svc.metrics()
+    assert (figures["calls"], figures["errors"]) == (7, 2), figures
     # an argument that cannot be sent is the caller's error, raised before anything is sent
     with pytest.raises(TypeError, match="the arguments of .*echo cannot be sent"):
         await svc.echo.route(threading.Lock())

@@ -296,6 +296,7 @@ def test_options_chain_and_class_defaults():
     ({"max_queued": -1}, "max_queued"),
     ({"router": "nope"}, "unknown router"),
     ({"workers": "tcp://a"}, "list of worker"),
+    ({"workers": 1}, r"list of worker addresses or names, e.g. \[1\]"),
     ({"workers": []}, "no worker"),
     ({"resources": {"GPU": "one"}}, "resources"),
     ({"replica": 2}, r"unknown option\(s\) \['replica'\]"),

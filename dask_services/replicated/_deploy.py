@@ -81,10 +81,11 @@ async def _deploy(client: Any, handle: ReplicatedService, blob: bytes,
     )
     if resp["status"] != "ok":
         raise DeploymentError(resp["error"])
-    result = await scheduler.replicated_wait(name=handle.name,
+    handle._uid = resp["uid"]
+    result = await scheduler.replicated_wait(name=handle.name, uid=handle._uid,
                                              timeout=config_seconds("deploy-timeout"))
     if result["status"] != "ok":
-        await scheduler.replicated_shutdown(name=handle.name, timeout=0)
+        await scheduler.replicated_shutdown(name=handle.name, uid=handle._uid, timeout=0)
         if result.get("exception"):
             raise loads_exception(result["exception"])
         if result.get("shutdown"):

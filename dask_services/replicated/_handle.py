@@ -401,8 +401,11 @@ class ReplicatedService:
     """
 
     def __init__(self, name: str, service_class: type, options: Mapping[str, Any],
-                 transport: Transport | None = None) -> None:
+                 transport: Transport | None = None, uid: str | None = None) -> None:
         self.name = name
+        # the deployment's own id (None: whichever is deployed under the name, as for a
+        # replica's own handle): a handle never reaches another service of the same name
+        self._uid = uid
         self.service_class = service_class
         self.options = dict(options)
         self._transport_ = transport
@@ -443,7 +446,8 @@ class ReplicatedService:
         return transport
 
     def __reduce__(self) -> tuple:
-        return (ReplicatedService, (self.name, self.service_class, self.options))
+        return (ReplicatedService, (self.name, self.service_class, self.options, None,
+                                    self._uid))
 
     def _watch_period(self) -> float:
         """How often a delivery checks that its replica was not replaced (read once: the
@@ -483,7 +487,8 @@ class ReplicatedService:
         await asyncio.shield(self._refreshing)
 
     async def _fetch_table(self) -> None:
-        info = await self._transport.scheduler.replicated_table(name=self.name)
+        info = await self._transport.scheduler.replicated_table(name=self.name,
+                                                                uid=self._uid)
         if info is None:
             self._table = []
             self._table_time = time.monotonic()
@@ -535,7 +540,21 @@ class ReplicatedService:
             session.bind(chosen.id)
         else:
             chosen = self._router.choose(self._views(healthy))
-        return next(r for r in healthy if r.id == chosen.id)
+        return self._chosen(healthy, chosen)
+
+    def _chosen(self, healthy: list[_Replica], chosen: Any) -> _Replica:
+        """The healthy replica the router chose (one of the views it was given, or the id
+        of one); anything else is the router's mistake, said so."""
+        wanted = getattr(chosen, "id", chosen)
+        for r in healthy:
+            if r.id == wanted:
+                return r
+        router = getattr(self._router, "__class__", type(self._router)).__name__
+        raise ValueError(
+            f"the router of service {self.name} ({router}.choose) returned {chosen!r}, "
+            "which is not one of the healthy replicas it was given ("
+            f"{', '.join(str(r.id) for r in healthy)}); choose() must return one of "
+            "them (a replica it chose earlier may have been replaced since)")
 
     # -------------------------------------------------------- calls
 
@@ -762,7 +781,8 @@ class ReplicatedService:
                                     replica=None if replica is None else str(replica))
 
     async def _management(self, op: str, **kwargs: Any) -> Any:
-        result = await getattr(self._transport.scheduler, op)(name=self.name, **kwargs)
+        result = await getattr(self._transport.scheduler, op)(name=self.name, uid=self._uid,
+                                                              **kwargs)
         if result is None:
             raise ServiceShutdown(f"service {self.name} was shut down (or never deployed)")
         if isinstance(result, dict) and result.get("status") == "error":
@@ -791,7 +811,8 @@ class ReplicatedService:
         return self._transport.sync(self._shutdown, timeout)
 
     async def _shutdown(self, timeout: float) -> None:
-        await self._transport.scheduler.replicated_shutdown(name=self.name, timeout=timeout)
+        await self._transport.scheduler.replicated_shutdown(name=self.name, timeout=timeout,
+                                                            uid=self._uid)
         self._table = []
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from dask.utils import parse_timedelta
@@ -154,11 +154,12 @@ class ReplicaOptions:
             raise ValueError(f"options(replicas=...) must be >= 1, got {self.replicas}; "
                              "to stop a service call svc.shutdown()")
         if self.workers is not None:
-            if isinstance(self.workers, str) or not all(
+            if isinstance(self.workers, (str, int)) or not isinstance(
+                    self.workers, Iterable) or not all(
                     isinstance(w, (str, int)) and not isinstance(w, bool)
                     for w in self.workers):
                 raise TypeError("options(workers=...) must be a list of worker addresses "
-                                f"or names, got {self.workers!r}")
+                                f"or names, e.g. [{self.workers!r}]; got {self.workers!r}")
             if not self.workers:
                 raise ValueError("options(workers=[]) leaves no worker; pass None for any")
             # a worker's name may be an int (LocalCluster's 0, 1, ...): compared as str

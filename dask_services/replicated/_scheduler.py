@@ -62,6 +62,9 @@ class Deployment:
     autoscaling: AutoscalePolicy | None = None
     floor: int = 0  # the last svc.scale(n): autoscaling never goes below it
     last_decision: str = ""  # the last autoscaling decision, with its reason
+    # this deployment, apart from any other deployed under the same name before or after:
+    # a handle carries it, so that a handle of a shut-down service never reaches another
+    uid: str = field(default_factory=lambda: uuid.uuid4().hex)
     slots: dict[int, lc.ReplicaMachine] = field(default_factory=dict)
     errors: dict[int, bytes] = field(default_factory=dict)  # slot -> last setup exception
     next_slot: int = 0
@@ -91,6 +94,7 @@ class Deployments(SchedulerPlugin):
         self.scheduler: Scheduler = None  # type: ignore[assignment]  # set by start()
         self.deployments: dict[str, Deployment] = {}
         self._prefix = uuid.uuid4().hex[:6] + "-"
+        self._slots_made: dict[str, int] = {}  # by service name, over its deployments
         self._probing: set[str] = set()
         self._probe: PeriodicCallback | None = None
         self._autoscaler: PeriodicCallback | None = None
@@ -191,18 +195,29 @@ class Deployments(SchedulerPlugin):
                          resources=resources or None, cls=cls,
                          procs_per_replica=procs_per_replica, autoscaling=policy,
                          max_replicas_per_worker=max_replicas_per_worker)
+        # slots go on from those of earlier deployments of the name: a replica id is
+        # never reused, so nothing meant for one reaches another
+        dep.next_slot = self._slots_made.get(name, 0)
         self.deployments[name] = dep
         for _ in range(replicas):
             self._add_slot(dep)
-        return {"status": "ok"}
+        return {"status": "ok", "uid": dep.uid}
+
+    def _deployment(self, name: str, uid: str | None) -> Deployment | None:
+        """The deployment named ``name``; None if there is none, or if ``uid`` (a handle's)
+        is not its own: that handle's service was shut down and the name used again."""
+        dep = self.deployments.get(name)
+        if dep is None or (uid is not None and uid != dep.uid):
+            return None
+        return dep
 
     async def wait(self, comm: Any, name: str, timeout: float,
-                   slots: list[int] | None = None) -> dict:
+                   slots: list[int] | None = None, uid: str | None = None) -> dict:
         """Until every (given) replica is healthy, one is unhealthy, or ``timeout``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
-            dep = self.deployments.get(name)
+            dep = self._deployment(name, uid)
             if dep is None or dep.stopping:
                 # shut down (from another handle) before its replicas were healthy
                 return {"status": "error", "shutdown": True,
@@ -227,9 +242,9 @@ class Deployments(SchedulerPlugin):
             except TimeoutError:
                 pass
 
-    def table(self, comm: Any, name: str) -> dict | None:
+    def table(self, comm: Any, name: str, uid: str | None = None) -> dict | None:
         """The replica table handles cache: id, worker and state of each replica."""
-        dep = self.deployments.get(name)
+        dep = self._deployment(name, uid)
         if dep is None:
             return None
         return {"stopping": dep.stopping, "replicas": [
@@ -237,24 +252,26 @@ class Deployments(SchedulerPlugin):
             for m in dep.slots.values() if m.state is not ReplicaState.STOPPED
         ]}
 
-    async def replicas(self, comm: Any, name: str) -> list[dict] | None:
+    async def replicas(self, comm: Any, name: str, uid: str | None = None
+                       ) -> list[dict] | None:
         """id, worker, state, in_flight, queued and last_error of each replica."""
-        rows = await self._rows(name)
+        rows = await self._rows(name, uid)
         if rows is None:
             return None
         keep = ("id", "worker", "state", "in_flight", "queued", "last_error")
         return [{k: row.get(k) for k in keep} for row in rows]
 
-    async def metrics(self, comm: Any, name: str) -> list[dict] | None:
+    async def metrics(self, comm: Any, name: str, uid: str | None = None
+                      ) -> list[dict] | None:
         """Calls, errors and latency quantiles of each replica."""
-        rows = await self._rows(name)
+        rows = await self._rows(name, uid)
         if rows is None:
             return None
         keep = ("id", "worker", "state", "calls", "errors", "overloaded", "p50_ms", "p99_ms")
         return [{k: row.get(k) for k in keep} for row in rows]
 
-    async def _rows(self, name: str) -> list[dict] | None:
-        dep = self.deployments.get(name)
+    async def _rows(self, name: str, uid: str | None = None) -> list[dict] | None:
+        dep = self._deployment(name, uid)
         if dep is None:
             return None
         rows = [{"id": str(m.id), "worker": m.worker, "state": m.state.value,
@@ -279,9 +296,10 @@ class Deployments(SchedulerPlugin):
             row.update(found.get(row["id"], {}))
         return rows
 
-    async def scale(self, comm: Any, name: str, n: int, timeout: float) -> dict:
+    async def scale(self, comm: Any, name: str, n: int, timeout: float,
+                    uid: str | None = None) -> dict:
         """Add replicas or stop the surplus (least useful first) until there are ``n``."""
-        dep = self.deployments.get(name)
+        dep = self._deployment(name, uid)
         if dep is None or dep.stopping:
             return None  # type: ignore[return-value]
         active = dep.active()
@@ -293,7 +311,7 @@ class Deployments(SchedulerPlugin):
                                                         f"; min_replicas is {n}")))
         if n > len(active):
             new = [self._add_slot(dep) for _ in range(n - len(active))]
-            result = await self.wait(comm, name, timeout, slots=new)
+            result = await self.wait(comm, name, timeout, slots=new, uid=dep.uid)
             if result["status"] != "ok":
                 if result.get("late"):  # not failed, only late: they stay wanted
                     result["error"] += (
@@ -378,10 +396,11 @@ class Deployments(SchedulerPlugin):
                     waiting += m.size
         return hosts, waiting
 
-    async def shutdown(self, comm: Any, name: str, timeout: float) -> dict:
+    async def shutdown(self, comm: Any, name: str, timeout: float,
+                       uid: str | None = None) -> dict:
         """Stop every replica (draining calls in flight for ``timeout`` s) and forget the
         deployment."""
-        dep = self.deployments.get(name)
+        dep = self._deployment(name, uid)
         if dep is None:
             return {"status": "ok"}
         if dep.stopping:
@@ -414,10 +433,11 @@ class Deployments(SchedulerPlugin):
         self._log(name, "shutdown", None, None, f"timeout={timeout}")
         return {"status": "ok"}
 
-    def story(self, comm: Any, name: str, replica: str | None = None) -> list[dict] | None:
+    def story(self, comm: Any, name: str, replica: str | None = None,
+              uid: str | None = None) -> list[dict] | None:
         """What the replica slot of incarnation ``replica`` (every slot: None) received,
         decided and sent, oldest first; None for an unknown service."""
-        dep = self.deployments.get(name)
+        dep = self._deployment(name, uid)
         if dep is None:
             return None
         slots = list(dep.slots.values())
@@ -486,6 +506,7 @@ class Deployments(SchedulerPlugin):
     def _add_slot(self, dep: Deployment) -> int:
         slot = dep.next_slot
         dep.next_slot += 1
+        self._slots_made[dep.name] = dep.next_slot
         machine = lc.ReplicaMachine(
             base=f"{self._prefix}{dep.name}.{slot}",
             max_setup_attempts=int(setting("replicated.setup-attempts")),

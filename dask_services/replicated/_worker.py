@@ -407,12 +407,13 @@ class ReplicaWorker(WorkerPlugin):
         except SystemExit as e:  # sys.exit() in an endpoint ends the call, not the worker
             return escaped(rep, method, e)
         finally:
-            rep.metrics.record(time.perf_counter() - arrived, error)
+            if error:  # a result is counted once answered: it may not be sendable
+                rep.metrics.record(time.perf_counter() - arrived, error)
             if task is not None:
                 rep.running.discard(task)
             if in_thread is None:  # a thread call's slot is its thread's to give back
                 rep.gate.release()
-        return answer(rep, method, result)
+        return answered(rep, method, result, arrived)
 
     async def calls(self, comm: Any, calls: list[dict]) -> Any:
         """Several calls in one message (``ReplicatedService._send``): each runs as if it
@@ -537,10 +538,11 @@ class ReplicaWorker(WorkerPlugin):
                 return {"status": status, "message": str(e)}
             return {"status": "error", "exception": dumps_exception(e)}
         finally:
-            rep.metrics.record(time.perf_counter() - arrived, error)
+            if error:
+                rep.metrics.record(time.perf_counter() - arrived, error)
             if task is not None:
                 rep.running.discard(task)
-        return answer(rep, method, result)
+        return answered(rep, method, result, arrived)
 
 
 class Late(Exception):
@@ -573,6 +575,14 @@ def answer(rep: HostedReplica, method: str, result: Any) -> dict:
                           f"cannot be sent back to the caller: {e}")
         return {"status": "error", "exception": dumps_exception(error)}
     return {"status": "ok", **packed, "load": rep.gate.in_flight + rep.gate.queued}
+
+
+def answered(rep: HostedReplica, method: str, result: Any, arrived: float) -> dict:
+    """:func:`answer`, the call counted in the replica's metrics (an error if its result
+    cannot be sent)."""
+    reply = answer(rep, method, result)
+    rep.metrics.record(time.perf_counter() - arrived, reply["status"] != "ok")
+    return reply
 
 
 def escaped(rep: HostedReplica, method: str, exc: BaseException) -> dict:
