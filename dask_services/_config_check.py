@@ -11,6 +11,7 @@ value, what it should be, and the default.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import dask.config
@@ -75,9 +76,11 @@ def _problem(kind: str, least: float, value: Any) -> str | None:
         return _WHAT[kind]
     try:
         if kind == "count":
-            number: float = int(value)
+            number: float = int(value)  # "4" and 4.0 too, as every reader takes them
             if isinstance(value, float) and value != number:
                 raise ValueError
+            if number > sys.maxsize:  # sizes a deque or a list by it
+                return f"{_WHAT[kind]}, at most {sys.maxsize}"
         elif kind == "duration":
             number = float(parse_timedelta(value))
         elif kind == "size":
@@ -86,7 +89,7 @@ def _problem(kind: str, least: float, value: Any) -> str | None:
             number = float(value)
             if not 0 < number <= 1:
                 return _WHAT[kind]
-    except (TypeError, ValueError, KeyError):
+    except Exception:  # not parsed: "", [], "1e400" (OverflowError), ...
         return _WHAT[kind]
     if number < least:
         bound = "at least 1" if kind == "count" and least == 1 else (

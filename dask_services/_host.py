@@ -259,6 +259,14 @@ class InstanceConcierge(Concierge):
             raise TypeError(
                 f"concierge.error() takes an exception, e.g. "
                 f"concierge.error(ValueError({exc!r})); got a {type(exc).__name__}")
+        if not isinstance(exc, Exception):
+            # a SystemExit, KeyboardInterrupt or CancelledError raised where the service
+            # task waits would stop its worker, or end the task without a result
+            cause, exc = exc, RuntimeError(
+                f"concierge.error() was given {exc!r}, which is not an Exception: "
+                "raised in the service task, it would stop its worker or end the task "
+                "without a result; pass an Exception to fail the run")
+            exc.__cause__ = cause
         self._on_loop(self._host.env.failed, self._instance.spec, exc)
 
     def restart(self, reason: str = "restart requested by the service") -> None:
@@ -381,8 +389,8 @@ class ServiceHost:
         ok = await self._hook(
             inst,
             s.start,
-            s.id, s.key, s.peers, s.input_keys, s.output_keys, s.concierge, s.leader,
-            **inst.spec.params,
+            (s.id, s.key, s.peers, s.input_keys, s.output_keys, s.concierge, s.leader),
+            dict(inst.spec.params),  # any names (fn, inst, ...): not this method's own
             wait_started=False, own_task=True,
         )
         if ok:
@@ -398,7 +406,7 @@ class ServiceHost:
     async def all_inputs_done(self, sid: ServiceId) -> None:
         """Runs after ``all_started`` has returned on this instance."""
         inst = self.instances.get(sid)
-        if inst is not None and await self._hook(inst, self._all_inputs_done, inst,
+        if inst is not None and await self._hook(inst, self._all_inputs_done, (inst,),
                                                  own_task=True):
             self.env.hooks_returned(inst.spec)
 
@@ -492,10 +500,11 @@ class ServiceHost:
         await asyncio.gather(*(self.stop(sid) for sid in list(self.instances)))
 
     async def _hook(
-        self, inst: Instance, fn: Callable[..., Any], *args: Any,
-        wait_started: bool = True, own_task: bool = False, **kwargs: Any,
+        self, inst: Instance, fn: Callable[..., Any], args: tuple = (),
+        kwargs: dict | None = None, *, wait_started: bool = True, own_task: bool = False,
     ) -> bool:
-        """Run one hook; report an exception as the failure of the run.  ``own_task``: the
+        """Run one hook, ``fn(*args, **kwargs)``; report an exception as the failure of the
+        run.  ``own_task``: the
         hook runs in a task of the framework's own, which nothing but the instance's stop
         cancels (a hand-off's ``add_key`` runs in the hand-off task, which distributed
         cancels when it releases it)."""
@@ -507,7 +516,7 @@ class ServiceHost:
         try:
             if wait_started:
                 await inst.started.wait()
-            await _awaited(fn(*args, **kwargs), _named(inst.service, _hook_name(fn)))
+            await _awaited(fn(*args, **(kwargs or {})), _named(inst.service, _hook_name(fn)))
             return True
         except asyncio.CancelledError as exc:
             if inst.stopping:
@@ -664,7 +673,7 @@ class ServiceHost:
             size = _safe_sizeof(inst.service)
             if size <= 0 or not inst.started.is_set() or inst.stopping:
                 continue
-            await self._hook(inst, inst.service.please_evict, min(size, nbytes))
+            await self._hook(inst, inst.service.please_evict, (min(size, nbytes),))
             nbytes -= size
 
 

@@ -32,13 +32,20 @@ _wrapped: dict[type, Callable[[Any], int]] = {}
 _lock = threading.Lock()
 
 
+# The largest size a worker can report: its messages carry sizes as signed 64-bit ints (a
+# larger one failed the worker's stream to the scheduler, which then dropped the worker).
+LARGEST_NBYTES = 2**63 - 1
+
+
 def checked_nbytes(nbytes: Any) -> int:
-    """``nbytes`` as an int, or a clear error: a size must be a non-negative integer."""
-    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral) or nbytes < 0:
+    """``nbytes`` as an int, or a clear error: a size must be a non-negative integer that
+    a worker's messages can carry."""
+    if (isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral) or nbytes < 0
+            or nbytes > LARGEST_NBYTES):
         raise ValueError(
-            f"nbytes={nbytes!r} is not a size in bytes; pass a non-negative integer (the "
-            "value's size as dask's sizeof measures it), or leave it out to have the "
-            "worker measure the value"
+            f"nbytes={nbytes!r} is not a size in bytes; pass a non-negative integer below "
+            "2**63 (the value's size as dask's sizeof measures it), or leave it out to "
+            "have the worker measure the value"
         )
     return int(nbytes)
 

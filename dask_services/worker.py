@@ -299,12 +299,24 @@ def service_threads(worker: Worker) -> ServiceThreads:
     threads = setting("threads")
     if threads is None:
         threads = worker.state.nthreads
+    threads = _whole_number(threads)  # "2" and 2.0 too, as the config check takes them
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(
             f"dask_services.threads must be a number of threads of at least 1, or null for "
             f"as many as the worker has task threads; got {threads!r}"
         )
     return ServiceThreads(threads, thread_name_prefix="dask-services")
+
+
+def _whole_number(value: Any) -> Any:
+    """``value`` as an int where it is a whole number (``"2"``, ``2.0``), else as it is."""
+    if isinstance(value, bool):
+        return value
+    try:
+        number = int(value)
+    except (TypeError, ValueError, OverflowError):
+        return value
+    return number if isinstance(value, str) or number == value else value
 
 
 class ServiceWorkerPlugin(WorkerPlugin):

@@ -32,9 +32,12 @@ def test_every_documented_key_has_a_kind_and_the_defaults_pass():
     check_config()  # the defaults
 
 
-BAD = {"count": ["x", -1, 2.5, True, "3 things"],
-       "duration": ["soon", -1, "5 parsecs", True],
-       "size": ["lots", -5, True],
+# the last of each kind let another exception than ValueError out of the check (inf or
+# "1e400": OverflowError; "": IndexError; [], {}: AttributeError), or, a count above
+# sys.maxsize, passed and then failed in the scheduler's plugin (the run hung)
+BAD = {"count": ["x", -1, 2.5, True, "3 things", float("inf"), [], 2**63],
+       "duration": ["soon", -1, "5 parsecs", True, "", "  ", [], {}, "1e400"],
+       "size": ["lots", -5, True, float("inf"), "1e400", [], {}],
        "fraction": [0, 1.5, "half", -0.1, True],
        "bool": ["yes", 1, None]}
 
@@ -53,7 +56,8 @@ def test_a_bad_value_names_its_key_and_what_it_should_be(key, data):
     ("unproduced-timeout", None), ("unproduced-timeout", False), ("threads", None),
     ("restarts", 0), ("replicated.call-retries", 0), ("hand-off-buffer", 0),
     ("stop-grace", 0), ("shuffle.buffer-fraction", 1), ("replicated.deploy-timeout", 12),
-    ("rechunk.slice-saving", "1 KiB"), ("restarts", "4"),
+    ("rechunk.slice-saving", "1 KiB"), ("restarts", "4"), ("threads", "2"),
+    ("threads", 2.0),
 ])
 def test_good_values_pass(key, value):
     with dask.config.set({f"dask_services.{key}": value}):

@@ -88,14 +88,17 @@ def test_frames_measure_as_dask_measures_them_unless_remembered(frame, nbytes):
         assert sizeof(copy) == expected
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5, True, "3", [4]])
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "3", [4], 2**63, 2**64, 10**30])
 def test_a_size_that_is_not_a_byte_count_is_refused(bad):
+    # 2**64 and above were taken: the worker's next message to the scheduler failed to
+    # pack, and the scheduler dropped the worker
     with pytest.raises(ValueError, match="not a size in bytes"):
         checked_nbytes(bad)
 
 
 def test_numpy_integers_are_sizes():
     assert checked_nbytes(np.int64(5)) == 5 and type(checked_nbytes(np.int64(5))) is int
+    assert checked_nbytes(2**63 - 1) == 2**63 - 1  # the largest a message carries
 
 
 class ProducesSized(Service):

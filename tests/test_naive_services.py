@@ -998,6 +998,26 @@ class RaisesAnUnprintableError(Service):
         raise Unprintable()
 
 
+class ErrorsWith(Service):
+    """Fails its run with ``concierge.error(reason)``, ``reason`` not an Exception."""
+
+    reason: BaseException = KeyboardInterrupt("stop")
+
+    async def add_key(self, key, data):
+        pass
+
+    async def all_inputs_done(self):
+        self.concierge.error(self.reason)
+
+
+class ErrorsWithSystemExit(ErrorsWith):
+    reason = SystemExit(3)
+
+
+class ErrorsWithCancelledError(ErrorsWith):
+    reason = asyncio.CancelledError("c")
+
+
 class CountsForever(Service):
     """``counters()`` gives a figure no int can hold; outputs once ``gate`` is set."""
 
@@ -1016,6 +1036,28 @@ class CountsForever(Service):
         return {"bytes_spilled": float("inf"), "bytes_sent": float("nan")}
 
 
+class EchoesItsParams(Service):
+    async def add_key(self, key, data):
+        pass
+
+    async def all_inputs_done(self):
+        for key in self.concierge.wanted_outputs:
+            if self.concierge.owner(key) == self.id:
+                self.concierge.produce_key(key, sorted(self.params.items()))
+
+
+@service_cluster()
+async def test_parameters_named_like_the_frameworks_own_arguments_reach_start(c, s, a, b):
+    # fn, wait_started, own_task... clashed with the framework's own function that runs
+    # start(): a TypeError in a task nobody watched, and the run waited for ever
+    params = {"fn": 1, "inst": 2, "wait_started": 3, "own_task": 4, "args": 5, "kwargs": 6}
+    outs = c.compute(dask_services.service_task(EchoesItsParams, [dask.delayed(1)],
+                                                outputs=2, **params))
+    assert await c.gather(outs) == [sorted(params.items())] * 2
+    del outs
+    await assert_nothing_left(s, [a, b])
+
+
 @pytest.mark.parametrize("service, error, match", [
     (CancelsItself, RuntimeError, "CancelsItself.all_inputs_done() was cancelled while its "
                                   "instance was not stopping, by the service's own code"),
@@ -1027,6 +1069,12 @@ class CountsForever(Service):
     (RaisesAnUnprintableError, RuntimeError,
      "test_naive_services.Unprintable: <its message could not be made: str() raised "
      "AttributeError>"),
+    # raised where the service task waits, these restarted worker after worker (KilledWorker
+    # in the end) or, a CancelledError, gave an UnboundLocalError
+    (ErrorsWith, RuntimeError, "concierge.error() was given KeyboardInterrupt('stop'), "
+                               "which is not an Exception"),
+    (ErrorsWithSystemExit, RuntimeError, "was given SystemExit(3)"),
+    (ErrorsWithCancelledError, RuntimeError, "was given CancelledError('c')"),
 ])
 @service_cluster()
 async def test_mistakes_that_hung_or_were_skipped_fail_the_run(c, s, a, b, service, error,

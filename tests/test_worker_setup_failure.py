@@ -46,3 +46,19 @@ async def test_runs_on_a_worker_that_could_not_set_up_fail_with_its_error(c, s, 
         y = await c.compute((x + 1).rechunk((40, 4), method="service"), workers=[a.address])
         np.testing.assert_array_equal(y, np.full((40, 40), 2.0))
         s.validate_state()
+
+
+@pytest.mark.parametrize("threads", ["2", 2.0])
+@gen_cluster(client=True, timeout=60)
+async def test_a_whole_number_of_threads_given_as_text_or_float_sets_up(c, s, a, b,
+                                                                       threads):
+    # the config check takes "2" and 2.0, as the other counts' readers do; the worker
+    # refused them (WorkerSetupError on every run)
+    import dask
+
+    with dask.config.set({"dask_services.threads": threads}):
+        await dask_services.install_async(c)
+        x = da.ones((40, 40), chunks=(4, 40))
+        total = await c.compute(x.rechunk((40, 4), method="service").sum())
+    assert total == 1600
+    assert all(w.extensions["dask_services"].threads.threads == 2 for w in (a, b))
