@@ -81,6 +81,7 @@ class IncomingBuffers:
         self.dtypes = [np.dtype(d) for d in dtypes]
         self._read = False
         self._over = False  # the method returned
+        self._reading: asyncio.Task | None = None  # the read under way, if any
 
     @property
     def nbytes(self) -> int:
@@ -97,7 +98,19 @@ class IncomingBuffers:
         destinations = list(destinations)
         self._check(destinations)
         self._read = True
-        await self._read_into(destinations)
+        # a task of its own: a read the method gave up on (a timeout) or left running when
+        # it returned (a task of its own) is stopped then, and what it left unread skipped
+        self._reading = asyncio.ensure_future(self._read_into(destinations))
+        try:
+            await self._reading
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if self._over and current is not None and not current.cancelling():
+                raise RuntimeError(
+                    "these buffers can no longer be read: the method they were sent to "
+                    "returned before the read was over (read them within the method)"
+                ) from None
+            raise
 
     async def arrays(self) -> list[np.ndarray]:
         """The arrays sent, each in a new array of its own."""
@@ -129,8 +142,16 @@ class IncomingBuffers:
 
     def method_returned(self) -> None:
         """The method the buffers were sent to has returned: they can no longer be read
-        (on the lane the connection goes on to the next call)."""
+        (on the lane the connection goes on to the next call), and a read still under
+        way is stopped."""
         self._over = True
+        if self._reading is not None and not self._reading.done():
+            self._reading.cancel()
+
+    async def _read_stopped(self) -> None:
+        """Once a read stopped by :meth:`method_returned` has ended."""
+        if self._reading is not None:
+            await asyncio.wait({self._reading})
 
     async def discard(self) -> None:
         """Skip what was not read (called once the method returned)."""

@@ -270,20 +270,30 @@ class _SocketReader(IncomingBuffers):
             if held:
                 target[:held] = memoryview(self._scratch[self._start:self._end])
                 self._start = self._end = 0
-            await _recv_exactly(self._sock, target[held:])
-            self._left -= n - held
+            await self._recv_payload(target[held:])
             return
         await self._fill(n)
         np.copyto(part, self._scratch[self._start:self._start + n].view(part.dtype)
                   .reshape(part.shape))
         self._start += n
 
+    async def _recv_payload(self, view: memoryview) -> None:
+        """``view`` filled from the payload, ``_left`` counted as each piece arrives: a
+        read stopped half-way leaves it right for :meth:`discard`."""
+        loop = asyncio.get_running_loop()
+        while view.nbytes:
+            n = await loop.sock_recv_into(self._sock, view)
+            if n == 0:
+                raise ConnectionResetError("the peer closed the connection mid-message")
+            self._left -= n
+            view = view[n:]
+
     async def discard(self) -> None:
+        await self._read_stopped()  # nothing else reads the connection meanwhile
         self._start = self._end = 0
         while self._left:
-            view = memoryview(self._scratch[:min(self._left, self._scratch.nbytes)])
-            await _recv_exactly(self._sock, view)
-            self._left -= view.nbytes
+            await self._recv_payload(
+                memoryview(self._scratch[:min(self._left, self._scratch.nbytes)]))
 
 
 # the receiving side: given a request's header and its payload, the reply (picklable)

@@ -162,6 +162,48 @@ def test_what_a_method_leaves_unread_is_skipped_and_the_connection_goes_on():
     assert calls == [0, 1]
 
 
+@pytest.mark.parametrize("how", ["given up", "left running"])
+def test_a_read_stopped_half_way_is_skipped_and_the_connection_goes_on(how):
+    """A method that gives up its read (``asyncio.wait_for`` timing out) or returns while a
+    read of its own runs on: the rest of the payload is skipped and the connection serves
+    the next call (the reader's count missed the bytes of the read stopped half-way: the
+    skip waited for bytes that never came, and the caller for ever)."""
+    seen: dict[str, Any] = {}
+
+    async def handler(request: dict, incoming: IncomingBuffers) -> Any:
+        if request["n"] == 1:
+            (small,) = await incoming.arrays()
+            return float(small.sum())
+        dst = np.zeros(incoming.shapes[0], incoming.dtypes[0])
+        reading = asyncio.ensure_future(incoming.read_into([dst]))
+        while dst[0] == 0:  # until its first bytes have arrived
+            await asyncio.sleep(0)
+        seen["half-way"] = bool(dst[-1] == 0)
+        if how == "given up":
+            reading.cancel()  # as asyncio.wait_for does on its timeout
+            with pytest.raises(asyncio.CancelledError):
+                await reading
+        incoming.method_returned()  # as the host does once the method returned
+        if how == "left running":
+            with pytest.raises(RuntimeError, match="returned before the read was over"):
+                await reading
+        return "stopped"
+
+    async def main() -> None:
+        receiver, sender = await _lanes(handler)
+        try:
+            big = np.ones(6_000_000)  # 48 MB: many receives
+            assert await sender.call("tcp://peer:1", {"n": 0}, [big]) == "stopped"
+            assert await sender.call("tcp://peer:1", {"n": 1}, [np.arange(10.0)]) == 45.0
+            assert sender.connections == 1
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+    assert seen["half-way"]
+
+
 def test_a_connection_without_the_token_is_closed_unheard():
     heard = []
 
