@@ -626,14 +626,21 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         return placement
 
     def _placement(self, group: str, service_key: Key, participants: list[str]) -> dict:
-        """Output index -> worker, shared by every service task of one placement group."""
+        """Output index -> worker, shared by every service task of one placement group.
+
+        An index is mapped to a worker once, and again only when that worker has left the
+        cluster: a run whose participants leave out a worker of the group (fewer inputs,
+        ``participants="input-holders"``) places such an output among its own for itself
+        alone, and later runs of the group agree with the earlier ones again."""
         by_index = self.placements.setdefault(group, {})
         outputs = self.definitions[service_key].output_keys
         result = {}
         for i, key in enumerate(outputs):
             worker = by_index.get(i)
-            if worker not in participants:
+            if worker is None or worker not in self.scheduler.workers:
                 worker = by_index[i] = participants[i % len(participants)]
+            elif worker not in participants:
+                worker = participants[i % len(participants)]
             result[key] = worker
         return result
 

@@ -93,6 +93,31 @@ async def test_participants_input_holders_through_the_client_api(c, s, a, b, w3,
 
 
 @service_cluster(nthreads=[("127.0.0.1", 1)] * 4)
+async def test_a_run_with_fewer_participants_leaves_its_placement_group_as_it_was(
+        c, s, a, b, w3, w4):
+    """Service tasks of one ``placement=`` group agree on output i's worker; a run of the
+    group whose participants are fewer places its outputs among them for itself only (it
+    re-mapped the group: every later run put all its outputs on one worker)."""
+    def where(outs) -> list[str]:
+        return [next(iter(s.tasks[o.key].who_has)).address for o in outs]
+
+    first = dask_services.submit(Recorder, c.map(inc, range(4)), outputs=4, client=c,
+                                 placement="g", name="first")
+    await wait(first)
+    on_a = c.submit(inc, 10, workers=[a.address])
+    narrow = dask_services.submit(Recorder, [on_a], outputs=4, client=c, placement="g",
+                                  participants="input-holders", name="narrow")
+    assert await c.gather(narrow) == [11] * 4
+    assert set(where(narrow)) == {a.address}
+    later = dask_services.submit(Recorder, c.map(inc, range(4, 8)), outputs=4, client=c,
+                                 placement="g", name="later")
+    await wait(later)
+    assert where(later) == where(first) and len(set(where(first))) == 4
+    del first, narrow, later, on_a
+    await assert_nothing_left(s, [a, b, w3, w4])
+
+
+@service_cluster(nthreads=[("127.0.0.1", 1)] * 4)
 async def test_participants_involved_leaves_out_workers_with_nothing_to_do(c, s, a, b, w3,
                                                                           w4):
     """``participants="involved"``: the input holders and the outputs' owners, outputs
