@@ -247,15 +247,10 @@ class _SocketReader(IncomingBuffers):
             held = self._end - self._start
             self._scratch[:held] = self._scratch[self._start:self._end]
             self._start, self._end = 0, held
-        loop = asyncio.get_running_loop()
         while self._end - self._start < need:
             room = min(self._scratch.nbytes - self._end, self._left)
-            n = await loop.sock_recv_into(self._sock, memoryview(self._scratch[self._end:
-                                                                             self._end + room]))
-            if n == 0:
-                raise ConnectionResetError("the peer closed the connection mid-message")
-            self._end += n
-            self._left -= n
+            self._end += await self._receive(
+                memoryview(self._scratch[self._end:self._end + room]))
 
     async def _read_into(self, destinations: list[np.ndarray]) -> None:
         for dest in destinations:
@@ -277,16 +272,33 @@ class _SocketReader(IncomingBuffers):
                   .reshape(part.shape))
         self._start += n
 
-    async def _recv_payload(self, view: memoryview) -> None:
-        """``view`` filled from the payload, ``_left`` counted as each piece arrives: a
-        read stopped half-way leaves it right for :meth:`discard`."""
+    async def _receive(self, view: memoryview) -> int:
+        """Bytes of the payload received into ``view`` (at least one), counted off
+        ``_left`` in the same step as they leave the socket: a read cancelled at any
+        point leaves the count right for :meth:`discard` (``loop.sock_recv_into`` may
+        take bytes and still raise ``CancelledError``, its result lost)."""
         loop = asyncio.get_running_loop()
-        while view.nbytes:
-            n = await loop.sock_recv_into(self._sock, view)
+        while True:
+            try:
+                n = self._sock.recv_into(view)
+            except (BlockingIOError, InterruptedError):
+                readable = loop.create_future()
+                fd = self._sock.fileno()
+                loop.add_reader(fd, _set_if_pending, readable)
+                try:
+                    await readable
+                finally:
+                    loop.remove_reader(fd)
+                continue
             if n == 0:
                 raise ConnectionResetError("the peer closed the connection mid-message")
             self._left -= n
-            view = view[n:]
+            return n
+
+    async def _recv_payload(self, view: memoryview) -> None:
+        """``view`` filled from the payload (see :meth:`_receive`)."""
+        while view.nbytes:
+            view = view[await self._receive(view):]
 
     async def discard(self) -> None:
         await self._read_stopped()  # nothing else reads the connection meanwhile
@@ -294,6 +306,11 @@ class _SocketReader(IncomingBuffers):
         while self._left:
             await self._recv_payload(
                 memoryview(self._scratch[:min(self._left, self._scratch.nbytes)]))
+
+
+def _set_if_pending(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 # the receiving side: given a request's header and its payload, the reply (picklable)

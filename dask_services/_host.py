@@ -308,10 +308,11 @@ class PeerHandle:
             if not self._source.started.is_set():
                 # only start() (or what it started) runs before the instance has started
                 return _raise(ServiceError(
-                    f"{cls.__name__}.start() called peer method {name!r}: a peer answers "
-                    "only once its own start() has returned, and every instance's start() "
-                    "may be waiting in the same way; make peer calls in all_started() or "
-                    "later (every instance has started then)"))
+                    f"peer method {name!r} called before {cls.__name__}.start() returned "
+                    "(from start() or what it started): a peer answers only once its own "
+                    "start() has returned, and every instance's start() may be waiting in "
+                    "the same way; make peer calls in all_started() or later (every "
+                    "instance has started then)"))
             if not is_rpc_method(cls, name):
                 # Refused before it takes a sequence number: the channel stays as it was.
                 return _raise(RPCRefused(_refusal(cls, name)))
@@ -412,8 +413,8 @@ class ServiceHost:
 
     async def _all_inputs_done(self, inst: Instance) -> None:
         await inst.all_started_returned.wait()
-        await _awaited(inst.service.all_inputs_done(),
-                       _named(inst.service, "all_inputs_done"))
+        await _called(inst.service.all_inputs_done, (), {},
+                      _named(inst.service, "all_inputs_done"))
 
     async def add_key(self, sid: ServiceId, key: Key, data: Any,
                       still_wanted: Callable[[], bool] = lambda: True,
@@ -433,8 +434,8 @@ class ServiceHost:
             if nbytes is not None:
                 inst.input_sizes[key] = nbytes
             try:
-                await _awaited(inst.service.add_key(key, data),
-                               _named(inst.service, "add_key"))
+                await _called(inst.service.add_key, (key, data), {},
+                              _named(inst.service, "add_key"))
             finally:
                 inst.input_sizes.pop(key, None)
 
@@ -516,7 +517,7 @@ class ServiceHost:
         try:
             if wait_started:
                 await inst.started.wait()
-            await _awaited(fn(*args, **(kwargs or {})), _named(inst.service, _hook_name(fn)))
+            await _called(fn, args, kwargs or {}, _named(inst.service, _hook_name(fn)))
             return True
         except asyncio.CancelledError as exc:
             if inst.stopping:
@@ -632,8 +633,8 @@ class ServiceHost:
             args, kwargs = as_incoming(*await arguments())
             await inst.started.wait()
             try:
-                return await _awaited(getattr(inst.service, method)(*args, **kwargs),
-                                      _named(inst.service, method))
+                return await _called(getattr(inst.service, method), args, kwargs,
+                                     _named(inst.service, method))
             except (Exception, asyncio.CancelledError):
                 raise
             except BaseException as exc:  # SystemExit, KeyboardInterrupt...
@@ -697,7 +698,7 @@ def _named(service: Service, method: str) -> str:
 async def _stopped(service: Service) -> None:
     """``service.stop()``, with what it raises contained (``contained``)."""
     try:
-        await _awaited(service.stop(), _named(service, "stop"))
+        await _called(service.stop, (), {}, _named(service, "stop"))
     except (Exception, asyncio.CancelledError):
         raise
     except BaseException as exc:
@@ -756,19 +757,20 @@ def _hook_name(fn: Callable[..., Any]) -> str:
     return {"add": "add_key", "_all_inputs_done": "all_inputs_done"}.get(name, name)
 
 
-async def _awaited(result: Any, what: str = "a hook") -> Any:
+async def _awaited(result: Any) -> Any:
     """A hook's result, awaited where it is awaitable: a hook written as a plain ``def``
-    has already run when it returns.  A generator (a ``yield`` in ``what``, named so) has
-    not run at all: refused."""
+    has already run when it returns."""
     if inspect.isawaitable(result):
         return await result
-    if inspect.isgenerator(result) or inspect.isasyncgen(result):
-        if inspect.isgenerator(result):
-            result.close()
-        else:
-            await result.aclose()
-        raise TypeError(
-            f"{what} is a generator function (a `yield` in its body), so calling it ran "
-            "none of its body; hooks and @rpc methods run once: remove the `yield` (return "
-            "a list instead)")
     return result
+
+
+async def _called(fn: Callable[..., Any], args: tuple, kwargs: dict, what: str) -> Any:
+    """``fn(*args, **kwargs)``, awaited where awaitable; a generator function (a ``yield``
+    in ``what``, named so), which calling would run none of, is refused."""
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        raise TypeError(
+            f"{what} is a generator function (a `yield` in its body), so calling it would "
+            "run none of its body; hooks and @rpc methods run once: remove the `yield` "
+            "(return a list instead)")
+    return await _awaited(fn(*args, **kwargs))

@@ -261,11 +261,13 @@ INSTANCE_ATTRIBUTES = ("id", "key", "peers", "input_keys", "output_keys", "conci
 
 def check_instance_attributes(cls: type, names: Sequence[str], what: str) -> None:
     """Refuse a class that defines one of ``names`` (attributes the framework sets on each
-    of its instances, ``what`` says when) as a method, a property or another descriptor.
+    of its instances, ``what`` says when) as a method, a property without a setter or a
+    descriptor that cannot be set.
 
-    The framework's assignment would fail on a property without a setter (on the worker,
-    after the graph was sent) and silently replace a method; a plain class attribute, a
-    default the framework's value then shadows, is fine.
+    The framework's assignment would fail on those (on the worker, after the graph was
+    sent) or silently replace a method; a plain class attribute (a default the
+    framework's value shadows), a property with a setter or a ``__slots__`` member takes
+    the value and is fine.
     """
     import inspect
 
@@ -275,11 +277,16 @@ def check_instance_attributes(cls: type, names: Sequence[str], what: str) -> Non
         if owner is None or owner.__module__.startswith("dask_services."):
             continue
         value = inspect.getattr_static(owner, name)
-        if hasattr(type(value), "__get__"):  # functions, properties, descriptors
-            kind = ("a property" if isinstance(value, property) else
-                    "a method" if callable(value) or isinstance(
-                        value, (staticmethod, classmethod)) else "a descriptor")
-            clashes.append(f"{name!r} ({kind}, in {owner.__name__})")
+        if isinstance(value, property):
+            if value.fset is None:  # read-only: the assignment fails
+                clashes.append(f"{name!r} (a property without a setter, in "
+                               f"{owner.__name__})")
+        elif callable(value) or isinstance(value, (staticmethod, classmethod)):
+            clashes.append(f"{name!r} (a method, in {owner.__name__})")  # replaced
+        elif hasattr(type(value), "__get__") and not hasattr(type(value), "__set__"):
+            clashes.append(f"{name!r} (a descriptor it cannot set, in {owner.__name__})")
+        # a data descriptor that takes the value (a property with a setter, a __slots__
+        # member) or a plain class attribute (a default) is fine
     if clashes:
         raise TypeError(
             f"{cls.__name__} defines {', '.join(clashes)}, but dask_services sets "

@@ -204,6 +204,51 @@ def test_a_read_stopped_half_way_is_skipped_and_the_connection_goes_on(how):
     assert seen["half-way"]
 
 
+def test_a_read_stopped_as_its_bytes_arrive_loses_none_of_the_count():
+    """The method returns in the very turn of the loop in which bytes arrived for its
+    read: whatever the read had taken is counted, so the skip reads exactly the rest of
+    the payload and leaves the next request's bytes alone (through
+    ``loop.sock_recv_into`` the bytes were taken and the count lost with the cancelled
+    result: the skip swallowed the next request and waited for ever)."""
+    from dask_services._bulk import ScratchPool, _SocketReader
+
+    async def main() -> bytes:
+        mine, peer = socket.socketpair()
+        mine.setblocking(False)
+        peer.setblocking(False)
+        loop = asyncio.get_running_loop()
+        payload = 1 << 20
+        reader = _SocketReader(mine, [(payload,)], [np.dtype(np.uint8)], payload,
+                               ScratchPool())
+        reading = asyncio.ensure_future(reader.read_into([np.empty(payload, np.uint8)]))
+        while reader._reading is None or reader._reading._fut_waiter is None:
+            await asyncio.sleep(0)  # until the read waits for bytes
+        inner = reader._reading
+
+        def return_once_bytes_came() -> None:
+            waiter = inner._fut_waiter
+            if waiter is not None and waiter.done():
+                reader.method_returned()  # in the turn the bytes came
+            else:
+                loop.call_soon(return_once_bytes_came)
+
+        loop.call_soon(return_once_bytes_came)
+        peer.send(b"x" * 1000)
+        with pytest.raises(RuntimeError, match="returned before the read was over"):
+            await reading
+        sending = asyncio.ensure_future(
+            loop.sock_sendall(peer, b"y" * (payload - 1000) + b"NEXT"))
+        await asyncio.wait_for(reader.discard(), 10)
+        await sending
+        following = await asyncio.wait_for(loop.sock_recv(mine, 4), 10)
+        reader.release()
+        mine.close()
+        peer.close()
+        return following
+
+    assert asyncio.run(main()) == b"NEXT"
+
+
 def test_a_connection_without_the_token_is_closed_unheard():
     heard = []
 

@@ -869,6 +869,29 @@ class DefaultsALeader(Service):
                 self.concierge.produce_key(key, self.leader is not None)
 
 
+class KeepsItsParams(Service):
+    """``params`` as a property with a setter, ``key`` a ``__slots__`` member: both take the
+    framework's values, so they are fine."""
+
+    __slots__ = ("key",)
+
+    @property
+    def params(self):
+        return self._params
+
+    @params.setter
+    def params(self, value):
+        self._params = dict(value, seen_by_setter=True)
+
+    async def add_key(self, key, data):
+        pass
+
+    async def all_inputs_done(self):
+        for key in self.concierge.wanted_outputs:
+            if self.concierge.owner(key) == self.id:
+                self.concierge.produce_key(key, (self.params, self.key is not None))
+
+
 class RefusesALeader(Service):
     """Refuses an attribute in ``__setattr__``, which no check of the class can see."""
 
@@ -885,15 +908,20 @@ def test_a_method_or_property_named_like_a_framework_attribute_is_refused_at_onc
     with pytest.raises(TypeError) as info:
         dask_services.service_task(HasAKeyProperty, [dask.delayed(1)], outputs=1)
     message = str(info.value)
-    assert "HasAKeyProperty defines 'key' (a property, in HasAKeyProperty)" in message
+    assert ("HasAKeyProperty defines 'key' (a property without a setter, in "
+            "HasAKeyProperty)") in message
     assert "'params' (a method, in HasAKeyProperty)" in message
     assert "dask_services sets these on every instance of a service task" in message
     assert "rename yours" in message
     # a subclass inherits the clash, named with the class that defines it
     child = type("Child", (HasAKeyProperty,), {})
-    with pytest.raises(TypeError, match=r"Child defines 'key' \(a property, in "
+    with pytest.raises(TypeError, match=r"Child defines 'key' \(a property without a "
+                                        r"setter, in "
                                         r"HasAKeyProperty\)"):
         dask_services.service_task(child, [dask.delayed(1)], outputs=1)
+    outs = dask_services.service_task(KeepsItsParams, [dask.delayed(1)], outputs=1, n=2)
+    assert dask.compute(*outs, scheduler="sync") == (({"n": 2, "seen_by_setter": True},
+                                                       True),)
 
 
 @service_cluster()
@@ -1062,8 +1090,8 @@ async def test_parameters_named_like_the_frameworks_own_arguments_reach_start(c,
     (CancelsItself, RuntimeError, "CancelsItself.all_inputs_done() was cancelled while its "
                                   "instance was not stopping, by the service's own code"),
     (CallsPeersInStart, dask_services.ServiceError,
-     "CallsPeersInStart.start() called peer method 'hello': a peer answers only once its "
-     "own start() has returned"),
+     "peer method 'hello' called before CallsPeersInStart.start() returned (from start() "
+     "or what it started): a peer answers only once its own start() has returned"),
     (YieldsInAHook, TypeError, "YieldsInAHook.add_key() is a generator function"),
     (RaisesAWorkerOnlyError, OnlyOnWorkers, "device out of memory"),
     (RaisesAnUnprintableError, RuntimeError,

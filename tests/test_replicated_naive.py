@@ -256,7 +256,8 @@ async def test_endpoint_names_the_handle_uses_or_ending_with_an_underscore(c, s,
         async def which(self):
             return self.rank
 
-    with pytest.raises(TypeError, match=r"Ranked defines 'rank' \(a property, in Ranked\), "
+    with pytest.raises(TypeError, match=r"Ranked defines 'rank' \(a property without a "
+                                        r"setter, in Ranked\), "
                                         r"but dask_services sets this on every replica"):
         await Ranked.options(replicas=1).as_service(client=c)
     replicated = s.extensions.get("dask_services_replicated")  # refused before installing

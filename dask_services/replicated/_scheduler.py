@@ -650,7 +650,8 @@ class Deployments(SchedulerPlugin):
                 resp = await self.scheduler.rpc(worker).replicated_start(
                     id=ranks[rank][0], name=dep.name, blob=dep.blob,
                     max_concurrency=dep.max_concurrency, max_queued=dep.max_queued,
-                    setup_timeout=config_seconds("setup-timeout"), peers_of=dep.name, **gang,
+                    setup_timeout=config_seconds("setup-timeout"), peers_of=dep.name,
+                    uid=dep.uid, **gang,
                 )
             except Exception as e:  # lost connection, worker closing
                 return {"status": "lost", "error": f"{type(e).__name__}: {e}"}

@@ -395,7 +395,8 @@ class Stream:
         """Whether the service is shut down, or being shut down (asked of the scheduler)."""
         try:
             info = await asyncio.wait_for(
-                self._handle._transport.scheduler.replicated_table(name=self._handle.name), 10)
+                self._handle._transport.scheduler.replicated_table(
+                    name=self._handle.name, uid=self._handle._uid), 10)
         except (CommClosedError, OSError, TimeoutError):
             return False
         return info is None or bool(info.get("stopping"))

@@ -124,7 +124,8 @@ class ReplicaWorker(WorkerPlugin):
     @worker_handler
     async def start(self, comm: Any, id: str, name: str, blob: bytes, max_concurrency: int,
                     max_queued: int, setup_timeout: float, peers_of: str, rank: int = 0,
-                    ranks: list[tuple[str, str]] | None = None) -> dict:
+                    ranks: list[tuple[str, str]] | None = None,
+                    uid: str | None = None) -> dict:
         """Create replica ``id`` (rank ``rank`` of the gang ``ranks``, (id, worker) by rank)
         and run its ``setup``; answers once it is healthy or not."""
         from dask_services.replicated import _gang
@@ -138,7 +139,8 @@ class ReplicaWorker(WorkerPlugin):
         try:
             cls, args, kwargs, options = pickle.loads(blob)
             service = cls()
-            handle = ReplicatedService(peers_of, cls, options, WorkerTransport(self.worker))
+            handle = ReplicatedService(peers_of, cls, options, WorkerTransport(self.worker),
+                                       uid=uid)  # its own deployment's, never another's
             service.id = sid
             service.key = name
             service.params = dict(kwargs)
