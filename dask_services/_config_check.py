@@ -68,6 +68,17 @@ _WHAT = {
 _MISSING = object()
 
 
+def as_count(value: Any) -> int:
+    """A count given as an int, or as a whole number in a string or a float (``"4"``,
+    ``4.0``: every reader takes those); ``ValueError`` or ``TypeError`` otherwise."""
+    if isinstance(value, bool):
+        raise TypeError(f"{value!r} is not a count")
+    number = int(value)
+    if isinstance(value, float) and value != number:
+        raise ValueError(f"{value!r} is not a whole number")
+    return number
+
+
 def _problem(kind: str, least: float, value: Any) -> str | None:
     """What is wrong with ``value`` for a key of this kind, or None."""
     if kind == "bool":
@@ -76,9 +87,7 @@ def _problem(kind: str, least: float, value: Any) -> str | None:
         return _WHAT[kind]
     try:
         if kind == "count":
-            number: float = int(value)  # "4" and 4.0 too, as every reader takes them
-            if isinstance(value, float) and value != number:
-                raise ValueError
+            number: float = as_count(value)
             if number > sys.maxsize:  # sizes a deque or a list by it
                 return f"{_WHAT[kind]}, at most {sys.maxsize}"
         elif kind == "duration":

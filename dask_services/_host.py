@@ -505,10 +505,9 @@ class ServiceHost:
         kwargs: dict | None = None, *, wait_started: bool = True, own_task: bool = False,
     ) -> bool:
         """Run one hook, ``fn(*args, **kwargs)``; report an exception as the failure of the
-        run.  ``own_task``: the
-        hook runs in a task of the framework's own, which nothing but the instance's stop
-        cancels (a hand-off's ``add_key`` runs in the hand-off task, which distributed
-        cancels when it releases it)."""
+        run.  ``own_task``: the hook runs in a task of the framework's own, which nothing
+        but the instance's stop cancels (a hand-off's ``add_key`` runs in the hand-off
+        task, which distributed cancels when it releases it)."""
         if inst.stopping:
             return False
         task = asyncio.current_task()

@@ -18,6 +18,7 @@ from dask_services._config_check import check_config
 from dask_services.graph import ServiceDefinition, build_service_graph
 from dask_services.service import (
     INSTANCE_ATTRIBUTES,
+    START_ARGUMENTS,
     Service,
     ServiceGraphError,
     check_instance_attributes,
@@ -99,10 +100,6 @@ def _output_names(outputs: int | Sequence[Key], name: str, token: str) -> tuple[
         raise ServiceGraphError(f"output keys given twice to service_task(): {twice[:5]}; "
                                 "each output key must be unique")
     return names
-
-
-# what ``Service.start`` receives before the service task's keyword parameters
-START_ARGUMENTS = ("id", "key", "peers", "input_keys", "output_keys", "concierge", "leader")
 
 
 def _definition(service_class: type[Service], input_keys: Sequence[Key],

@@ -254,9 +254,10 @@ class Service(Deployable, abc.ABC):
         """The worker is under memory pressure: free about ``nbytes`` if you can."""
 
 
-# What the framework sets on every instance of a service task before ``start``.
-INSTANCE_ATTRIBUTES = ("id", "key", "peers", "input_keys", "output_keys", "concierge",
-                       "leader", "params")
+# What ``Service.start`` receives before the service task's keyword parameters, and what
+# the framework sets on every instance of a service task before ``start``.
+START_ARGUMENTS = ("id", "key", "peers", "input_keys", "output_keys", "concierge", "leader")
+INSTANCE_ATTRIBUTES = (*START_ARGUMENTS, "params")
 
 
 def check_instance_attributes(cls: type, names: Sequence[str], what: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import gc
 import logging
 import shutil
@@ -30,6 +31,7 @@ from tornado.ioloop import PeriodicCallback
 
 from dask_services._buffers import IncomingBuffers, buffers_of, put_slot
 from dask_services._bulk import BulkLane, LaneUnreachable, Turn, lane_host
+from dask_services._config_check import as_count
 from dask_services._counters import CounterReports, Traffic, instance_counters, size_of
 from dask_services._directory import directory_in
 from dask_services._host import Environment, InstanceSpec, ServiceHost
@@ -299,24 +301,14 @@ def service_threads(worker: Worker) -> ServiceThreads:
     threads = setting("threads")
     if threads is None:
         threads = worker.state.nthreads
-    threads = _whole_number(threads)  # "2" and 2.0 too, as the config check takes them
+    with contextlib.suppress(TypeError, ValueError, OverflowError):
+        threads = as_count(threads)  # "2" and 2.0 too, as the config check takes them
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(
             f"dask_services.threads must be a number of threads of at least 1, or null for "
             f"as many as the worker has task threads; got {threads!r}"
         )
     return ServiceThreads(threads, thread_name_prefix="dask-services")
-
-
-def _whole_number(value: Any) -> Any:
-    """``value`` as an int where it is a whole number (``"2"``, ``2.0``), else as it is."""
-    if isinstance(value, bool):
-        return value
-    try:
-        number = int(value)
-    except (TypeError, ValueError, OverflowError):
-        return value
-    return number if isinstance(value, str) or number == value else value
 
 
 class ServiceWorkerPlugin(WorkerPlugin):

@@ -933,17 +933,6 @@ async def test_a_class_attribute_named_like_a_framework_attribute_is_a_default(c
     await assert_nothing_left(s, [a, b])
 
 
-@service_cluster()
-async def test_an_instance_refusing_an_attribute_fails_the_run_leaving_nothing(c, s, a, b):
-    # the attributes are set before the instance's directory is made: none stays behind
-    outs = c.compute(dask_services.service_task(RefusesALeader, [dask.delayed(1)],
-                                                outputs=2))
-    for out in outs:
-        await assert_errs(out, AttributeError, "RefusesALeader takes no leader")
-    del outs, out
-    await assert_nothing_left(s, [a, b])  # no instance directory either
-
-
 class CancelsItself(Service):
     """Cancels the task its hook runs in: nothing but the service's own code does so."""
 
@@ -1103,12 +1092,14 @@ async def test_parameters_named_like_the_frameworks_own_arguments_reach_start(c,
                                "which is not an Exception"),
     (ErrorsWithSystemExit, RuntimeError, "was given SystemExit(3)"),
     (ErrorsWithCancelledError, RuntimeError, "was given CancelledError('c')"),
+    # left an empty instance directory on every worker (the attributes are set before
+    # the instance's directory is made now)
+    (RefusesALeader, AttributeError, "RefusesALeader takes no leader"),
 ])
 @service_cluster()
-async def test_mistakes_that_hung_or_were_skipped_fail_the_run(c, s, a, b, service, error,
-                                                               match):
-    # each hung (the run never failed) or, for the generator, gave results with add_key
-    # never run
+async def test_mistakes_fail_the_run_and_leave_nothing(c, s, a, b, service, error, match):
+    # each hung (the run never failed), killed workers, gave results with add_key never
+    # run (the generator) or left a directory behind (RefusesALeader)
     outs = c.compute(dask_services.service_task(service, [dask.delayed(1)], outputs=2))
     for out in outs:
         await assert_errs(out, error, match)
