@@ -549,9 +549,9 @@ class ReplicatedService:
         for r in healthy:
             if r.id == wanted:
                 return r
-        router = getattr(self._router, "__class__", type(self._router)).__name__
         raise ValueError(
-            f"the router of service {self.name} ({router}.choose) returned {chosen!r}, "
+            f"the router of service {self.name} ({type(self._router).__name__}.choose) "
+            f"returned {chosen!r}, "
             "which is not one of the healthy replicas it was given ("
             f"{', '.join(str(r.id) for r in healthy)}); choose() must return one of "
             "them (a replica it chose earlier may have been replaced since)")
