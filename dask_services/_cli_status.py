@@ -71,35 +71,41 @@ def scheduler_address(args: argparse.Namespace) -> str | None:
 
 def status_command(args: argparse.Namespace) -> int:
     """Print the table; 0 once printed, 1 if the scheduler could not be reached or
-    asked, 2 for a table or column it does not have."""
-    from dask.utils import parse_timedelta
-    from distributed import Client
+    asked within ``--timeout``, 2 for a table or column it does not have."""
+    import asyncio
+    import os
 
-    from dask_services._status import status
+    from dask.utils import parse_timedelta
 
     timeout = parse_timedelta(args.timeout)
     where = args.scheduler_file or scheduler_address(args)
-    try:
-        client = Client(address=None if args.scheduler_file else where,
-                        scheduler_file=args.scheduler_file, timeout=timeout,
-                        set_as_default=False)
-    except (OSError, TimeoutError, ValueError) as exc:
-        print(f"dask-services status: could not reach the scheduler at {where} within "
-              f"{args.timeout}: {exc}", file=sys.stderr)
+    if args.scheduler_file and not os.path.exists(args.scheduler_file):
+        print(f"dask-services status: no scheduler file at {args.scheduler_file} (a "
+              "scheduler started with `dask scheduler --scheduler-file` writes it)",
+              file=sys.stderr)
         return 1
-    with client:
-        try:
-            frame = status(client, table=args.table)
-        except KeyError as exc:
-            print(f"dask-services status: {exc.args[0] if exc.args else exc}",
-                  file=sys.stderr)
-            return 2
-        except Exception as exc:  # the scheduler could not install or answer
-            print(f"dask-services status: the scheduler at {client.scheduler.address} "
-                  f"could not give its {args.table!r} table: {type(exc).__name__}: {exc} "
-                  "(is dask_services installed in the scheduler's environment?)",
-                  file=sys.stderr)
-            return 1
+    try:
+        frame = asyncio.run(_ask(args, timeout))
+    except KeyError as exc:
+        print(f"dask-services status: {exc.args[0] if exc.args else exc}",
+              file=sys.stderr)
+        return 2
+    except _NoAnswer as exc:
+        print(f"dask-services status: the scheduler at {where} could not give its "
+              f"{args.table!r} table: {exc} (is dask_services installed in the "
+              "scheduler's environment?)", file=sys.stderr)
+        return 1
+    except Exception as exc:  # not a scheduler, or none answering, within the timeout
+        if isinstance(exc, TimeoutError):
+            reason = f"no answer within {args.timeout}"
+        elif isinstance(exc, OSError):
+            reason = f"{type(exc).__name__}: {exc}"
+        else:  # e.g. an HTTP server's reply read as a dask message
+            reason = (f"it answered, but not as a dask scheduler does "
+                      f"({type(exc).__name__}: {exc})")
+        print(f"dask-services status: could not reach the scheduler at {where} within "
+              f"{args.timeout}: {reason}", file=sys.stderr)
+        return 1
     columns = [c for c in args.columns.split(",") if c]
     unknown = [c for c in columns if c not in frame.columns]
     if unknown:
@@ -119,3 +125,50 @@ def status_command(args: argparse.Namespace) -> int:
     else:
         print(frame.to_string(index=False, max_colwidth=60))
     return 0
+
+
+class _NoAnswer(Exception):
+    """The scheduler was reached but could not give the table."""
+
+
+async def _ask(args: argparse.Namespace, timeout: float) -> Any:
+    """The table's rows from the scheduler, on an asynchronous client.  Reaching the
+    scheduler and asking it are each bounded by ``timeout``: distributed's own connect
+    timeout does not bound a peer that accepts the connection and never answers."""
+    import asyncio
+
+    from distributed import Client
+
+    from dask_services._status import status
+    from dask_services.client import install_async
+
+    client = Client(address=None if args.scheduler_file else scheduler_address(args),
+                    scheduler_file=args.scheduler_file, timeout=timeout,
+                    asynchronous=True, set_as_default=False)
+    try:
+        async with asyncio.timeout(timeout):
+            await client
+    except BaseException:
+        # never connected: closing waits for nothing that will answer, so briefly
+        await _close(client, min(timeout, 1.0))
+        raise
+    try:
+        async with asyncio.timeout(timeout):
+            await install_async(client)
+            return await status(client, table=args.table)
+    except KeyError:
+        raise
+    except Exception as exc:
+        raise _NoAnswer(f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        await _close(client, timeout)
+
+
+async def _close(client: Any, timeout: float) -> None:
+    import asyncio
+
+    try:
+        async with asyncio.timeout(timeout):
+            await client.close()
+    except Exception:  # a scheduler that stopped answering: nothing to close cleanly
+        pass

@@ -119,6 +119,70 @@ def test_unreachable_scheduler_fails_within_the_timeout(capsys):
     assert "Traceback" not in err
 
 
+@pytest.fixture
+def listener():
+    """A local TCP port whose peer accepts connections and then answers with
+    ``reply`` (b"": never answers); yields a function ``reply -> address``."""
+    import socket
+    import threading
+
+    sockets, threads, stop = [], [], threading.Event()
+
+    def serve(server, reply):
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            sockets.append(conn)
+            if reply:
+                conn.sendall(reply)
+
+    def start(reply):
+        server = socket.socket()
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        sockets.append(server)
+        threads.append(threading.Thread(target=serve, args=(server, reply), daemon=True))
+        threads[-1].start()
+        return f"tcp://127.0.0.1:{server.getsockname()[1]}"
+
+    yield start
+    stop.set()
+    for thread in threads:
+        thread.join()
+    for sock in sockets:
+        sock.close()
+
+
+def test_a_port_that_never_answers_fails_within_the_timeout(listener, capsys):
+    import time
+
+    address = listener(b"")
+    began = time.monotonic()
+    code, out, err = _status([address, "--timeout", "1s"], capsys)
+    assert code == 1 and out == ""
+    assert f"could not reach the scheduler at {address} within 1s: no answer" in err
+    assert time.monotonic() - began < 10  # it waited for ever before
+    assert "Traceback" not in err
+
+
+def test_a_port_answering_as_something_else_is_named(listener, capsys):
+    address = listener(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
+    code, out, err = _status([address, "--timeout", "5s"], capsys)
+    assert code == 1 and out == ""
+    assert "it answered, but not as a dask scheduler does" in err
+    assert "Traceback" not in err
+
+
+def test_a_missing_scheduler_file_is_named(tmp_path, capsys):
+    missing = tmp_path / "nowhere.json"
+    code, out, err = _status(["--scheduler-file", str(missing), "--timeout", "1s"], capsys)
+    assert code == 1 and out == ""
+    assert f"no scheduler file at {missing}" in err
+
+
 @pytest.mark.parametrize("argv, named", [
     ([], "no scheduler to ask: give its address"),
     (["tcp://a:1", "--scheduler-file", "f.json"], "not both"),
