@@ -233,6 +233,13 @@ def test_multiindex_columns_refused():
     ddf = dd.from_pandas(pdf, npartitions=2)
     with pytest.raises(NotImplementedError, match="MultiIndex columns"):
         shuffle(ddf, ("a", 1))
+    # the method chosen by name or by the config: the same refusal, not a KeyError
+    # from dask's partition column (a tuple here) that the graph cannot drop
+    with pytest.raises(NotImplementedError, match="MultiIndex columns.*flatten them"):
+        ddf.shuffle([("a", 1)], shuffle_method="service").compute(scheduler="sync")
+    with dask.config.set({"dataframe.shuffle.method": "service"}), \
+            pytest.raises(NotImplementedError, match="MultiIndex columns"):
+        ddf.merge(ddf, on=[("a", 1)]).compute(scheduler="sync")
 
 
 def test_stable_order_keeps_drop_duplicates_right():

@@ -12,7 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from dask_services.dataframe._expr import METHOD, ServiceShuffle, register
+from dask_services.dataframe._expr import (
+    METHOD,
+    ServiceShuffle,
+    refuse_multiindex_columns,
+    register,
+)
 from dask_services.dataframe._service import DataFrameShuffle
 
 register()
@@ -25,9 +30,5 @@ def shuffle(df: Any, on: Any, npartitions: int | None = None, **kwargs: Any) -> 
 
     Same rows per output partition as ``df.shuffle(on, shuffle_method="tasks")``.
     """
-    if isinstance(getattr(df, "columns", None), __import__("pandas").MultiIndex):
-        raise NotImplementedError(
-            "MultiIndex columns are not supported by the service shuffle; flatten them "
-            "first, e.g. df.columns = ['_'.join(map(str, c)) for c in df.columns]"
-        )
+    refuse_multiindex_columns(getattr(df, "_meta", df))
     return df.shuffle(on, npartitions=npartitions, shuffle_method=METHOD, **kwargs)

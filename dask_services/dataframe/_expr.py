@@ -15,7 +15,9 @@ dask upgrade moves these hooks.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
+import pandas as pd
 from dask._task_spec import Alias, TaskRef
 from dask.dataframe.dask_expr._expr import Blockwise, Expr, Fused
 from dask.dataframe.dask_expr._merge import Merge
@@ -176,9 +178,20 @@ class ServiceShuffle(SimpleShuffle):
 _dask_lower = Shuffle._lower
 
 
+def refuse_multiindex_columns(meta: Any) -> None:
+    """``NotImplementedError`` for a frame with ``MultiIndex`` columns: dask's shuffle
+    adds its partition column as a tuple the frame's later steps cannot drop."""
+    if isinstance(getattr(meta, "columns", None), pd.MultiIndex):
+        raise NotImplementedError(
+            "MultiIndex columns are not supported by the service shuffle; flatten them "
+            "first, e.g. df.columns = ['_'.join(map(str, c)) for c in df.columns]"
+        )
+
+
 def _lower(self: Shuffle):
     method = self.method or get_default_shuffle_method()
     if method == METHOD:
+        refuse_multiindex_columns(self.frame._meta)
         from dask_services._auto_install import note_service_graph
         from dask_services._config_check import check_config
         from dask_services.client import _maybe_install_default_client
