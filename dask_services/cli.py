@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import statistics
 import sys
 import time
@@ -370,11 +371,7 @@ def bench_queries(args: argparse.Namespace) -> int:
     _benchmarks()
     from benchmarks import queries
 
-    names = tuple(args.queries.split(",")) if args.queries else tuple(queries.QUERIES)
-    unknown = sorted(set(names) - set(queries.QUERIES))
-    if unknown:
-        raise SystemExit(f"unknown queries {unknown}: choose from "
-                         f"{', '.join(queries.QUERIES)} (--queries q3,q5)")
+    names = tuple(q for q in args.queries.split(",") if q) or tuple(queries.QUERIES)
     with _bench_client(args) as client:
         results = queries.run(client, args.scale, args.repeat,
                               methods=tuple(args.methods.split(",")), queries=names,
@@ -534,6 +531,16 @@ def _bad_argument(args: argparse.Namespace) -> str | None:
                     f"(e.g. 1000,10000); got {args.partitions!r}")
     if args.memory_limit is not None and _size(args.memory_limit) is None:
         return f"--memory-limit takes a size such as 0.5GB; got {args.memory_limit!r}"
+    if args.what == "queries":
+        if not (math.isfinite(args.scale) and args.scale > 0):
+            return f"--scale takes a positive number (1: 2,000,000 rows); got {args.scale}"
+        _benchmarks()
+        from benchmarks.queries import QUERIES
+
+        unknown = sorted(set(q for q in args.queries.split(",") if q) - set(QUERIES))
+        if unknown:
+            return (f"--queries takes a comma-separated list of {', '.join(QUERIES)}; "
+                    f"got {', '.join(unknown)} (e.g. --queries q3,q5)")
     if args.what == "replicated":
         cases = [c for c in args.cases.split(",") if c]
         if not cases or any(c not in CASES for c in cases):

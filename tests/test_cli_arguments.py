@@ -28,6 +28,11 @@ pytestmark = pytest.mark.timeout(60)
     (["bench", "rechunk", "--methods", "noop"], "of service, p2p, tasks; got 'noop'"),
     (["bench", "rechunk", "--methods", "service,bogus"], "got 'service,bogus'"),
     (["bench", "queries", "--methods", ","], "--methods takes"),
+    (["bench", "queries", "--scale", "nan"], "--scale takes a positive number"),
+    (["bench", "queries", "--scale", "inf"], "--scale takes a positive number"),
+    (["bench", "queries", "--scale", "0"], "--scale takes a positive number"),
+    (["bench", "queries", "--queries", "q3,q99"], "--queries takes a comma-separated list "
+                                                  "of q3, q5"),
     (["bench", "shuffle", "--consumer", "bogus"], "--consumer of bench shuffle takes"),
     (["bench", "rechunk", "--consumer", "len"], "--consumer of bench rechunk takes a "
                                                 "comma-separated list of none, sum"),
