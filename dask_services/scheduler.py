@@ -115,7 +115,9 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         self.maybe_unneeded: set[Key] = set()
         self.produced_at: dict[Key, str] = {}  # produced output -> worker that may hold it
         self.restrictions: dict[Key, tuple] = {}  # output -> its own restrictions while cut
-        self.placements: dict[str, dict[Key, str]] = {}  # placement group -> index -> worker
+        # placement group -> index -> worker, while a service task of the group is known
+        self.placements: dict[str, dict[int, str]] = {}
+        self._placement_starts: dict[str, int] = {}  # group -> its round-robin's start
         # a plain number, not an ``itertools.count``: the plugin travels pickled from the
         # client, and itertools objects stop pickling in Python 3.14 (3.12 warns)
         self._last_run_id = 0
@@ -472,6 +474,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             while len(self.archive) > machine.story_runs:
                 self.archive.popitem(last=False)
             definition = self.definitions.pop(key)
+            self._forget_placement_if_unused(definition.placement)
             for h, i in zip(definition.handoff_keys, definition.input_keys, strict=True):
                 self.handoff_of.pop(h, None)
                 hs = self.handoffs_of_input.get(i)
@@ -631,18 +634,35 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         An index is mapped to a worker once, and again only when that worker has left the
         cluster: a run whose participants leave out a worker of the group (fewer inputs,
         ``participants="input-holders"``) places such an output among its own for itself
-        alone, and later runs of the group agree with the earlier ones again."""
-        by_index = self.placements.setdefault(group, {})
+        alone, and later runs of the group agree with the earlier ones again.  The mapping
+        lasts while a service task of the group is known to the scheduler (the two sides
+        of a merge are, together): the next group's first run maps the indices over the
+        workers of its own time, so a cluster that grew, a worker paused or a run
+        restricted to some workers shapes no later shuffle's placement."""
+        if group not in self.placements:
+            self.placements[group] = {}
+            # start where the last round-robin stopped, as runs without a group do: many
+            # small groups (shuffles into one partition) spread over the workers
+            self._placement_starts[group] = self._next_owner
+            self._next_owner += len(self.definitions[service_key].output_keys)
+        by_index, start = self.placements[group], self._placement_starts[group]
         outputs = self.definitions[service_key].output_keys
         result = {}
         for i, key in enumerate(outputs):
             worker = by_index.get(i)
             if worker is None or worker not in self.scheduler.workers:
-                worker = by_index[i] = participants[i % len(participants)]
+                worker = by_index[i] = participants[(start + i) % len(participants)]
             elif worker not in participants:
-                worker = participants[i % len(participants)]
+                worker = participants[(start + i) % len(participants)]
             result[key] = worker
         return result
+
+    def _forget_placement_if_unused(self, group: str | None) -> None:
+        """Drop ``group``'s mapping once no service task of it is left."""
+        if group is not None and not any(
+                d.placement == group for d in self.definitions.values()):
+            self.placements.pop(group, None)
+            self._placement_starts.pop(group, None)
 
     def run_info(self, service_key: Key) -> dict | None:
         machine = self.machines.get(service_key)

@@ -418,6 +418,40 @@ async def test_on_a_cluster_and_merge_alignment(c, s, a, b, w3):
 
 
 @service_cluster(nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_shuffle_places_its_outputs_over_the_workers_of_its_own_time(c, s, a, b):
+    """A shuffle into N partitions shares its placement with the shuffles into N known to
+    the scheduler at the same time (the two sides of a merge); once they are gone, the
+    next one spreads over the workers there are then.  The first mapping stayed for the
+    scheduler's life: after a shuffle restricted to one worker, or run before the cluster
+    grew, every later shuffle into N put all its outputs where that first one did."""
+    from distributed import Worker
+
+    pdf = pd.DataFrame({"k": np.arange(2_000) % 97, "x": np.arange(2_000)})
+
+    async def holders(frame) -> Counter:
+        return Counter(w for ws in (await c.who_has(frame)).values() for w in ws)
+
+    first = c.persist(dd.from_pandas(pdf, npartitions=4).shuffle(
+        "k", npartitions=8, shuffle_method="service"), workers=[a.address])
+    await wait(first)
+    assert await holders(first) == {a.address: 8}
+    del first
+    async with Worker(s.address, nthreads=1) as w3:
+        await c.wait_for_workers(3)
+        later = c.persist(dd.from_pandas(pdf.assign(x=pdf.x + 1), npartitions=4).shuffle(
+            "k", npartitions=8, shuffle_method="service"))
+        await wait(later)
+        spread = await holders(later)
+        assert set(spread) == {a.address, b.address, w3.address}, spread
+        assert max(spread.values()) <= 3, spread
+        result = await c.compute(later)
+        pd.testing.assert_frame_equal(result.sort_values("x"), pdf.assign(x=pdf.x + 1))
+        del later, result
+        await assert_nothing_left(s, [a, b, w3])
+    assert s.extensions["dask_services"].placements == {}
+
+
+@service_cluster(nthreads=[("127.0.0.1", 1)] * 2)
 async def test_small_inputs_travel_as_arrays_with_every_dtype(c, s, a, b):
     """Small inputs that take the column way (no categorical) are split, sent and
     assembled as arrays between real workers: every dtype, the index and the rows' order
