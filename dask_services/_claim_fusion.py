@@ -19,7 +19,10 @@ A key names one value, so the fused service task is a new one: its outputs are t
 consumers' keys, and its own key, its hand-offs' and its other outputs' take a suffix
 that depends on them.  Two graphs that consume the same rechunk differently, live at
 once, are then two service tasks, as two rechunks would be, not one task with two
-meanings.  A service task with an output that was asked for is left as it is.
+meanings.  The consumers' keys are shared by such graphs, and distributed keeps the
+meaning it knew while a key is held: the scheduler plugin counts an output as a service
+task's only where the scheduler's task for that key is that service task's claim.
+A service task with an output that was asked for is left as it is.
 
 Applied by ``array._fusion`` after dask.array's linear fusion (so not when
 ``optimization.fuse.active`` is False), and never when ``dask_services.fuse-consumers`` is

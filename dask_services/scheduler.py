@@ -203,6 +203,12 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         for ts in new_services:
             self._register(ts)
             self._order_inputs(ts.run_spec.definition)
+            if not ts.dependents and not ts.who_wants and ts.key not in self.maybe_unneeded:
+                # each of its outputs is known with another meaning the scheduler keeps
+                # (``_register``): it was made for them, and nothing will ever need it
+                self.maybe_unneeded.add(ts.key)
+                self._later(self._forget_if_unneeded, ts.key,
+                            rs.new_stimulus_id("service-task-unneeded"))
         for key in tasks:
             ts = tasks_.get(key)
             if ts is not None and isinstance(ts.run_spec, (ServiceTaskSpec, OutputClaimSpec)):
@@ -240,7 +246,15 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         for h, i in zip(definition.handoff_keys, definition.input_keys, strict=True):
             self.handoff_of[h] = key
             self.handoffs_of_input.setdefault(i, set()).add(h)
+        tasks = self.scheduler.tasks
         for o in definition.output_keys:
+            ots = tasks.get(o)
+            if ots is not None and not (isinstance(ots.run_spec, OutputClaimSpec)
+                                        and ots.run_spec.service_key == key):
+                # the key is known with another meaning, which the scheduler keeps (a
+                # consumer fused into another service task's claim, then submitted
+                # again unfused, or the other way round): not an output of this one
+                continue
             self.output_of[o] = key
 
     def _order_inputs(self, definition: ServiceDefinition) -> None:
@@ -483,7 +497,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                     if not hs:
                         del self.handoffs_of_input[i]
             for o in definition.output_keys:
-                if o not in self.scheduler.tasks:
+                if o not in self.scheduler.tasks and self.output_of.get(o) == key:
                     self.output_of.pop(o, None)
                     self.cut.pop(o, None)
                     self.produced_at.pop(o, None)
@@ -571,7 +585,8 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
 
     def _wanted(self, service_key: Key) -> list[Key]:
         ts = self.scheduler.tasks[service_key]
-        pending = [d for d in ts.dependents if d.state != "memory" and d.key in self.output_of]
+        pending = [d for d in ts.dependents
+                   if d.state != "memory" and self.output_of.get(d.key) == service_key]
         pending.sort(key=lambda d: d.priority or ())
         return [d.key for d in pending]
 

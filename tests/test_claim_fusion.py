@@ -10,7 +10,7 @@ import dask.array as da
 import numpy as np
 import pytest
 from dask._task_spec import Task
-from distributed import Event, Variable
+from distributed import Event, Variable, wait
 from distributed.utils_test import async_poll_for, poll_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -234,6 +234,33 @@ async def test_one_rechunk_consumed_three_ways_at_once(c, s, a, b):
     assert len(services) == 4, services
     s.validate_state()
     del sums, maxima, held, mixed, x, y
+    await assert_nothing_left(s, [a, b])
+
+
+@service_cluster(timeout=90)
+async def test_a_consumer_key_fused_in_one_graph_and_not_in_the_next(c, s, a, b):
+    """A consumer's key means a fused claim in one graph and a plain task (or another
+    service task's claim) in the next: the scheduler keeps the meaning it knows, and the
+    service task that came with the other one owns no such output.  The output map took
+    the later service task as their owner: with a result of the first graph held, the
+    third graph waited for ever on an output no run wanted."""
+    arr = np.arange(400 * 400.0).reshape(400, 400)
+    y = da.from_array(arr, chunks=(20, 400)).rechunk((400, 20), method="service")
+    held = c.compute(y.sum())  # every chunk's sum fused into its claim
+    assert await held == arr.sum()
+    # chunk (0, 0) has two consumers here: its sum is a plain task, the rest fused
+    assert await c.compute(y.sum() + y[0, 0]) == arr.sum() + arr[0, 0]
+    assert await c.compute(y.sum()) == arr.sum()  # hung
+    s.validate_state()
+    # the sums of a persisted y are plain tasks with the fused ones' keys: the service
+    # task sent for those keys at the same time owns nothing and is forgotten
+    kept = c.persist(y)
+    await wait(kept)
+    plain, fused = c.compute(kept.sum()), c.compute(y.sum())
+    mixed = c.compute((kept + y).sum())
+    assert [await plain, await fused, await mixed] == [arr.sum(), arr.sum(), 2 * arr.sum()]
+    s.validate_state()
+    del held, kept, plain, fused, mixed, y
     await assert_nothing_left(s, [a, b])
 
 
