@@ -140,3 +140,23 @@ def test_the_notebooks_name_only_metric_families_that_exist():
             else:
                 assert any(name == f + s for f in families for s in suffixes), (
                     notebook.name, name)
+
+
+def test_the_configuration_table_has_every_setting_of_the_packaged_config():
+    """Each setting in ``dask_services.yaml`` has its row in the README's configuration
+    table, and each row names a setting there is."""
+    import yaml
+
+    def leaves(tree: dict, prefix: str) -> set[str]:
+        found = set()
+        for name, value in tree.items():
+            path = f"{prefix}.{name}"
+            found |= leaves(value, path) if isinstance(value, dict) else {path}
+        return found
+
+    packaged = yaml.safe_load(
+        (ROOT / "dask_services" / "dask_services.yaml").read_text())["dask_services"]
+    settings = leaves(packaged, "dask_services")
+    rows = set(re.findall(r"^\| `(dask_services\.[\w.-]+)` \|", README.read_text(), re.M))
+    assert not settings - rows, f"settings without a README row: {sorted(settings - rows)}"
+    assert not rows - settings, f"README rows naming no setting: {sorted(rows - settings)}"
