@@ -406,14 +406,16 @@ async def test_on_a_cluster_and_merge_alignment(c, s, a, b, w3):
     right = pd.DataFrame({"k": np.arange(100) % 50, "b": np.arange(100)})
     merged = dd.merge(dd.from_pandas(left, npartitions=5), dd.from_pandas(right, npartitions=4),
                       on="k", shuffle_method="service", npartitions=6)
-    res = await c.compute(merged)
-    exp = left.merge(right, on="k")
-    pd.testing.assert_frame_equal(res.sort_values(["k", "a", "b"]).reset_index(drop=True),
-                                  exp.sort_values(["k", "a", "b"]).reset_index(drop=True))
+    held = c.persist(merged)  # its service tasks stay known while it is held
+    await wait(held)
     # the two shuffles of the merge produced partition i on the same worker
     plugin = s.extensions["dask_services"]
     assert any(len(v) == 6 for k, v in plugin.placements.items() if k.endswith("-6"))
-    del ours, res
+    res = await c.compute(held)
+    exp = left.merge(right, on="k")
+    pd.testing.assert_frame_equal(res.sort_values(["k", "a", "b"]).reset_index(drop=True),
+                                  exp.sort_values(["k", "a", "b"]).reset_index(drop=True))
+    del ours, res, held
     await assert_nothing_left(s, [a, b, w3])
 
 
