@@ -213,6 +213,10 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             ts = tasks_.get(key)
             if ts is not None and isinstance(ts.run_spec, (ServiceTaskSpec, OutputClaimSpec)):
                 self._check_graph_rules(ts, keys)
+        orphans = [key for key in tasks if self._is_orphan_claim(tasks_.get(key))]
+        if orphans:
+            self._later(self._forget_orphan_claims, orphans,
+                        rs.new_stimulus_id("orphan-claims"))
         for service_key in {self.output_of[k] for k in tasks if k in self.output_of}:
             if service_key in self.machines and service_key in tasks_:
                 self._event(service_key, rs.OutputsWanted(
@@ -223,6 +227,23 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                 self._restrict_handoff(tasks_[key])
             elif key in self.machines or key in self.output_of:
                 self._free_of_resources(tasks_.get(key))
+
+    def _is_orphan_claim(self, ts: TaskState | None) -> bool:
+        """A claim that nothing needs and nothing will: distributed makes the tasks a new
+        spec depends on even where it keeps a held key's old spec (a consumer fused into
+        a claim in one graph, a plain task in the next), and only the new spec needed
+        them.  They stay ``released`` for the scheduler's life, and their service task
+        with them, unless forgotten."""
+        return (ts is not None and isinstance(ts.run_spec, OutputClaimSpec)
+                and ts.state == "released" and not ts.dependents and not ts.who_wants
+                and not ts.waiters and ts.key not in self.cut)
+
+    def _forget_orphan_claims(self, keys: list[Key], stimulus_id: str) -> None:
+        tasks = self.scheduler.tasks
+        orphans = [k for k in keys if self._is_orphan_claim(tasks.get(k))]
+        if orphans:
+            self.scheduler.transitions(dict.fromkeys(orphans, "forgotten"),
+                                       stimulus_id=stimulus_id)
 
     @staticmethod
     def _free_of_resources(ts: TaskState | None) -> None:

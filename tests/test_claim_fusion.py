@@ -264,6 +264,24 @@ async def test_a_consumer_key_fused_in_one_graph_and_not_in_the_next(c, s, a, b)
     await assert_nothing_left(s, [a, b])
 
 
+@service_cluster(timeout=90)
+async def test_claims_made_for_a_kept_key_are_forgotten(c, s, a, b):
+    """A fused result held, then the same sums unfused: distributed keeps the held keys'
+    fused claims and still makes the chunks' claims the unfused specs depend on, which
+    nothing needs.  They, their service task and its hand-offs stayed on the scheduler
+    for its life."""
+    arr = np.arange(400 * 400.0).reshape(400, 400)
+    y = da.from_array(arr, chunks=(20, 400)).rechunk((400, 20), method="service")
+    held = c.compute(y.sum())
+    assert await held == arr.sum()
+    with dask.config.set({"dask_services.fuse-consumers": False}):
+        assert await c.compute(y.sum()) == arr.sum()
+        assert await c.compute(y.sum() + y[0, 0]) == arr.sum() + arr[0, 0]
+    s.validate_state()
+    del held, y
+    await assert_nothing_left(s, [a, b])
+
+
 def _fails_once_on_the_third_column_block(b, block_info=None):
     from distributed import Variable
 
