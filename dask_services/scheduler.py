@@ -24,7 +24,7 @@ import logging
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dask.typing import Key
@@ -92,6 +92,16 @@ class RunObserver:
         """The current run of service task ``key`` changed (an event was handled)."""
 
 
+@dataclass
+class PlacementGroup:
+    """The agreement of the service tasks sharing a ``placement=`` name: output index ->
+    worker, and where its round-robin starts; kept while ``service_tasks`` are known."""
+
+    start: int
+    by_index: dict[int, str] = field(default_factory=dict)
+    service_tasks: int = 0
+
+
 class ServiceSchedulerPlugin(SchedulerPlugin):
     """Scheduler plugin (and extension) that carries out service tasks."""
 
@@ -115,9 +125,8 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         self.maybe_unneeded: set[Key] = set()
         self.produced_at: dict[Key, str] = {}  # produced output -> worker that may hold it
         self.restrictions: dict[Key, tuple] = {}  # output -> its own restrictions while cut
-        # placement group -> index -> worker, while a service task of the group is known
-        self.placements: dict[str, dict[int, str]] = {}
-        self._placement_starts: dict[str, int] = {}  # group -> its round-robin's start
+        # placement group -> its mapping, while a service task of the group is known
+        self.placements: dict[str, PlacementGroup] = {}
         # a plain number, not an ``itertools.count``: the plugin travels pickled from the
         # client, and itertools objects stop pickling in Python 3.14 (3.12 warns)
         self._last_run_id = 0
@@ -209,11 +218,22 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                 self.maybe_unneeded.add(ts.key)
                 self._later(self._forget_if_unneeded, ts.key,
                             rs.new_stimulus_id("service-task-unneeded"))
+        orphans = []
         for key in tasks:
             ts = tasks_.get(key)
-            if ts is not None and isinstance(ts.run_spec, (ServiceTaskSpec, OutputClaimSpec)):
+            if ts is None:
+                continue
+            # an output's owner follows the key's meaning now (made again, as a claim or
+            # a plain task, after it was forgotten while its service task stayed)
+            if isinstance(ts.run_spec, OutputClaimSpec):
+                if ts.run_spec.service_key in self.machines:
+                    self.output_of[key] = ts.run_spec.service_key
+                if self._is_orphan_claim(ts):
+                    orphans.append(key)
+            elif key in self.output_of:
+                del self.output_of[key]
+            if isinstance(ts.run_spec, (ServiceTaskSpec, OutputClaimSpec)):
                 self._check_graph_rules(ts, keys)
-        orphans = [key for key in tasks if self._is_orphan_claim(tasks_.get(key))]
         if orphans:
             self._later(self._forget_orphan_claims, orphans,
                         rs.new_stimulus_id("orphan-claims"))
@@ -259,6 +279,15 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         definition: ServiceDefinition = ts.run_spec.definition
         key = ts.key
         self.definitions[key] = definition
+        if definition.placement is not None:
+            group = self.placements.get(definition.placement)
+            if group is None:
+                # its round-robin starts where the last one stopped, as runs without a
+                # group do: many small groups (shuffles into one partition) spread out
+                group = self.placements[definition.placement] = PlacementGroup(
+                    start=self._next_owner)
+                self._next_owner += len(definition.output_keys)
+            group.service_tasks += 1
         self.machines[key] = rs.ServiceTaskMachine(
             key, definition.input_keys, definition.output_keys, self.max_restarts,
             validating=bool(getattr(self.scheduler, "validate", False)),
@@ -509,7 +538,11 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             while len(self.archive) > machine.story_runs:
                 self.archive.popitem(last=False)
             definition = self.definitions.pop(key)
-            self._forget_placement_if_unused(definition.placement)
+            if definition.placement is not None:
+                group = self.placements[definition.placement]
+                group.service_tasks -= 1
+                if not group.service_tasks:
+                    del self.placements[definition.placement]
             for h, i in zip(definition.handoff_keys, definition.input_keys, strict=True):
                 self.handoff_of.pop(h, None)
                 hs = self.handoffs_of_input.get(i)
@@ -664,7 +697,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                 load[worker] += 1
         return placement
 
-    def _placement(self, group: str, service_key: Key, participants: list[str]) -> dict:
+    def _placement(self, name: str, service_key: Key, participants: list[str]) -> dict:
         """Output index -> worker, shared by every service task of one placement group.
 
         An index is mapped to a worker once, and again only when that worker has left the
@@ -672,33 +705,20 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         ``participants="input-holders"``) places such an output among its own for itself
         alone, and later runs of the group agree with the earlier ones again.  The mapping
         lasts while a service task of the group is known to the scheduler (the two sides
-        of a merge are, together): the next group's first run maps the indices over the
+        of a merge are, together): the next group of the name maps the indices over the
         workers of its own time, so a cluster that grew, a worker paused or a run
         restricted to some workers shapes no later shuffle's placement."""
-        if group not in self.placements:
-            self.placements[group] = {}
-            # start where the last round-robin stopped, as runs without a group do: many
-            # small groups (shuffles into one partition) spread over the workers
-            self._placement_starts[group] = self._next_owner
-            self._next_owner += len(self.definitions[service_key].output_keys)
-        by_index, start = self.placements[group], self._placement_starts[group]
-        outputs = self.definitions[service_key].output_keys
+        group = self.placements[name]
         result = {}
-        for i, key in enumerate(outputs):
-            worker = by_index.get(i)
+        for i, key in enumerate(self.definitions[service_key].output_keys):
+            worker = group.by_index.get(i)
             if worker is None or worker not in self.scheduler.workers:
-                worker = by_index[i] = participants[(start + i) % len(participants)]
+                worker = group.by_index[i] = participants[(group.start + i)
+                                                          % len(participants)]
             elif worker not in participants:
-                worker = participants[(start + i) % len(participants)]
+                worker = participants[(group.start + i) % len(participants)]
             result[key] = worker
         return result
-
-    def _forget_placement_if_unused(self, group: str | None) -> None:
-        """Drop ``group``'s mapping once no service task of it is left."""
-        if group is not None and not any(
-                d.placement == group for d in self.definitions.values()):
-            self.placements.pop(group, None)
-            self._placement_starts.pop(group, None)
 
     def run_info(self, service_key: Key) -> dict | None:
         machine = self.machines.get(service_key)

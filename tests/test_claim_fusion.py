@@ -24,7 +24,12 @@ from utils import (
 )
 
 import dask_services  # noqa: F401
-from dask_services.graph import ConsumingClaimSpec, OutputClaimSpec, ServiceTaskSpec
+from dask_services.graph import (
+    ConsumingClaimSpec,
+    HandOffSpec,
+    OutputClaimSpec,
+    ServiceTaskSpec,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -252,8 +257,7 @@ async def test_a_consumer_key_fused_in_one_graph_and_not_in_the_next(c, s, a, b)
     assert await c.compute(y.sum() + y[0, 0]) == arr.sum() + arr[0, 0]
     assert await c.compute(y.sum()) == arr.sum()  # hung
     s.validate_state()
-    # the sums of a persisted y are plain tasks with the fused ones' keys: the service
-    # task sent for those keys at the same time owns nothing and is forgotten
+    # the sums of a persisted y are plain tasks with the fused ones' keys, sent at once
     kept = c.persist(y)
     await wait(kept)
     plain, fused = c.compute(kept.sum()), c.compute(y.sum())
@@ -277,6 +281,27 @@ async def test_claims_made_for_a_kept_key_are_forgotten(c, s, a, b):
     with dask.config.set({"dask_services.fuse-consumers": False}):
         assert await c.compute(y.sum()) == arr.sum()
         assert await c.compute(y.sum() + y[0, 0]) == arr.sum() + arr[0, 0]
+    s.validate_state()
+    del held, y
+    await assert_nothing_left(s, [a, b])
+
+
+@service_cluster(timeout=90)
+async def test_a_fused_service_task_whose_outputs_are_all_kept_keys_is_forgotten(c, s, a, b):
+    """Unfused sums held, then the same sums fused: every output of the fused service task
+    is a key the scheduler keeps as a plain task, so it owns none and nothing needs it;
+    it and its hand-offs are forgotten at once, not kept beside the held result."""
+    arr = np.arange(400 * 400.0).reshape(400, 400)
+    y = da.from_array(arr, chunks=(20, 400)).rechunk((400, 20), method="service")
+    with dask.config.set({"dask_services.fuse-consumers": False}):
+        held = c.compute(y.sum())
+        assert await held == arr.sum()
+    plugin = s.extensions["dask_services"]
+    (unfused,) = plugin.machines
+    assert await c.compute(y.sum()) == arr.sum()
+    await async_poll_for(lambda: list(plugin.machines) == [unfused], timeout=5)
+    handoffs = [k for k, ts in s.tasks.items() if isinstance(ts.run_spec, HandOffSpec)]
+    assert handoffs and {plugin.handoff_of.get(k) for k in handoffs} == {unfused}
     s.validate_state()
     del held, y
     await assert_nothing_left(s, [a, b])

@@ -406,17 +406,47 @@ async def test_on_a_cluster_and_merge_alignment(c, s, a, b, w3):
     right = pd.DataFrame({"k": np.arange(100) % 50, "b": np.arange(100)})
     merged = dd.merge(dd.from_pandas(left, npartitions=5), dd.from_pandas(right, npartitions=4),
                       on="k", shuffle_method="service", npartitions=6)
-    held = c.persist(merged)  # its service tasks stay known while it is held
-    await wait(held)
-    # the two shuffles of the merge produced partition i on the same worker
+    # the two shuffles of the merge produce partition i on the same worker
     plugin = s.extensions["dask_services"]
-    assert any(len(v) == 6 for k, v in plugin.placements.items() if k.endswith("-6"))
-    res = await c.compute(held)
+    placed: list[list[str]] = []
+    placement = plugin._placement
+
+    def recorded(name, service_key, participants):
+        result = placement(name, service_key, participants)
+        placed.append(list(result.values()))
+        return result
+
+    with mock.patch.object(plugin, "_placement", recorded):
+        res = await c.compute(merged)
+    assert len(placed) == 2 and placed[0] == placed[1] and len(placed[0]) == 6, placed
     exp = left.merge(right, on="k")
     pd.testing.assert_frame_equal(res.sort_values(["k", "a", "b"]).reset_index(drop=True),
                                   exp.sort_values(["k", "a", "b"]).reset_index(drop=True))
-    del ours, res, held
+    del ours, res
     await assert_nothing_left(s, [a, b, w3])
+
+
+@service_cluster(nthreads=[("127.0.0.1", 1)] * 2)
+async def test_shuffles_into_one_partition_one_after_another_take_turns(c, s, a, b):
+    """Each new placement group starts where the last round-robin stopped: shuffles into
+    one partition, one after another, do not all put it on the first worker."""
+    plugin = s.extensions["dask_services"]
+    placed: list[str] = []
+    placement = plugin._placement
+
+    def recorded(name, service_key, participants):
+        result = placement(name, service_key, participants)
+        placed.extend(result.values())
+        return result
+
+    pdf = pd.DataFrame({"k": np.arange(200) % 7, "x": np.arange(200)})
+    with mock.patch.object(plugin, "_placement", recorded):
+        for i in range(4):
+            got = await c.compute(dd.from_pandas(pdf.assign(x=pdf.x + i), npartitions=4)
+                                  .shuffle("k", npartitions=1, shuffle_method="service"))
+            assert len(got) == 200
+            await assert_nothing_left(s, [a, b])
+    assert len(placed) == 4 and set(placed) == {a.address, b.address}, placed
 
 
 @service_cluster(nthreads=[("127.0.0.1", 1)] * 2)
@@ -450,7 +480,6 @@ async def test_a_shuffle_places_its_outputs_over_the_workers_of_its_own_time(c, 
         pd.testing.assert_frame_equal(result.sort_values("x"), pdf.assign(x=pdf.x + 1))
         del later, result
         await assert_nothing_left(s, [a, b, w3])
-    assert s.extensions["dask_services"].placements == {}
 
 
 @service_cluster(nthreads=[("127.0.0.1", 1)] * 2)

@@ -63,8 +63,9 @@ async def assert_nothing_left(s, workers, timeout: float = 10) -> None:
             if os.path.isdir(base):  # made with the first thing in it, gone with the last
                 left.append(f"{w.address} directory {base}: {os.listdir(base)}")
         plugin = s.extensions["dask_services"]
-        for name in ("machines", "cut", "unplaced", "produced_at", "restrictions", "handoff_of",
-                     "output_of"):
+        for name in ("machines", "definitions", "cut", "unplaced", "produced_at",
+                     "restrictions", "handoff_of", "output_of", "placements",
+                     "maybe_unneeded"):
             if getattr(plugin, name):
                 left.append(f"scheduler {name}: {list(getattr(plugin, name))[:3]}")
         return left
