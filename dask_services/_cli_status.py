@@ -149,7 +149,6 @@ async def _ask(args: argparse.Namespace, timeout: float) -> Any:
         async with asyncio.timeout(timeout):
             await client
     except BaseException:
-        # never connected: closing waits for nothing that will answer, so briefly
         await _close(client, min(timeout, 1.0))
         raise
     try:
@@ -158,13 +157,17 @@ async def _ask(args: argparse.Namespace, timeout: float) -> Any:
             return await status(client, table=args.table)
     except KeyError:
         raise
+    except TimeoutError as exc:
+        raise _NoAnswer(f"no answer within {args.timeout}") from exc
     except Exception as exc:
         raise _NoAnswer(f"{type(exc).__name__}: {exc}") from exc
     finally:
-        await _close(client, timeout)
+        await _close(client, min(timeout, 1.0))
 
 
 async def _close(client: Any, timeout: float) -> None:
+    """Close ``client``, for at most ``timeout``: a scheduler that never answered, or
+    stopped answering, would keep the command waiting."""
     import asyncio
 
     try:

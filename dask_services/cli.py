@@ -537,10 +537,11 @@ def _bad_argument(args: argparse.Namespace) -> str | None:
         _benchmarks()
         from benchmarks.queries import QUERIES
 
-        unknown = sorted(set(q for q in args.queries.split(",") if q) - set(QUERIES))
-        if unknown:
+        names = [q for q in args.queries.split(",") if q]
+        unknown = sorted(set(names) - set(QUERIES))
+        if unknown or (args.queries and not names):
             return (f"--queries takes a comma-separated list of {', '.join(QUERIES)}; "
-                    f"got {', '.join(unknown)} (e.g. --queries q3,q5)")
+                    f"got {args.queries!r} (e.g. --queries q3,q5)")
     if args.what == "replicated":
         cases = [c for c in args.cases.split(",") if c]
         if not cases or any(c not in CASES for c in cases):

@@ -33,6 +33,7 @@ pytestmark = pytest.mark.timeout(60)
     (["bench", "queries", "--scale", "0"], "--scale takes a positive number"),
     (["bench", "queries", "--queries", "q3,q99"], "--queries takes a comma-separated list "
                                                   "of q3, q5"),
+    (["bench", "queries", "--queries", ","], "--queries takes a comma-separated list"),
     (["bench", "shuffle", "--consumer", "bogus"], "--consumer of bench shuffle takes"),
     (["bench", "rechunk", "--consumer", "len"], "--consumer of bench rechunk takes a "
                                                 "comma-separated list of none, sum"),
