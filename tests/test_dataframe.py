@@ -242,6 +242,20 @@ def test_multiindex_columns_refused():
         ddf.merge(ddf, on=[("a", 1)]).compute(scheduler="sync")
 
 
+def test_the_wrapper_names_what_it_takes():
+    pdf = pd.DataFrame({"k": [1, 2, 3], "x": [1.0, 2.0, 3.0]})
+    ddf = dd.from_pandas(pdf, npartitions=2)
+    with pytest.raises(TypeError, match="takes a dask DataFrame.*pandas.*from_pandas"):
+        shuffle(pdf, "k")
+    with pytest.raises(TypeError, match="always shuffles with 'service'.*shuffle_method='tasks'"):
+        shuffle(ddf, "k", shuffle_method="tasks")
+    # naming the method it uses anyway is fine
+    ours = shuffle(ddf, "k", npartitions=2, shuffle_method="service").compute(scheduler="sync")
+    pd.testing.assert_frame_equal(ours.sort_values("k"), pdf)
+    pd.testing.assert_series_equal(
+        shuffle(ddf.k, ddf.k).compute(scheduler="sync").sort_values(), pdf.k)
+
+
 def test_stable_order_keeps_drop_duplicates_right():
     pdf = pd.DataFrame({"k": [1, 2, 1, 2, 1, 3] * 5, "v": range(30)})
     ddf = dd.from_pandas(pdf, npartitions=4)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import dask.dataframe as dd
+
 from dask_services.dataframe._expr import (
     METHOD,
     ServiceShuffle,
@@ -30,5 +32,18 @@ def shuffle(df: Any, on: Any, npartitions: int | None = None, **kwargs: Any) -> 
 
     Same rows per output partition as ``df.shuffle(on, shuffle_method="tasks")``.
     """
-    refuse_multiindex_columns(getattr(df, "_meta", df))
+    if not isinstance(df, (dd.DataFrame, dd.Series)):
+        raise TypeError(
+            f"dask_services.dataframe.shuffle takes a dask DataFrame or Series, got "
+            f"{type(df).__module__}.{type(df).__qualname__}; make one with "
+            f"dask.dataframe.from_pandas(df, npartitions=...)"
+        )
+    method = kwargs.pop("shuffle_method", METHOD)
+    if method != METHOD:
+        raise TypeError(
+            f"dask_services.dataframe.shuffle always shuffles with {METHOD!r}, got "
+            f"shuffle_method={method!r}; for another method call "
+            f"df.shuffle(on, shuffle_method={method!r})"
+        )
+    refuse_multiindex_columns(df._meta)
     return df.shuffle(on, npartitions=npartitions, shuffle_method=METHOD, **kwargs)
