@@ -116,5 +116,10 @@ async def call_from_async_task(svc, x: int) -> int:
     return await svc.add.route(x)
 
 
+def whoami_from_task(svc, i: int) -> str:
+    """A task asking which replica answered, through its own unpickled handle."""
+    return svc.whoami.route().result(timeout=30)
+
+
 def inc(x: int) -> int:
     return x + 1

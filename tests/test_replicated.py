@@ -16,6 +16,7 @@ from replicated_services import (
     call_from_async_task,
     call_from_task,
     inc,
+    whoami_from_task,
 )
 from utils import any_task_suspended_in
 
@@ -359,6 +360,21 @@ async def test_pickled_handle_in_tasks_and_submit_futures(c, s, *workers):
     assert sorted(await svc.ask_peer.route(1)) == [101, 101]  # replicas call their peers
     del f, g, h
     await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
+@cluster()
+async def test_calls_from_many_tasks_spread_over_the_replicas(c, s, *workers):
+    # every task unpickles a fresh handle that knows no load yet: they used to all pick
+    # the first replica, so replicas added for the load got none of it
+    for router in ["least_loaded", "round_robin"]:
+        svc = await Adder.options(replicas=4, router=router).as_service(client=c)
+        ids = set(await svc.whoami.fanout())
+        got = await c.gather(c.map(whoami_from_task, [svc] * 60, range(60)))
+        assert set(got) == ids  # a replica missed by 60 random picks: < 4 * 0.75**60
+        got = await c.gather([svc.whoami.submit() for _ in range(60)])
+        assert set(got) == ids
+        await svc.shutdown()
     await assert_nothing_left(s, workers)
 
 

@@ -243,7 +243,11 @@ def views(*loads):
 
 def test_routers():
     rr = RoundRobin()
-    assert [rr.choose(views(0, 0, 0)).id for _ in range(4)] == ["r0", "r1", "r2", "r0"]
+    picks = [rr.choose(views(0, 0, 0)).id for _ in range(4)]
+    assert sorted(picks[:3]) == ["r0", "r1", "r2"] and picks[3] == picks[0]  # in turn
+    # fresh routers (one per task calling the service) start at different replicas
+    assert len({RoundRobin().choose(views(0, 0, 0)).id for _ in range(60)}) == 3
+    assert len({LeastLoaded().choose(views(0, 0, 0)).id for _ in range(60)}) == 3
     ll = LeastLoaded()
     assert ll.choose(views(3, 1, 2)).id == "r1"
     assert {ll.choose(views(0, 0, 5)).id for _ in range(4)} == {"r0", "r1"}  # ties take turns

@@ -36,13 +36,20 @@ class Router(Protocol):
         ...
 
 
+def _first_turn() -> int:
+    """A random first turn, so that callers that know nothing yet spread their calls."""
+    return random.randrange(1 << 30)
+
+
 class RoundRobin:
     """Each replica in turn."""
 
     def __init__(self) -> None:
         # a plain number, not an ``itertools.count``: a router travels pickled with its
-        # handle, and itertools objects stop pickling in Python 3.14 (3.12 warns)
-        self._turns = 0
+        # handle, and itertools objects stop pickling in Python 3.14 (3.12 warns).  It
+        # starts at a random turn: every task calling the service makes a fresh handle
+        # (and router), and fresh routers starting alike would all pick the first replica
+        self._turns = _first_turn()
 
     def choose(self, replicas: Sequence[ReplicaView]) -> ReplicaView:
         """The next replica in id order."""
@@ -55,7 +62,7 @@ class LeastLoaded:
     """The replica with the fewest calls in flight (ties: fewest sessions, then in turn)."""
 
     def __init__(self) -> None:
-        self._turns = 0  # a plain number: see RoundRobin
+        self._turns = _first_turn()  # see RoundRobin: a fresh handle knows no load yet
 
     def choose(self, replicas: Sequence[ReplicaView]) -> ReplicaView:
         """The least-loaded replica."""
