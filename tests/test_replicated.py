@@ -417,6 +417,41 @@ async def test_retiring_a_worker_moves_its_replica(c, s, *workers):
     await assert_nothing_left(s, [w for w in workers if w.address != leaving])
 
 
+@cluster(nthreads=[("127.0.0.1", 1, {"resources": {"slot": 1}})] * 3)
+async def test_a_replica_waiting_for_a_resource_takes_the_one_another_service_frees(
+        c, s, *workers):
+    # only a worker joining used to wake a waiting replica: services sharing resource-
+    # limited workers never handed capacity to each other
+    a = await Adder.options(replicas=2, resources={"slot": 1}, name="a").as_service(client=c)
+    b = await Adder.options(replicas=1, resources={"slot": 1}, name="b").as_service(client=c)
+
+    async def healthy_b(n):
+        await async_poll_for(lambda: sum(
+            m.state.value == "healthy"
+            for m in s.extensions["dask_services_replicated"].deployments["b"].slots.values()
+        ) == n, timeout=10)
+
+    growing = asyncio.ensure_future(b.scale(2))
+    await async_poll_for(lambda: any(
+        m.waiting_for_worker
+        for m in s.extensions["dask_services_replicated"].deployments["b"].slots.values()),
+        timeout=10)
+    await a.scale(1)  # frees a slot: b's second replica takes it
+    await healthy_b(2)
+    await growing
+    growing = asyncio.ensure_future(b.scale(3))
+    await async_poll_for(lambda: any(
+        m.waiting_for_worker
+        for m in s.extensions["dask_services_replicated"].deployments["b"].slots.values()),
+        timeout=10)
+    await a.shutdown()  # frees the last slot
+    await healthy_b(3)
+    await growing
+    assert len(set(await b.whoami.fanout())) == 3
+    await b.shutdown()
+    await assert_nothing_left(s, workers)
+
+
 @cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_placement_options(c, s, w):
     with pytest.raises(DeploymentError, match="not healthy after"):

@@ -87,7 +87,8 @@ class NoWorker:
 
 @dataclass(frozen=True)
 class WorkerAdded:
-    """A worker joined or became eligible: a replica waiting for one launches again."""
+    """A worker joined or became eligible (another replica let go of its workers): a
+    replica waiting for one launches again."""
     stimulus_id: str = _stimulus("replica-worker-added")
 
 

@@ -104,6 +104,7 @@ class Deployments(SchedulerPlugin):
         self._orphan_stops: dict[str, asyncio.Task] = {}
         # (worker, incarnation id) of every stop under way: its replica is not an orphan
         self._stops_under_way: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._freed_pending = False  # a "capacity freed" broadcast is due this loop turn
 
     async def start(self, scheduler: Scheduler) -> None:
         """Install the scheduler handlers, start the health probes and register the
@@ -427,6 +428,7 @@ class Deployments(SchedulerPlugin):
             await self._await([t for t in dep.tasks if t not in stops], 10)
         finally:
             self.deployments.pop(name, None)
+            self._capacity_freed()
             self.reports.prune(self.placed())
             dep.stopped.set()
             dep.notify()
@@ -493,6 +495,22 @@ class Deployments(SchedulerPlugin):
         elif status == Status.running.name:
             self._broadcast(lc.WorkerAdded(stimulus_id=stimulus_id))
 
+    def _capacity_freed(self) -> None:
+        """A replica let go of its workers (stopped, scaled down, unhealthy, its service
+        shut down): replicas of any service waiting for a worker, a resource or a
+        ``max_replicas_per_worker`` place try again, once the current step is carried
+        out (one broadcast per turn of the loop, however many replicas let go)."""
+        if self._freed_pending:
+            return
+        self._freed_pending = True
+
+        def broadcast() -> None:
+            self._freed_pending = False
+            if self.scheduler is not None:
+                self._broadcast(lc.WorkerAdded(stimulus_id=new_stimulus_id("capacity-freed")))
+
+        asyncio.get_running_loop().call_soon(broadcast)
+
     def _broadcast(self, event: lc.Event) -> None:
         for dep in list(self.deployments.values()):
             if dep.stopping:
@@ -543,11 +561,14 @@ class Deployments(SchedulerPlugin):
                 self._spawn(dep, self._start(dep, slot, action.id,
                                              (action.worker, *action.others)))
             elif isinstance(action, lc.Stop):
+                self._capacity_freed()
                 drain = config_seconds("drain-timeout") if timeout is None else timeout
                 for worker in (action.worker, *action.others):
                     stops.append(self._spawn(dep, self._stop(
                         worker, action.id, drain if action.drain else 0, reason)))
             elif isinstance(action, lc.StateChanged):
+                if action.state in (ReplicaState.UNHEALTHY, ReplicaState.STOPPED):
+                    self._capacity_freed()
                 self._log(dep.name, action.state.value, machine.id, machine.worker,
                           machine.last_error)
                 dep.notify()
