@@ -359,12 +359,15 @@ class Deployments(SchedulerPlugin):
             if dep.autoscaling is None or dep.stopping:
                 continue
             active = dep.active()
-            if any(m.state is ReplicaState.UNHEALTHY for m in active.values()):
-                continue  # setup fails: more replicas would not help
             decision = dep.autoscaling.observe(now, len(active), self.ongoing(dep),
                                                dep.floor)
-            if decision is not None:
-                self.autoscale(dep, decision)
+            if decision is None:
+                continue
+            if decision.target > decision.current and any(
+                    m.state is ReplicaState.UNHEALTHY for m in active.values()):
+                continue  # setup fails: more replicas would not help (fewer are fine:
+                # a scale-down stops the unhealthy ones first)
+            self.autoscale(dep, decision)
 
     def autoscale(self, dep: Deployment, decision: Decision) -> None:
         """Carry out an autoscaling decision (logged with its reason)."""
