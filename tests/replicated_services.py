@@ -12,6 +12,7 @@ import dask_services
 
 # Events that endpoints wait for, by name: shared with the test only on in-process workers.
 GATES: dict[str, asyncio.Event] = {}
+STARTS: dict[str, int] = {}  # calls of ``count_and_wait`` started, by tag
 
 
 class Adder(dask_services.Service):
@@ -61,6 +62,13 @@ class Adder(dask_services.Service):
     async def wait_for(self, gate: str, value: int) -> int:
         await GATES.setdefault(gate, asyncio.Event()).wait()
         return value
+
+    @dask_services.endpoint
+    async def count_and_wait(self, gate: str, tag: str) -> str:
+        """Counts its starts in ``STARTS[tag]``, then waits for ``GATES[gate]``."""
+        STARTS[tag] = STARTS.get(tag, 0) + 1
+        await GATES.setdefault(gate, asyncio.Event()).wait()
+        return tag
 
     @dask_services.endpoint
     async def fail(self, message: str) -> None:

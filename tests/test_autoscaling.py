@@ -9,10 +9,10 @@ import tempfile
 import pytest
 from distributed.utils_test import async_poll_for
 from gang_services import Sleeper
-from replicated_services import GATES, Adder
+from replicated_services import GATES, STARTS, Adder
 from test_replicated import assert_nothing_left, cluster
 
-from dask_services.replicated import ReplicaOptions, ServiceShutdown
+from dask_services.replicated import ReplicaOptions, ServiceShutdown, ServiceUnavailable
 from dask_services.replicated._autoscale import AutoscalePolicy, AutoscalingConfig, Decision
 
 pytestmark = pytest.mark.timeout(60)
@@ -267,6 +267,58 @@ async def _holding_both_replicas(svc, s, workers, gate: str):
     (victim,) = [m for m in dep.slots.values() if m.state.value == "stopped"]
     (worker,) = {w for w, sid in ext._stops_under_way if sid == str(victim.id)}
     return calls, scaling, worker
+
+
+async def _reported_busy(s, sid) -> None:
+    await async_poll_for(lambda: s.extensions[EXT].reports.get(str(sid))["in_flight"] == 1,
+                         timeout=10)
+
+
+@cluster(nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_scale_down_stops_an_idle_replica_before_a_busy_one(c, s, a, b):
+    # the newest replica was stopped first, busy or not: its calls had to finish within
+    # the drain while an idle replica stayed
+    from dask_services.replicated._handle import PeerEndpoints
+
+    svc = await Adder.options(replicas=2, max_replicas_per_worker=1).as_service(client=c)
+    dep = s.extensions[EXT].deployments[svc.name]
+    newest = dep.slots[max(dep.slots)].id
+    call = asyncio.ensure_future(PeerEndpoints(svc, newest).wait_for("idle-first", 5))
+    await _reported_busy(s, newest)
+    await svc.scale(1)
+    assert [m.id for m in dep.active().values()] == [newest]
+    GATES.setdefault("idle-first", asyncio.Event()).set()
+    assert await call == 5
+    await svc.shutdown()
+    await assert_nothing_left(s, [a, b])
+
+
+@cluster(nthreads=[("127.0.0.1", 1)] * 2,
+         config={"dask_services.replicated.drain-timeout": "300ms"})
+async def test_a_call_cut_by_a_scale_down_fails_and_is_not_run_again(c, s, a, b):
+    # a call still running when a scale-down's drain ended was sent to another replica
+    # and ran twice: a normal scaling decision must not repeat a call's effects
+    STARTS.clear()
+    svc = await Adder.options(replicas=2, max_replicas_per_worker=1).as_service(client=c)
+    dep = s.extensions[EXT].deployments[svc.name]
+    first = asyncio.ensure_future(svc.count_and_wait.route("cut", "first"))
+    await async_poll_for(lambda: STARTS.get("first") == 1, timeout=10)
+    second = asyncio.ensure_future(svc.count_and_wait.route("cut", "second"))
+    await async_poll_for(lambda: STARTS.get("second") == 1, timeout=10)
+    for m in dep.active().values():  # one call on each replica
+        await _reported_busy(s, m.id)
+    await svc.scale(1)
+    done, running = await asyncio.wait([first, second], timeout=5,
+                                       return_when=asyncio.FIRST_COMPLETED)
+    (cut,) = done
+    with pytest.raises(ServiceUnavailable, match="scaled down.*drain-timeout.*not sent again"):
+        await cut
+    GATES.setdefault("cut", asyncio.Event()).set()
+    (kept,) = running
+    assert await kept in ("first", "second")
+    assert STARTS == {"first": 1, "second": 1}
+    await svc.shutdown()
+    await assert_nothing_left(s, [a, b])
 
 
 @cluster(nthreads=[("127.0.0.1", 1)] * 2,

@@ -29,6 +29,12 @@ class ReplicaGone(ServiceError):
     """The addressed replica does not exist (any more) on that worker; internal, retried."""
 
 
+class ScaledDown(ReplicaGone):
+    """The replica is being scaled down: calls it has not started are sent elsewhere, a
+    call still running when its drain ends is not (it started, and may have had effects);
+    internal."""
+
+
 class BatchResultError(ServiceError, ValueError):
     """A batched endpoint returned something other than one result per request (raised
     at every caller of that batch)."""

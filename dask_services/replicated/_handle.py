@@ -613,6 +613,8 @@ class ReplicatedService:
                         raise ServiceOverloaded(resp["message"])
                     if status == "shutdown":
                         raise ServiceShutdown(resp["message"])
+                    if status == "cut":  # started, then its replica was scaled down
+                        raise ServiceUnavailable(resp["message"])
                     failure = (f"{target.id}: {resp['message']}" if status == "gone"
                                else f"{target.id} on {target.worker}: no answer ({resp!r})")
                 finally:

@@ -329,7 +329,10 @@ class Deployments(SchedulerPlugin):
         active = dep.active()
         order = {ReplicaState.UNHEALTHY: 0, ReplicaState.UNINITIALIZED: 1,
                  ReplicaState.RECOVERING: 2, ReplicaState.HEALTHY: 3}
-        victims = sorted(active, key=lambda s: (order[active[s].state], -s))[:len(active) - n]
+        # the least busy first (an idle replica rather than one whose calls would have to
+        # finish within the drain), then the newest
+        victims = sorted(active, key=lambda s: (order[active[s].state],
+                                                self._busy(active[s]), -s))[:len(active) - n]
         stops = []
         for s in victims:
             stops += self._apply(dep, s, dep.slots[s].handle(lc.StopRequested()),
@@ -346,12 +349,15 @@ class Deployments(SchedulerPlugin):
     def ongoing(self, dep: Deployment) -> int:
         """Calls running or queued on the deployment's healthy replicas, as of their
         workers' last heartbeats."""
-        total = 0
-        for m in dep.slots.values():
-            if m.state is ReplicaState.HEALTHY:
-                figures = self.reports.get(str(m.id))
-                total += int(figures["in_flight"]) + int(figures["queued"])
-        return total
+        return sum(self._busy(m) for m in dep.slots.values())
+
+    def _busy(self, m: lc.ReplicaMachine) -> int:
+        """Calls running or queued on a healthy replica, as of its worker's last
+        heartbeat (0 for a replica not healthy)."""
+        if m.state is not ReplicaState.HEALTHY:
+            return 0
+        figures = self.reports.get(str(m.id))
+        return int(figures["in_flight"]) + int(figures["queued"])
 
     def _autoscale_all(self) -> None:
         now = asyncio.get_running_loop().time()

@@ -26,7 +26,12 @@ from distributed.protocol import pickle
 from dask_services._messages import dumps_exception
 from dask_services._worker_context import in_current_context, worker_handler
 from dask_services.replicated._batching import Batcher
-from dask_services.replicated._errors import ReplicaGone, ServiceOverloaded, ServiceShutdown
+from dask_services.replicated._errors import (
+    ReplicaGone,
+    ScaledDown,
+    ServiceOverloaded,
+    ServiceShutdown,
+)
 from dask_services.replicated._metrics import ReplicaMetrics
 from dask_services.replicated._options import endpoint_spec, is_endpoint
 from dask_services.replicated._queue import CallGate, ThreadCall, not_admitted
@@ -212,6 +217,8 @@ class ReplicaWorker(WorkerPlugin):
                 f"service {rep.name} is shutting down: the call was queued on replica "
                 f"{rep.id} and never started"
             )
+        elif reason == "scale-down":
+            exc = ScaledDown(f"replica {rep.id} is stopping ({reason})")
         else:
             exc = ReplicaGone(f"replica {rep.id} is stopping ({reason})")
         await self._stop(rep, timeout, exc)
@@ -397,11 +404,7 @@ class ReplicaWorker(WorkerPlugin):
                 if task is None or task.cancelling():
                     raise
                 return escaped(rep, method, e)
-            if isinstance(rep.closed_with, ReplicaGone):  # moved or worker closing: re-send
-                return {"status": "gone", "message": str(rep.closed_with)}
-            return {"status": "shutdown", "message": (
-                f"the call was cancelled: replica {rep.id} of {rep.name} stopped before it "
-                "finished (svc.shutdown timeout)")}
+            return cut_short(rep)
         except ReplicaGone as e:  # another rank of the replica is lost: re-sent
             return {"status": "gone", "message": str(e)}
         except Exception as e:
@@ -529,11 +532,7 @@ class ReplicaWorker(WorkerPlugin):
                 if task is None or task.cancelling():
                     raise
                 return escaped(rep, method, e)
-            if isinstance(rep.closed_with, ReplicaGone):
-                return {"status": "gone", "message": str(rep.closed_with)}
-            return {"status": "shutdown", "message": (
-                f"the call was cancelled: replica {rep.id} of {rep.name} stopped before it "
-                "finished (svc.shutdown timeout)")}
+            return cut_short(rep)
         except Exception as e:
             if e is rep.closed_with:  # held for a batch when the replica stopped
                 status = "gone" if isinstance(e, ReplicaGone) else "shutdown"
@@ -609,3 +608,20 @@ def arguments(rep: HostedReplica, method: str, payload: Any,
     except Exception as e:
         raise TypeError(f"the arguments of {rep.name}.{method} cannot be loaded on the "
                         f"replica's worker: {type(e).__name__}: {e}") from e
+
+
+def cut_short(rep: HostedReplica) -> dict:
+    """The answer to a call that started and was cancelled because its replica stopped
+    before it finished: sent elsewhere when the replica moves or its worker closes (as
+    when a worker dies: at least once), failed when the replica is scaled down (a normal
+    decision must not run a call twice) or its service shut down."""
+    if isinstance(rep.closed_with, ScaledDown):
+        return {"status": "cut", "message": (
+            f"the call was cancelled: replica {rep.id} of {rep.name} was scaled down and "
+            "the call ran past its drain (dask_services.replicated.drain-timeout); it is "
+            "not sent again, since it had started")}
+    if isinstance(rep.closed_with, ReplicaGone):  # moved or worker closing: re-send
+        return {"status": "gone", "message": str(rep.closed_with)}
+    return {"status": "shutdown", "message": (
+        f"the call was cancelled: replica {rep.id} of {rep.name} stopped before it "
+        "finished (svc.shutdown timeout)")}
