@@ -189,6 +189,37 @@ def test_zero_dimensional_and_unchanged_arrays_are_returned_as_they_are():
     assert y.rechunk(2, method="service") is y
 
 
+def test_negative_chunk_sizes_are_refused_when_the_graph_is_built():
+    # they were taken: a culled output then held uninitialized memory, with no error
+    x = da.from_array(np.arange(40.0), chunks=10)
+    with pytest.raises(ValueError, match="chunk sizes must be >= 0, axis 0 has -10"):
+        x.rechunk(((50, -10),), method="service")
+
+
+def _a_row_short(block, block_info=None):
+    return block[:-1] if block_info[0]["chunk-location"][0] == 1 else block
+
+
+FORCED_EXCHANGE = {"dask_services.rechunk.copy-max-inputs": 0,
+                   "dask_services.rechunk.merge-region-max": 0}
+
+
+@pytest.mark.parametrize("new, settings", [
+    ((40, 3), {}),  # copy tasks
+    ((20, 12), {}),  # merge tasks
+    ((40, 3), FORCED_EXCHANGE),  # a service task, in place
+    ((40, 3), {**FORCED_EXCHANGE, "dask_services.rechunk.buffer-fraction": 1e-12}),
+])
+def test_a_chunk_of_another_shape_than_declared_fails_clearly(new, settings):
+    # a block a row short was padded with uninitialized memory, with no error
+    base = np.arange(40 * 12, dtype="f8").reshape(40, 12)
+    x = da.from_array(base, chunks=(10, 12)).map_blocks(_a_row_short, dtype="f8")
+    with dask.config.set(settings), \
+            pytest.raises(ValueError, match="another shape than the array's chunks say|"
+                                            "has shape .9, 12., but the array's chunks say"):
+        x.rechunk(new, method="service").compute(scheduler="sync")
+
+
 def test_unknown_chunk_sizes():
     a = sample((30, 8), np.float64)
     x = da.from_array(a, chunks=(10, 4))
@@ -275,6 +306,26 @@ async def test_every_dtype_on_a_cluster_and_culled_outputs(c, s, a, b):
     block = await c.compute(y.blocks[2, 1])
     np.testing.assert_array_equal(block, arr[20:30, 10:20])
     del block, y
+    await assert_nothing_left(s, [a, b])
+
+
+@service_cluster(timeout=60)
+async def test_one_rechunk_cut_two_ways_by_the_settings_shares_no_key(c, s, a, b):
+    # the same rechunk built under two pairs-per-task settings named its service tasks
+    # alike: computed one after the other, the second waited for ever
+    arr = np.arange(300 * 90, dtype="f8").reshape(300, 90)
+    x = da.from_array(arr, chunks=(7, 90))
+    with dask.config.set(FORCED_EXCHANGE):
+        y1 = x.rechunk((13, 90), method="service")
+    with dask.config.set({**FORCED_EXCHANGE, "dask_services.rechunk.pairs-per-task": 1}):
+        y2 = x.rechunk((13, 90), method="service")
+    assert y1.name != y2.name
+    np.testing.assert_array_equal(await c.compute(y1), arr)
+    np.testing.assert_array_equal(await asyncio.wait_for(c.compute(y2), 20), arr)
+    both = c.compute([y1, y2])  # at once too
+    for got in await asyncio.wait_for(c.gather(both), 20):
+        np.testing.assert_array_equal(got, arr)
+    del both
     await assert_nothing_left(s, [a, b])
 
 

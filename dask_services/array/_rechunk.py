@@ -41,6 +41,10 @@ def handles(x: Array) -> bool:
     return type(x._meta) is np.ndarray
 
 
+# the settings that decide how a rechunk is cut into tasks
+_CUT_BY = ("pairs-per-task", "copy-max-inputs", "slice-saving", "merge-region-max")
+
+
 def service_rechunk(x: Array, chunks: Any = "auto", block_size_limit: Any = None,
                     balance: bool = False) -> Array:
     """``x`` rechunked by one :class:`ArrayRechunk` service task.
@@ -68,7 +72,10 @@ def service_rechunk(x: Array, chunks: Any = "auto", block_size_limit: Any = None
         return da.empty(x.shape, chunks=chunks, dtype=x.dtype)
     from dask_services.array._service import merge_plan
 
-    token = tokenize(x, chunks, METHOD)
+    # the settings that cut the rechunk into tasks are part of its name: the same rechunk
+    # cut another way must not share keys with the first (a service task of one graph
+    # taken for the other's waited for ever)
+    token = tokenize(x, chunks, METHOD, [setting(f"rechunk.{name}") for name in _CUT_BY])
     name = f"rechunk-service-{token}"
     plan = merge_plan(x.chunks, chunks)
     if plan is not None:
@@ -313,6 +320,12 @@ def _normalize(x: Array, chunks: Any, block_size_limit: Any, balance: bool) -> t
                               previous_chunks=x.chunks)
     if len(chunks) != x.ndim:
         raise ValueError("Provided chunks are not consistent with shape")
+    for axis, sizes in enumerate(chunks):
+        negative = [c for c in sizes if c < 0]  # NaN (unknown) compares False
+        if negative:
+            raise ValueError(
+                f"rechunk: chunk sizes must be >= 0, axis {axis} has {negative[0]} in "
+                f"{sizes}; give sizes that add up to the axis' length ({x.shape[axis]})")
     if balance:
         chunks = tuple(_module._balance_chunksizes(c) for c in chunks)
     return chunks

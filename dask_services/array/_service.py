@@ -509,9 +509,33 @@ def output_shape(shape: tuple[float, ...], pieces: list[tuple[tuple[int, ...], n
 
 
 def fill(out: np.ndarray, pieces: list[tuple[tuple[int, ...], np.ndarray]]) -> np.ndarray:
-    """``out`` with every piece written at its offset."""
+    """``out`` with every piece written at its offset; the pieces must cover it exactly
+    (they cannot overlap: each is the part of one input chunk that the output takes)."""
+    covered = sum(piece.size for _, piece in pieces)
+    if covered != out.size:
+        raise ValueError(
+            f"rechunk: an output chunk of shape {out.shape} got {covered} elements from "
+            f"its input chunks instead of {out.size}: an input chunk has another shape "
+            "than the array's chunks say (a map_blocks returning blocks of other shapes "
+            "than its chunks= declares?). Make the blocks match their chunks, or give "
+            "map_blocks the right chunks="
+        )
     write_pieces([(out, offset, piece) for offset, piece in pieces])
     return out
+
+
+def check_block_shape(block: np.ndarray, declared: tuple[float, ...], key: Any) -> None:
+    """A clear error where input chunk ``key`` does not have the shape the array's chunks
+    declare (axes of unknown size, NaN, are not checked)."""
+    if block.ndim != len(declared) or any(
+            not math.isnan(d) and n != d for n, d in zip(block.shape, declared, strict=True)):
+        shape = tuple(d if math.isnan(d) else int(d) for d in declared)
+        raise ValueError(
+            f"rechunk: input chunk {key!r} has shape {block.shape}, but the array's chunks "
+            f"say {shape} (a map_blocks returning blocks of other shapes than its chunks= "
+            "declares?). Make the blocks match their chunks, or give map_blocks the right "
+            "chunks="
+        )
 
 
 def region(offset: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
@@ -598,6 +622,7 @@ class ArrayRechunk(PeerExchange):
         # has the index ``old_offset``; ``output_keys`` are its output chunks in C order
         # (``new_offset``, the first one's index in the array, is not needed here)
         self.new_chunks = new_chunks
+        self.old_chunks = old_chunks
         self.dtype = dtype
         self.overlaps = [axis_overlaps(o, n) for o, n in zip(old_chunks, new_chunks,
                                                              strict=True)]
@@ -639,6 +664,9 @@ class ArrayRechunk(PeerExchange):
     async def add_key(self, key, block: np.ndarray) -> None:
         assert self.stream is not None
         block = plain_numpy(block, key)  # a memmap or other plain subclass: its data
+        index = self.index_of[key]
+        check_block_shape(block, tuple(self.old_chunks[d][i] for d, i in enumerate(index)),
+                          key)
         by_destination = await self.concierge.run_in_executor(
             pieces_by_destination, block, self.index_of[key], self.overlaps, self.owner,
             self.id
