@@ -181,6 +181,29 @@ async def test_no_upscale_while_a_replica_is_unhealthy(c, s, a, b):
     await assert_nothing_left(s, [a, b])
 
 
+@cluster(nthreads=[("127.0.0.1", 1)] * 2, config=FAST)
+async def test_replicas_still_starting_are_not_scaled_down(c, s, a, b):
+    # with a setup slower than downscale_delay, the initial replicas were stopped while
+    # they started, and as_service() returned with fewer than it deploys
+    GATES.pop("slow-setup", None)
+    deploying = asyncio.ensure_future(Adder.options(autoscaling={
+        "min_replicas": 1, "max_replicas": 4, "initial_replicas": 3,
+        "downscale_delay": "0s"}).as_service(0, None, None, "slow-setup", client=c))
+    await async_poll_for(lambda: EXT in s.extensions and s.extensions[EXT].deployments,
+                         timeout=10)
+    ext = s.extensions[EXT]
+    (dep,) = ext.deployments.values()
+    await async_poll_for(lambda: len(dep.active()) == 3, timeout=10)
+    ext._autoscale_all()  # no load, no delay: would scale down at once
+    assert len(dep.active()) == 3
+    GATES.setdefault("slow-setup", asyncio.Event()).set()
+    svc = await deploying
+    assert [r["state"] for r in await svc.replicas()] == ["healthy"] * 3
+    await async_poll_for(lambda: len(dep.active()) == 1, timeout=10)  # then, idle: down
+    await svc.shutdown()
+    await assert_nothing_left(s, [a, b])
+
+
 def _rows(dask_scheduler) -> list[dict]:
     from dask_services.replicated._table import rows
 

@@ -369,10 +369,15 @@ class Deployments(SchedulerPlugin):
                                                dep.floor)
             if decision is None:
                 continue
-            if decision.target > decision.current and any(
-                    m.state is ReplicaState.UNHEALTHY for m in active.values()):
+            states = {m.state for m in active.values()}
+            if decision.target > decision.current and ReplicaState.UNHEALTHY in states:
                 continue  # setup fails: more replicas would not help (fewer are fine:
                 # a scale-down stops the unhealthy ones first)
+            if decision.target < decision.current and states & {
+                    ReplicaState.UNINITIALIZED, ReplicaState.RECOVERING}:
+                # replicas still starting (the initial ones, an upscale's) have had no
+                # load to take: the downscale delay runs again once they are up
+                continue
             self.autoscale(dep, decision)
 
     def autoscale(self, dep: Deployment, decision: Decision) -> None:
