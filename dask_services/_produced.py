@@ -9,6 +9,7 @@ they are, then waits too).  While the worker is paused they are written to disk
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -23,6 +24,7 @@ from distributed.protocol import deserialize_bytes, serialize_bytelist
 
 from dask_services._counters import size_of
 from dask_services._directory import in_directory, remove_if_empty
+from dask_services._spill import OutOfDiskError
 
 logger = logging.getLogger("dask_services")
 
@@ -70,7 +72,9 @@ class ProducedOutputs:
 
     def spill(self) -> tuple[int, int]:
         """Write every value held in memory to disk; returns how many and their bytes.
-        A value that cannot be serialized stays in memory (its claim takes the object)."""
+        A value that cannot be serialized stays in memory (its claim takes the object).
+        A write that fails (``OutOfDiskError`` for a full disk) raises, its file removed;
+        the values not written yet stay in memory."""
         count = written = 0
         with self._lock:
             held = list(self._values.items())
@@ -83,8 +87,19 @@ class ProducedOutputs:
                 logger.debug("produced output %r cannot be serialized: kept in memory", key)
                 continue
             path = os.path.join(self.directory, f"produced-{uuid.uuid4().hex}")
-            with in_directory(self.directory, functools.partial(open, path, "wb")) as f:
-                f.writelines(frames)
+            try:
+                with in_directory(self.directory, functools.partial(open, path, "wb")) as f:
+                    f.writelines(frames)
+            except OSError as e:
+                _remove(path)  # a file half written (a full disk) is not left behind
+                if e.errno == errno.ENOSPC:
+                    raise OutOfDiskError(
+                        errno.ENOSPC,
+                        f"out of disk space writing produced outputs to {self.directory}; "
+                        "free disk space there or point the worker's local directory "
+                        "(--local-directory, config 'temporary-directory') to a larger disk",
+                    ) from e
+                raise
             with self._lock:
                 kept = self._values.get(key) is value  # not taken meanwhile
                 if kept:

@@ -370,6 +370,7 @@ class ServiceWorkerPlugin(WorkerPlugin):
         worker.metrics["dask_services_spilled_bytes"] = lambda w: self.host.spilled_bytes()
         self._evicting = False
         self._spilling = asyncio.Lock()
+        self._spill_failed = False  # the last write of produced outputs failed (warned)
         self._memory_check = PeriodicCallback(self._check_memory, 500)
         self._memory_check.start()
 
@@ -718,8 +719,20 @@ class ServiceWorkerPlugin(WorkerPlugin):
         """Write the outputs held for their claims to disk (a paused worker runs no
         claim, and distributed cannot spill them); returns how many were written."""
         async with self._spilling:
-            count, nbytes = await asyncio.get_running_loop().run_in_executor(
-                self.executor, self.produced.spill)
+            try:
+                count, nbytes = await asyncio.get_running_loop().run_in_executor(
+                    self.executor, self.produced.spill)
+            except OSError as e:
+                # the outputs stay in memory (their claims take them when the worker runs
+                # again), as distributed keeps what it cannot spill; said once, not at
+                # every memory check while the disk stays full
+                if not self._spill_failed:
+                    logger.warning("dask_services: worker %s is paused and cannot write "
+                                   "produced outputs to disk (kept in memory): %s",
+                                   self.worker.address, e)
+                self._spill_failed = True
+                return 0
+        self._spill_failed = False
         if count:
             release_freed_memory()
             logger.info("dask_services: worker %s is paused; %d produced outputs (%d bytes) "

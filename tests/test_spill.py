@@ -160,6 +160,49 @@ def test_produced_outputs_spilled_are_read_back_once(tmp_path):
     assert not tmp_path.exists()
 
 
+def test_produced_outputs_on_a_full_disk_leave_no_file(tmp_path, monkeypatch):
+    # a write that failed left its file, one more at every memory check of a paused
+    # worker, and the directory stayed after the run
+    import errno
+    import io
+
+    from dask_services import OutOfDiskError, _produced
+    from dask_services._produced import ProducedOutputs
+
+    class Full(io.FileIO):
+        def writelines(self, frames):
+            super().write(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_produced, "open", lambda path, mode: Full(path, mode), raising=False)
+    produced = ProducedOutputs(str(tmp_path / "dir"))
+    produced.put("o0", np.arange(1000))
+    for _ in range(3):
+        with pytest.raises(OutOfDiskError, match="out of disk space.*local-directory"):
+            produced.spill()
+    assert produced.in_memory() == 1 and not (tmp_path / "dir").exists()
+    np.testing.assert_array_equal(produced.take("o0"), np.arange(1000))
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_paused_worker_that_cannot_write_outputs_says_so_once(c, s, a, caplog):
+    # every memory check (500 ms) of a paused worker on a full disk logged a traceback
+    import dask_services
+
+    await dask_services.install_async(c)
+    ext = a.extensions["dask_services"]
+    ext.produced.put("o0", np.arange(10))
+    full = OutOfDiskError(errno.ENOSPC, "out of disk space writing produced outputs")
+    with mock.patch.object(ext.produced, "spill", side_effect=full), \
+            caplog.at_level("WARNING", logger="dask_services"):
+        assert await ext.spill_produced() == 0
+        assert await ext.spill_produced() == 0
+    said = [r for r in caplog.records if "cannot write produced outputs" in r.getMessage()]
+    assert len(said) == 1 and "kept in memory" in said[0].getMessage()
+    assert ext.produced.in_memory() == 1
+    ext.produced.clear()
+
+
 @pytest.mark.parametrize("spill", [False, True])
 @gen_cluster(client=True, timeout=60)
 async def test_a_workers_local_directory_is_as_it_was_after_a_run(c, s, a, b, spill):
