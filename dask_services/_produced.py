@@ -73,8 +73,8 @@ class ProducedOutputs:
     def spill(self) -> tuple[int, int]:
         """Write every value held in memory to disk; returns how many and their bytes.
         A value that cannot be serialized stays in memory (its claim takes the object).
-        A write that fails (``OutOfDiskError`` for a full disk) raises, its file removed;
-        the values not written yet stay in memory."""
+        A write that fails (``OutOfDiskError`` for a full disk) raises, its file removed,
+        with the values written before it as ``spilled``; the others stay in memory."""
         count = written = 0
         with self._lock:
             held = list(self._values.items())
@@ -92,14 +92,18 @@ class ProducedOutputs:
                     f.writelines(frames)
             except OSError as e:
                 _remove(path)  # a file half written (a full disk) is not left behind
+                error = e
                 if e.errno == errno.ENOSPC:
-                    raise OutOfDiskError(
+                    error = OutOfDiskError(
                         errno.ENOSPC,
                         f"out of disk space writing produced outputs to {self.directory}; "
                         "free disk space there or point the worker's local directory "
                         "(--local-directory, config 'temporary-directory') to a larger disk",
-                    ) from e
-                raise
+                    )
+                error.spilled = (count, written)  # type: ignore[attr-defined]  # before it
+                if error is e:
+                    raise
+                raise error from e
             with self._lock:
                 kept = self._values.get(key) is value  # not taken meanwhile
                 if kept:

@@ -731,8 +731,9 @@ class ServiceWorkerPlugin(WorkerPlugin):
                                    "produced outputs to disk (kept in memory): %s",
                                    self.worker.address, e)
                 self._spill_failed = True
-                return 0
-        self._spill_failed = False
+                count, nbytes = getattr(e, "spilled", (0, 0))  # written before it failed
+            else:
+                self._spill_failed = False
         if count:
             release_freed_memory()
             logger.info("dask_services: worker %s is paused; %d produced outputs (%d bytes) "

@@ -112,6 +112,13 @@ class Streamer(dask_services.Service):
             RECORD[tag].append("finally")
 
     @dask_services.endpoint
+    async def gated_first(self, gate: str, tag: str) -> AsyncIterator[str]:
+        """Records its start in ``RECORD[tag]``, then waits for ``GATES[gate]``."""
+        RECORD.setdefault(tag, []).append("started")
+        await GATES.setdefault(gate, asyncio.Event()).wait()
+        yield tag
+
+    @dask_services.endpoint
     def forever_sync(self, tag: str) -> Iterator[int]:
         RECORD.setdefault(tag, [])
         i = 0

@@ -204,6 +204,22 @@ async def test_replicas_still_starting_are_not_scaled_down(c, s, a, b):
     await assert_nothing_left(s, [a, b])
 
 
+@cluster(nthreads=[("127.0.0.1", 1)] * 2, config=FAST)
+async def test_a_replica_waiting_for_a_worker_does_not_hold_back_a_scale_down(c, s, a, b):
+    svc = await Adder.options(max_replicas_per_worker=1, autoscaling={
+        "min_replicas": 1, "max_replicas": 3, "upscale_delay": "0s",
+        "downscale_delay": "200ms"}).as_service(client=c)
+    ext = s.extensions[EXT]
+    dep = ext.deployments[svc.name]
+    ext.autoscale(dep, Decision(1, 3, "a burst"))  # the third can never be placed
+    await async_poll_for(lambda: any(m.waiting_for_worker for m in dep.active().values()),
+                         timeout=10)
+    await async_poll_for(lambda: len(dep.active()) == 1, timeout=10)  # idle: back to 1
+    assert [m.state.value for m in dep.active().values()] == ["healthy"]
+    await svc.shutdown()
+    await assert_nothing_left(s, [a, b])
+
+
 def _rows(dask_scheduler) -> list[dict]:
     from dask_services.replicated._table import rows
 

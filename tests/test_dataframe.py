@@ -250,6 +250,7 @@ def test_the_wrapper_names_what_it_takes():
     with pytest.raises(TypeError, match="always shuffles with 'service'.*shuffle_method='tasks'"):
         shuffle(ddf, "k", shuffle_method="tasks")
     # naming the method it uses anyway is fine
+    assert shuffle(ddf, "k", shuffle_method=None).npartitions == 2  # None: dask's "default"
     ours = shuffle(ddf, "k", npartitions=2, shuffle_method="service").compute(scheduler="sync")
     pd.testing.assert_frame_equal(ours.sort_values("k"), pdf)
     pd.testing.assert_series_equal(

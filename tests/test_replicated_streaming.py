@@ -10,6 +10,7 @@ import pytest
 from distributed import Client, LocalCluster
 from distributed.utils_test import async_poll_for
 from replicated_batch_stream_services import (
+    GATES,
     RECORD,
     Streamer,
     stream_from_async_task,
@@ -242,3 +243,37 @@ async def test_a_stream_cut_by_shutdown_raises_service_shutdown(c, s, *workers):
             got.append(x)
     assert got == list(range(1, len(got) + 1))
     await assert_nothing_left(s, workers)
+
+
+@cluster(nthreads=[("127.0.0.1", 1)] * 2,
+         config={"dask_services.replicated.drain-timeout": "300ms"})
+async def test_a_stream_cut_by_a_scale_down_before_its_first_item_is_not_run_again(
+        c, s, a, b):
+    # it answered "gone" and the caller opened it again on another replica: the
+    # generator ran twice
+    RECORD.pop("s1", None)
+    RECORD.pop("s2", None)
+    GATES.pop("first-item", None)
+    svc = await Streamer.options(replicas=2, max_replicas_per_worker=1).as_service(client=c)
+
+    async def first_item(tag):
+        async for item in svc.gated_first.stream("first-item", tag):
+            return item
+
+    one = asyncio.ensure_future(first_item("s1"))
+    await async_poll_for(lambda: RECORD.get("s1") == ["started"], timeout=10)
+    two = asyncio.ensure_future(first_item("s2"))
+    await async_poll_for(lambda: RECORD.get("s2") == ["started"], timeout=10)
+    await svc.scale(1)
+    done, running = await asyncio.wait([one, two], timeout=5,
+                                       return_when=asyncio.FIRST_COMPLETED)
+    (cut,) = done
+    with pytest.raises(dask_services.ServiceUnavailable, match="scale-down"):
+        await cut
+    GATES.setdefault("first-item", asyncio.Event()).set()
+    (kept,) = running
+    assert await kept in ("s1", "s2")
+    assert RECORD["s1"] == ["started"] and RECORD["s2"] == ["started"]  # once each
+    await svc.shutdown()
+    await assert_nothing_left(s, [a, b])
+

@@ -178,8 +178,9 @@ def test_produced_outputs_on_a_full_disk_leave_no_file(tmp_path, monkeypatch):
     produced = ProducedOutputs(str(tmp_path / "dir"))
     produced.put("o0", np.arange(1000))
     for _ in range(3):
-        with pytest.raises(OutOfDiskError, match="out of disk space.*local-directory"):
+        with pytest.raises(OutOfDiskError, match="out of disk space.*local-directory") as e:
             produced.spill()
+        assert e.value.spilled == (0, 0)  # none written before it
     assert produced.in_memory() == 1 and not (tmp_path / "dir").exists()
     np.testing.assert_array_equal(produced.take("o0"), np.arange(1000))
 

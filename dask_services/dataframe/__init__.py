@@ -38,7 +38,7 @@ def shuffle(df: Any, on: Any, npartitions: int | None = None, **kwargs: Any) -> 
             f"{type(df).__module__}.{type(df).__qualname__}; make one with "
             f"dask.dataframe.from_pandas(df, npartitions=...)"
         )
-    method = kwargs.pop("shuffle_method", METHOD)
+    method = kwargs.pop("shuffle_method", None) or METHOD  # None: this function's own
     if method != METHOD:
         raise TypeError(
             f"dask_services.dataframe.shuffle always shuffles with {METHOD!r}, got "

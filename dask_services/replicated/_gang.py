@@ -32,7 +32,12 @@ from distributed.protocol.serialize import to_serialize
 
 from dask_services._messages import dumps_exception, loads_exception, unwrap
 from dask_services._worker_context import in_current_context
-from dask_services.replicated._errors import ReplicaGone, ServiceOverloaded, ServiceShutdown
+from dask_services.replicated._errors import (
+    ReplicaGone,
+    ScaledDown,
+    ServiceOverloaded,
+    ServiceShutdown,
+)
 from dask_services.replicated._options import endpoint_ranks
 from dask_services.service import RPCRefused, ServiceId, is_rpc_method
 
@@ -284,15 +289,18 @@ async def gang_call(ext: ReplicaWorker, rep: HostedReplica, method: str, args: t
             return None
         if resp["status"] == "error":
             raise loads_exception(resp["exception"])
+        if resp["status"] == "cut":  # it started there: not to be run again
+            raise ScaledDown(resp["message"])
         raise RankLost(f"rank {rank} of {rep.id}: {resp.get('message', resp['status'])}")
 
     results = await asyncio.gather(_run(rep, method, args, kwargs),
                                    *(remote(r) for r in range(1, gang.world_size)),
                                    return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
-    for error in errors:
-        if isinstance(error, ReplicaGone):
-            raise error
+    for kind in (ScaledDown, ReplicaGone):  # a rank cut after it started, then one lost
+        for error in errors:
+            if isinstance(error, kind):
+                raise error
     if errors:
         raise errors[0]
     return results[0]
@@ -319,6 +327,8 @@ async def rank_call(ext: ReplicaWorker, id: str, method: str, payload: Any) -> d
     except asyncio.CancelledError:
         if not rep.cancelled:
             raise
+        if isinstance(rep.closed_with, ScaledDown):
+            return {"status": "cut", "message": f"rank {id} was scaled down mid-call"}
         return {"status": "gone", "message": f"rank {id} stopped"}
     except ReplicaGone as e:
         return {"status": "gone", "message": str(e)}

@@ -105,6 +105,8 @@ class Deployments(SchedulerPlugin):
         # (worker, incarnation id) of every stop under way: its replica is not an orphan
         self._stops_under_way: collections.Counter[tuple[str, str]] = collections.Counter()
         self._freed_pending = False  # a "capacity freed" broadcast is due this loop turn
+        # resources that instances being stopped (draining their calls) still hold
+        self._held_by_stops: dict[tuple[str, str], dict[str, float]] = {}
 
     async def start(self, scheduler: Scheduler) -> None:
         """Install the scheduler handlers, start the health probes and register the
@@ -369,14 +371,16 @@ class Deployments(SchedulerPlugin):
                                                dep.floor)
             if decision is None:
                 continue
-            states = {m.state for m in active.values()}
-            if decision.target > decision.current and ReplicaState.UNHEALTHY in states:
+            if decision.target > decision.current and any(
+                    m.state is ReplicaState.UNHEALTHY for m in active.values()):
                 continue  # setup fails: more replicas would not help (fewer are fine:
                 # a scale-down stops the unhealthy ones first)
-            if decision.target < decision.current and states & {
-                    ReplicaState.UNINITIALIZED, ReplicaState.RECOVERING}:
-                # replicas still starting (the initial ones, an upscale's) have had no
-                # load to take: the downscale delay runs again once they are up
+            if decision.target < decision.current and any(
+                    m.launching or m.starting for m in active.values()):
+                # replicas being placed or set up (the initial ones, an upscale's) have
+                # had no load to take: the downscale delay runs again once they are up.
+                # One waiting for a worker does not hold it back: it may wait for good,
+                # and is the first a scale-down stops.
                 continue
             self.autoscale(dep, decision)
 
@@ -510,10 +514,11 @@ class Deployments(SchedulerPlugin):
             self._broadcast(lc.WorkerAdded(stimulus_id=stimulus_id))
 
     def _capacity_freed(self) -> None:
-        """A replica let go of its workers (stopped, scaled down, unhealthy, its service
-        shut down): replicas of any service waiting for a worker, a resource or a
-        ``max_replicas_per_worker`` place try again, once the current step is carried
-        out (one broadcast per turn of the loop, however many replicas let go)."""
+        """A replica let go of its workers (its instance stopped, after any drain; it
+        turned unhealthy; its service was shut down): replicas of any service waiting for
+        a worker, a resource or a ``max_replicas_per_worker`` place try again, once the
+        current step is carried out (one broadcast per turn of the loop, however many
+        replicas let go)."""
         if self._freed_pending:
             return
         self._freed_pending = True
@@ -565,23 +570,26 @@ class Deployments(SchedulerPlugin):
                     else lc.Placed(action.id, workers[0], tuple(workers[1:]), stimulus_id=sid)
                 if workers is None:
                     # With no running worker left (the cluster is closing or scaled to
-                    # zero) the replica simply waits for one: not worth a warning.
+                    # zero) the replica simply waits for one: not worth a warning; nor
+                    # is waiting again for what it waited for (a retry on a broadcast).
                     running = any(ws.status == Status.running
                                   for ws in self.scheduler.workers.values())
-                    logger.log(logging.WARNING if running else logging.INFO,
+                    again = machine.last_error == why
+                    logger.log(logging.WARNING if running and not again else logging.INFO,
                                "replica %s of %s waits: %s", action.id, dep.name, why)
                 pending += machine.handle(event)
             elif isinstance(action, lc.StartOn):
                 self._spawn(dep, self._start(dep, slot, action.id,
                                              (action.worker, *action.others)))
             elif isinstance(action, lc.Stop):
-                self._capacity_freed()
                 drain = config_seconds("drain-timeout") if timeout is None else timeout
                 for worker in (action.worker, *action.others):
+                    if dep.resources:  # held until the instance is gone, drain included
+                        self._held_by_stops[(worker, str(action.id))] = dict(dep.resources)
                     stops.append(self._spawn(dep, self._stop(
                         worker, action.id, drain if action.drain else 0, reason)))
             elif isinstance(action, lc.StateChanged):
-                if action.state in (ReplicaState.UNHEALTHY, ReplicaState.STOPPED):
+                if action.state is ReplicaState.UNHEALTHY:  # holds no worker any more
                     self._capacity_freed()
                 self._log(dep.name, action.state.value, machine.id, machine.worker,
                           machine.last_error)
@@ -606,8 +614,13 @@ class Deployments(SchedulerPlugin):
 
     def _used(self) -> dict[str, dict[str, float]]:
         """Resources that placed ranks hold on each worker (``options(resources=...)`` is
-        per rank, and held while the rank is placed)."""
+        per rank, and held while the rank is placed, and while it is stopped: until its
+        instance is gone)."""
         used: dict[str, dict[str, float]] = {}
+        for (w, _), resources in self._held_by_stops.items():
+            held = used.setdefault(w, {})
+            for k, v in resources.items():
+                held[k] = held.get(k, 0) + v
         for d in self.deployments.values():
             if not d.resources:
                 continue
@@ -774,6 +787,10 @@ class Deployments(SchedulerPlugin):
             self._stops_under_way[under_way] -= 1
             if self._stops_under_way[under_way] <= 0:
                 del self._stops_under_way[under_way]
+                self._held_by_stops.pop(under_way, None)
+            # the instance is gone (or its worker did not answer): what it held, a GPU
+            # say, is free for a replica waiting for it, not while the instance drains
+            self._capacity_freed()
 
     # ------------------------------------------------------------ health probes
 

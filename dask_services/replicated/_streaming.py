@@ -38,6 +38,7 @@ from dask_services._worker_context import in_current_context
 from dask_services.config import setting
 from dask_services.replicated._errors import (
     ReplicaGone,
+    ScaledDown,
     ServiceOverloaded,
     ServiceShutdown,
     ServiceUnavailable,
@@ -169,11 +170,13 @@ async def serve(rep: HostedReplica, comm: Any, method: str, args: tuple, kwargs:
             comm.abort()
             raise
         # the caller learns why its stream ends, as a call's caller does
-        status = "gone" if isinstance(rep.closed_with, ReplicaGone) else "shutdown"
+        # (a stream cut by a scale-down has started: its caller is not to run it again)
+        status = ("cut" if isinstance(rep.closed_with, ScaledDown) else
+                  "gone" if isinstance(rep.closed_with, ReplicaGone) else "shutdown")
         with contextlib.suppress(Exception):
             await asyncio.wait_for(comm.write({"status": status, "message": (
                 f"the stream was cancelled: replica {rep.id} of {rep.name} stopped before "
-                "it ended" + (f" ({rep.closed_with})" if status == "gone" else
+                "it ended" + (f" ({rep.closed_with})" if status != "shutdown" else
                               " (svc.shutdown timeout)"))}), 1)
         comm.abort()
     except (CommClosedError, OSError):
@@ -385,7 +388,7 @@ class Stream:
                 raise loads_exception(msg["exception"])
             if status == "shutdown":
                 raise ServiceShutdown(msg["message"])
-            if status == "gone":  # items were taken already: not re-sent
+            if status in ("gone", "cut"):  # items were taken already: not re-sent
                 raise ServiceUnavailable(f"{self._handle.name}.{self._method}: "
                                          f"{msg['message']}")
             raise ServiceUnavailable(f"{self._handle.name}.{self._method}: unexpected "
@@ -457,6 +460,9 @@ class Stream:
                         raise ServiceOverloaded(msg["message"])
                     if status == "shutdown":
                         raise ServiceShutdown(msg["message"])
+                    if status == "cut":  # started, then its replica was scaled down
+                        raise ServiceUnavailable(f"{h.name}.{self._method}: "
+                                                 f"{msg['message']}")
                     failure = f"{target.id}: {msg.get('message', msg)}"
                 if comm is not None:
                     self._abort_now(comm)

@@ -405,6 +405,11 @@ class ReplicaWorker(WorkerPlugin):
                     raise
                 return escaped(rep, method, e)
             return cut_short(rep)
+        except ScaledDown as e:  # another rank was cut by a scale-down mid-call
+            return {"status": "cut", "message": (
+                f"the call was cancelled: replica {rep.id} of {rep.name} was scaled down and "
+                f"the call ran past its drain (dask_services.replicated.drain-timeout; {e}); "
+                "it is not sent again, since it had started")}
         except ReplicaGone as e:  # another rank of the replica is lost: re-sent
             return {"status": "gone", "message": str(e)}
         except Exception as e:
