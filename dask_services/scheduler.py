@@ -849,15 +849,12 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
     def _apply_start(self, service_key: Key, run: rs.RunSnapshot) -> None:
         definition = self.definitions[service_key]
         peers = {sid: w for w, sid in run.ids.items()}
-        tasks = self.scheduler.tasks
-        inputs = sorted(
-            definition.input_keys,
-            key=lambda k: (tasks[k].priority or ()) if k in tasks else (),
-        )
         for worker, sid in run.ids.items():
             spec = InstanceSpec(
                 service_key=service_key, run_id=run.run_id, id=sid, peers=peers,
-                input_keys=tuple(inputs), output_keys=definition.output_keys,
+                # in the order given, as under dask's local schedulers: a service may
+                # tell its inputs apart by position (they were sorted by priority)
+                input_keys=definition.input_keys, output_keys=definition.output_keys,
                 wanted=run.wanted, owners=run.owners, leader=run.leader,
                 service_class=definition.service_class, params=definition.params,
             )

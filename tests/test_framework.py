@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from distributed import Event, Future, futures_of, wait
 from distributed.utils_test import async_poll_for
-from services import Chatty, Recorder, Streamer
+from services import ByPosition, Chatty, Recorder, Streamer, ident
 from utils import assert_nothing_left, events_of, service_cluster
 
 import dask_services
@@ -28,6 +28,21 @@ async def test_allreduce_results_and_cleanup(c, s, a, b):
     assert await c.gather(outs) == [sum(range(1, 21))] * 5
     del outs, futs
     await assert_nothing_left(s, [a, b])
+
+
+@service_cluster(nthreads=[("127.0.0.1", 1)] * 3)
+async def test_input_keys_come_in_the_order_given(c, s, a, b, w):
+    # they were sorted by the inputs' priorities: a service telling its inputs apart by
+    # position returned its outputs permuted, on a cluster only
+    xs = [dask.delayed(ident)(i) for i in range(6)]
+    outs = dask_services.service_task(ByPosition, xs, outputs=6)
+    assert list(dask.compute(*outs, scheduler="sync")) == list(range(6))
+    futs = [c.submit(ident, i, priority=i) for i in range(6)]  # input i has priority i
+    for _ in range(2):
+        assert await c.gather(dask_services.submit(ByPosition, futs, outputs=6, client=c)) \
+            == list(range(6))
+    del futs
+    await assert_nothing_left(s, [a, b, w])
 
 
 @service_cluster()
