@@ -7,6 +7,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import dask
 from dask.base import is_dask_collection, tokenize
 from dask.core import flatten
 from dask.delayed import Delayed
@@ -179,11 +180,16 @@ def service_task(service_class: type[Service], inputs: Sequence[Any] | Any, *,
 def submit(service_class: type[Service], inputs: Sequence[Any], *,
            outputs: int | Sequence[Key], client: Any = None, placement: str | None = None,
            name: str | None = None, participants: str = "all",
+           retries: int | None = None, priority: int = 0, workers: Any = None,
+           resources: dict | None = None, allow_other_workers: bool = False,
            **params: Any) -> list[Any]:
     """Run a service task on a cluster now; returns one ``Future`` per output key.
 
     ``inputs`` is a list of futures (or dask collections / ``Delayed`` objects), or one
-    future or collection.
+    future or collection.  ``retries``, ``priority``, ``workers``, ``resources`` and
+    ``allow_other_workers`` are task options, as for ``Client.submit`` (annotations of the
+    service task's graph, as ``dask.annotate`` gives them); every other keyword is a
+    parameter of the service's ``start``.
     """
     from distributed import Future, default_client
 
@@ -198,8 +204,14 @@ def submit(service_class: type[Service], inputs: Sequence[Any], *,
             collections.append(Delayed(obj.key, {obj.key: obj}))
         else:
             collections.append(obj)
-    outs = service_task(service_class, collections, outputs=outputs, placement=placement,
-                        name=name, participants=participants, **params)
+    # as annotations of the service task's graph, as with ``dask.annotate`` around
+    # ``service_task``: a service task restricted to workers runs its instances there
+    options = {"retries": retries, "priority": priority or None, "workers": workers,
+               "resources": resources, "allow_other_workers": allow_other_workers or None}
+    with dask.annotate(**{k: v for k, v in options.items() if v is not None}):
+        outs = service_task(service_class, collections, outputs=outputs,
+                            placement=placement, name=name, participants=participants,
+                            **params)
     if not outs:
         return []
     return client.compute(outs)

@@ -41,7 +41,13 @@ async def test_input_keys_come_in_the_order_given(c, s, a, b, w):
     for _ in range(2):
         assert await c.gather(dask_services.submit(ByPosition, futs, outputs=6, client=c)) \
             == list(range(6))
-    del futs
+    # task options of submit are task options, as for client.submit (they became
+    # parameters of the service, silently)
+    outs = dask_services.submit(ByPosition, futs, outputs=6, client=c, name="pinned",
+                                workers=[w.address])
+    assert await c.gather(outs) == list(range(6))
+    assert {ws for f in outs for ws in (await c.who_has([f]))[f.key]} == {w.address}
+    del futs, outs
     await assert_nothing_left(s, [a, b, w])
 
 

@@ -1382,7 +1382,7 @@ class FailsFirstRuns(Service):
             await self.concierge.produce_key(key, total)
 
 
-@pytest.mark.parametrize("how", ["compute", "annotate"])
+@pytest.mark.parametrize("how", ["compute", "annotate", "submit"])
 @service_cluster()
 async def test_a_service_task_with_retries_runs_again_after_its_run_failed(c, s, a, b,
                                                                           tmp_path, how):
@@ -1395,6 +1395,9 @@ async def test_a_service_task_with_retries_runs_again_after_its_run_failed(c, s,
             outs = dask_services.service_task(FailsFirstRuns, xs, outputs=3,
                                               counter=counter, failures=2)
         futures = c.compute(outs)
+    elif how == "submit":  # a task option, as for client.submit (it became a parameter)
+        futures = dask_services.submit(FailsFirstRuns, xs, outputs=3, client=c,
+                                       counter=counter, failures=2, retries=2)
     else:
         outs = dask_services.service_task(FailsFirstRuns, xs, outputs=3,
                                           counter=counter, failures=2)
