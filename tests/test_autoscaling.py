@@ -134,22 +134,29 @@ async def test_autoscales_up_and_down_under_load_without_losing_a_call(c, s, *wo
     await assert_nothing_left(s, workers)
 
 
+async def _upscaled_into_failing_setups(c, s, to: int, **delays):
+    """An autoscaled service of one healthy replica, scaled up to ``to`` while its setup
+    fails (the returned flag file exists): the added replicas unhealthy."""
+    flag = os.path.join(tempfile.mkdtemp(), "store-down")
+    svc = await Adder.options(autoscaling={
+        "min_replicas": 1, "max_replicas": 3, **delays}).as_service(0, flag, client=c)
+    ext = s.extensions[EXT]
+    dep = ext.deployments[svc.name]
+    open(flag, "w").close()
+    ext.autoscale(dep, Decision(1, to, "a burst"))
+    await async_poll_for(lambda: sum(m.state.value == "unhealthy"
+                                     for m in dep.active().values()) == to - 1, timeout=10)
+    return svc, dep, flag
+
+
 @cluster(nthreads=[("127.0.0.1", 1)] * 2,
          config={**FAST, "dask_services.replicated.setup-attempts": 1})
 async def test_replicas_whose_setup_failed_are_scaled_down_when_the_load_falls(
         c, s, a, b):
     # replicas an upscale added failed their setup (a model store down for a while):
     # autoscaling stopped for good, scale-down included, and the service kept them
-    flag = os.path.join(tempfile.mkdtemp(), "store-down")
-    svc = await Adder.options(autoscaling={
-        "min_replicas": 1, "max_replicas": 3, "upscale_delay": "100ms",
-        "downscale_delay": "300ms"}).as_service(0, flag, client=c)
-    ext = s.extensions[EXT]
-    dep = ext.deployments[svc.name]
-    open(flag, "w").close()
-    ext.autoscale(dep, Decision(1, 3, "a burst"))
-    await async_poll_for(lambda: sum(m.state.value == "unhealthy"
-                                     for m in dep.active().values()) == 2, timeout=10)
+    svc, dep, flag = await _upscaled_into_failing_setups(
+        c, s, 3, upscale_delay="100ms", downscale_delay="300ms")
     os.remove(flag)
     # no load: down to min_replicas, the unhealthy ones stopped first
     await async_poll_for(lambda: len(dep.active()) == 1, timeout=10)
@@ -163,18 +170,10 @@ async def test_replicas_whose_setup_failed_are_scaled_down_when_the_load_falls(
 @cluster(nthreads=[("127.0.0.1", 1)] * 2,
          config={**FAST, "dask_services.replicated.setup-attempts": 1})
 async def test_no_upscale_while_a_replica_is_unhealthy(c, s, a, b):
-    flag = os.path.join(tempfile.mkdtemp(), "store-down")
-    svc = await Adder.options(autoscaling={
-        "min_replicas": 1, "max_replicas": 3, "upscale_delay": "0s",
-        "downscale_delay": "600s"}).as_service(0, flag, client=c)
-    ext = s.extensions[EXT]
-    dep = ext.deployments[svc.name]
-    open(flag, "w").close()
-    ext.autoscale(dep, Decision(1, 2, "a burst"))
-    await async_poll_for(lambda: any(m.state.value == "unhealthy"
-                                     for m in dep.active().values()), timeout=10)
+    svc, dep, flag = await _upscaled_into_failing_setups(
+        c, s, 2, upscale_delay="0s", downscale_delay="600s")
     dep.autoscaling.observe = lambda *args: Decision(2, 3, "more load")  # as under load
-    ext._autoscale_all()
+    s.extensions[EXT]._autoscale_all()
     assert len(dep.active()) == 2  # more replicas of a failing setup would not help
     os.remove(flag)
     await svc.shutdown()

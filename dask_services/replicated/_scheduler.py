@@ -616,19 +616,14 @@ class Deployments(SchedulerPlugin):
         """Resources that placed ranks hold on each worker (``options(resources=...)`` is
         per rank, and held while the rank is placed, and while it is stopped: until its
         instance is gone)."""
+        holders = [(w, resources) for (w, _), resources in self._held_by_stops.items()]
+        holders += [(w, d.resources) for d in self.deployments.values() if d.resources
+                    for m in d.slots.values() for w in m.workers]
         used: dict[str, dict[str, float]] = {}
-        for (w, _), resources in self._held_by_stops.items():
+        for w, resources in holders:
             held = used.setdefault(w, {})
             for k, v in resources.items():
                 held[k] = held.get(k, 0) + v
-        for d in self.deployments.values():
-            if not d.resources:
-                continue
-            for m in d.slots.values():
-                for w in m.workers:
-                    held = used.setdefault(w, {})
-                    for k, v in d.resources.items():
-                        held[k] = held.get(k, 0) + v
         return used
 
     def _eligible(self, dep: Deployment) -> list[WorkerState]:

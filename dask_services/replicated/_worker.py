@@ -406,10 +406,7 @@ class ReplicaWorker(WorkerPlugin):
                 return escaped(rep, method, e)
             return cut_short(rep)
         except ScaledDown as e:  # another rank was cut by a scale-down mid-call
-            return {"status": "cut", "message": (
-                f"the call was cancelled: replica {rep.id} of {rep.name} was scaled down and "
-                f"the call ran past its drain (dask_services.replicated.drain-timeout; {e}); "
-                "it is not sent again, since it had started")}
+            return _cut(rep, str(e))
         except ReplicaGone as e:  # another rank of the replica is lost: re-sent
             return {"status": "gone", "message": str(e)}
         except Exception as e:
@@ -621,12 +618,19 @@ def cut_short(rep: HostedReplica) -> dict:
     when a worker dies: at least once), failed when the replica is scaled down (a normal
     decision must not run a call twice) or its service shut down."""
     if isinstance(rep.closed_with, ScaledDown):
-        return {"status": "cut", "message": (
-            f"the call was cancelled: replica {rep.id} of {rep.name} was scaled down and "
-            "the call ran past its drain (dask_services.replicated.drain-timeout); it is "
-            "not sent again, since it had started")}
+        return _cut(rep)
     if isinstance(rep.closed_with, ReplicaGone):  # moved or worker closing: re-send
         return {"status": "gone", "message": str(rep.closed_with)}
     return {"status": "shutdown", "message": (
         f"the call was cancelled: replica {rep.id} of {rep.name} stopped before it "
         "finished (svc.shutdown timeout)")}
+
+
+def _cut(rep: HostedReplica, detail: str = "") -> dict:
+    """The answer ``cut``: the call started and its replica (or a rank of it) was scaled
+    down before it finished; the caller raises ``ServiceUnavailable``."""
+    return {"status": "cut", "message": (
+        f"the call was cancelled: replica {rep.id} of {rep.name} was scaled down and the "
+        "call ran past its drain (dask_services.replicated.drain-timeout"
+        + (f"; {detail}" if detail else "") + "); it is not sent again, since it had started")}
+
