@@ -28,6 +28,7 @@ from dask_services.replicated import (
     ServiceShutdown,
     ServiceUnavailable,
 )
+from dask_services.replicated import _lifecycle as lc
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -424,40 +425,33 @@ async def test_a_replica_waiting_for_a_resource_takes_the_one_another_service_fr
     # limited workers never handed capacity to each other
     a = await Adder.options(replicas=2, resources={"slot": 1}, name="a").as_service(client=c)
     b = await Adder.options(replicas=1, resources={"slot": 1}, name="b").as_service(client=c)
+    ext = s.extensions["dask_services_replicated"]
+
+    def b_waits() -> bool:
+        return any(m.waiting_for_worker for m in ext.deployments["b"].slots.values())
 
     async def healthy_b(n):
-        await async_poll_for(lambda: sum(
-            m.state.value == "healthy"
-            for m in s.extensions["dask_services_replicated"].deployments["b"].slots.values()
-        ) == n, timeout=10)
+        await async_poll_for(lambda: sum(m.state.value == "healthy" for m in
+                                         ext.deployments["b"].slots.values()) == n, timeout=10)
 
     growing = asyncio.ensure_future(b.scale(2))
-    await async_poll_for(lambda: any(
-        m.waiting_for_worker
-        for m in s.extensions["dask_services_replicated"].deployments["b"].slots.values()),
-        timeout=10)
+    await async_poll_for(b_waits, timeout=10)
     # a's replicas both busy: the one scaled down holds its slot while it drains
     calls = asyncio.ensure_future(a.wait_for.fanout("a-busy", 1))
-    ext = s.extensions["dask_services_replicated"]
     await async_poll_for(lambda: sum(r.gate.in_flight for w in workers for r in
                                      w.extensions["dask_services_replicated"].replicas.values()
                                      ) == 2, timeout=10)
     scaling = asyncio.ensure_future(a.scale(1))
     await async_poll_for(lambda: ext._stops_under_way, timeout=10)
-    from dask_services.replicated import _lifecycle as lc
-
     ext._broadcast(lc.WorkerAdded())  # any placement meanwhile: the slot is not free yet
-    assert any(m.waiting_for_worker for m in ext.deployments["b"].slots.values())
+    assert b_waits()
     GATES.setdefault("a-busy", asyncio.Event()).set()  # the drain ends, the slot is free:
     await healthy_b(2)  # b's second replica takes it
     await scaling
     assert await calls == [1, 1]
     await growing
     growing = asyncio.ensure_future(b.scale(3))
-    await async_poll_for(lambda: any(
-        m.waiting_for_worker
-        for m in s.extensions["dask_services_replicated"].deployments["b"].slots.values()),
-        timeout=10)
+    await async_poll_for(b_waits, timeout=10)
     await a.shutdown()  # frees the last slot
     await healthy_b(3)
     await growing
