@@ -16,6 +16,7 @@ from dask.typing import Key
 from dask.utils import funcname
 
 from dask_services._config_check import check_config
+from dask_services._lazy_arguments import lazy_arguments
 from dask_services.graph import ServiceDefinition, build_service_graph
 from dask_services.service import (
     INSTANCE_ATTRIBUTES,
@@ -113,6 +114,13 @@ def _definition(service_class: type[Service], input_keys: Sequence[Key],
         raise TypeError(
             f"parameter(s) {clashes} of {service_class.__name__} clash with the arguments "
             f"every start() receives ({', '.join(START_ARGUMENTS)}); rename them")
+    lazy = lazy_arguments((), params)
+    if lazy:
+        raise TypeError(
+            f"parameter(s) {', '.join(lazy)} of {service_class.__name__}: parameters reach "
+            "every instance's start() as they are given, nothing computes them; pass the "
+            "value among the inputs (it reaches add_key() on a worker that holds it), or "
+            "compute it first (future.result(), dask.compute(...))")
     name = name or funcname(service_class).lower()
     token = tokenize(service_class, params, tuple(input_keys), outputs, placement,
                      participants)

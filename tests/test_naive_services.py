@@ -1351,6 +1351,34 @@ def test_a_parameter_named_like_a_start_argument_fails_at_graph_construction():
         dask_services.service_task(ProducesNothing, [dask.delayed(1)], outputs=1, key=1)
 
 
+def test_a_lazy_parameter_fails_at_graph_construction():
+    # a Delayed, a collection or a Future given as a parameter reached start() as it was,
+    # an object standing for a value nothing computed
+    import dask.array as da
+
+    for params, named in [({"weights": dask.delayed(sum)([1, 2])}, "weights (a Delayed)"),
+                          ({"table": da.ones(3)}, "table (a dask Array)"),
+                          ({"n": 2, "sizes": [1, {"b": dask.delayed(3)}]},
+                           "sizes[1]['b'] (a Delayed)")]:
+        with pytest.raises(TypeError, match=re.escape(
+                f"parameter(s) {named} of ProducesNothing: parameters reach every "
+                "instance's start() as they are given")):
+            dask_services.service_task(ProducesNothing, [dask.delayed(1)], outputs=1,
+                                       **params)
+
+
+@service_cluster()
+async def test_a_future_as_a_parameter_of_submit_is_refused_before_anything_runs(c, s, a,
+                                                                                b):
+    weights = c.submit(sum, [1, 2])
+    with pytest.raises(TypeError, match=r"weights \(a Future\) of ProducesNothing.*"
+                                        r"pass the value among the inputs"):
+        dask_services.submit(ProducesNothing, [c.submit(abs, 1)], outputs=1,
+                             weights=weights, client=c)
+    assert not [k for k in s.tasks if "service" in str(k)]
+    assert await weights == 3
+
+
 # ------------------------------------------------------------------ retries
 
 

@@ -105,6 +105,17 @@ def test_session_moves_when_its_replica_worker_is_killed(cluster):
     poll_for(lambda: not any(hosted(client).values()), timeout=10)
 
 
+def test_a_scattered_setup_argument_reaches_setup_as_its_value(cluster):
+    # (a synchronous client computes lazy setup arguments before deploying; an
+    # asynchronous one while it deploys: test_replicated_naive.py)
+    cluster, client = cluster
+    [offset] = client.scatter([1000], broadcast=True)
+    svc = Adder.options(replicas=2).as_service(offset, client=client)
+    assert svc.add.fanout(1).result(timeout=60) == [1001, 1001]
+    svc.shutdown()
+    poll_for(lambda: not any(hosted(client).values()), timeout=10)
+
+
 def test_readme_example_runs(cluster):
     import re
     from pathlib import Path

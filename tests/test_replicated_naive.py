@@ -12,6 +12,7 @@ import threading
 import dask
 import pytest
 from distributed.utils_test import async_poll_for
+from replicated_services import Adder
 from test_replicated import assert_nothing_left, cluster
 
 import dask_services
@@ -142,6 +143,41 @@ async def test_an_unsendable_result_fails_its_own_call_once(c, s, *workers):
     (row,) = await svc.replicas()
     assert row["state"] == "healthy"
     assert await svc.echo.route(7) == 7
+    await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
+@cluster()
+async def test_futures_and_collections_among_setup_arguments_are_computed_first(c, s,
+                                                                                *workers):
+    # they reached setup() as they were: a Future or a Delayed in place of its value
+    offset = c.submit(sum, [3, 4])
+    svc = await Adder.options(replicas=2).as_service(
+        offset, delays={"never": dask.delayed(float)(0)}, client=c)
+    assert await svc.add.fanout(1) == [8, 8]
+    await svc.scale(3)  # a replica added later is set up with the same values
+    assert await svc.add.fanout(1) == [8, 8, 8]
+    await svc.shutdown()
+    del offset
+    await assert_nothing_left(s, workers)
+    # the computation of the arguments left nothing behind
+    await async_poll_for(lambda: not s.tasks, timeout=10)
+
+
+@cluster()
+async def test_a_future_as_an_argument_of_a_call_is_refused_or_computed(c, s, *workers):
+    svc = await Naive.options(replicas=1).as_service(client=c)
+    value = c.submit(sum, [3, 4])
+    for call, named in [(lambda: svc.echo.route(value), r"argument 0 \(a Future\) of "
+                                                        r"svc.echo.route\(\)"),
+                        (lambda: svc.echo.fanout(x=dask.delayed(1)),
+                         r"x \(a Delayed\) of svc.echo.fanout\(\)"),
+                        (lambda: svc.tokens_then_wait.stream(value),
+                         r"argument 0 \(a Future\) of svc.tokens_then_wait.stream")]:
+        with pytest.raises(TypeError, match=named + ".*send their arguments as they are.*"
+                                                    r"svc\.\w+\.submit\(\.\.\.\)"):
+            call()
+    assert await svc.echo.submit(value, client=c) == 7  # a task: computed first
     await svc.shutdown()
     await assert_nothing_left(s, workers)
 

@@ -8,6 +8,7 @@ from typing import Any
 from distributed.protocol import pickle
 
 from dask_services._config_check import check_config
+from dask_services._lazy_arguments import computed_arguments, lazy_arguments
 from dask_services._messages import loads_exception
 from dask_services.replicated._errors import DeploymentError, ServiceShutdown
 from dask_services.replicated._handle import (
@@ -46,26 +47,42 @@ def as_service(cls: type, args: tuple, kwargs: dict, client: Any = None) -> Any:
     except Exception as e:
         raise TypeError(f"options(router=...) of {base.__name__} cannot be pickled (it is "
                         f"shipped to the workers that call the service): {e}") from e
-    try:
-        blob = pickle.dumps((base, args, kwargs, shipped))
-    except Exception as e:
-        raise TypeError(f"the class {base.__name__} or the setup arguments of as_service() "
-                        f"cannot be pickled: {e}") from e
+    lazy = bool(lazy_arguments(args, kwargs))
+    if lazy and not client.asynchronous:
+        # futures, Delayed objects and collections among the setup arguments are
+        # computed first: every replica (one autoscaling or a recovery starts later too)
+        # is set up with their values
+        args, kwargs = computed_arguments(client, args, kwargs)
+        lazy = False
+    blob = _setup_blob(base, args, kwargs, shipped)
     if not client.asynchronous:
         from dask_services.client import install
 
         install(client)
     transport = ClientTransport(client)
     handle = ReplicatedService(name, base, shipped, transport)
-    return transport.sync(_deploy, client, handle, blob, options)
+    setup = (args, kwargs, shipped) if lazy else None
+    return transport.sync(_deploy, client, handle, blob, options, setup)
+
+
+def _setup_blob(base: type, args: tuple, kwargs: dict, shipped: dict) -> bytes:
+    try:
+        return pickle.dumps((base, args, kwargs, shipped))
+    except Exception as e:
+        raise TypeError(f"the class {base.__name__} or the setup arguments of as_service() "
+                        f"cannot be pickled: {e}") from e
 
 
 async def _deploy(client: Any, handle: ReplicatedService, blob: bytes,
-                  options: ReplicaOptions) -> ReplicatedService:
+                  options: ReplicaOptions, setup: tuple | None = None) -> ReplicatedService:
     if client.asynchronous:
         from dask_services.client import install_async
 
         await install_async(client)
+    if setup is not None:  # an asynchronous client's lazy setup arguments
+        args, kwargs, shipped = setup
+        args, kwargs = await computed_arguments(client, args, kwargs)
+        blob = _setup_blob(handle.service_class, args, kwargs, shipped)
     scheduler = client.scheduler
     resp = await scheduler.replicated_deploy(
         name=handle.name, blob=blob, replicas=options.replicas,

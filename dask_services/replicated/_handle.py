@@ -26,6 +26,7 @@ from typing import Any
 import dask.config
 from distributed.core import send_recv
 
+from dask_services._lazy_arguments import lazy_arguments
 from dask_services._messages import loads_exception
 from dask_services.config import setting
 from dask_services.replicated._errors import (
@@ -201,9 +202,20 @@ class Endpoint:
             raise TypeError(f"{self.name!r} is a batched endpoint: each call passes exactly "
                             f"one request, svc.{self.name}.route(request)")
 
+    def _check_values(self, args: tuple, kwargs: dict, how: str) -> None:
+        # (the arguments themselves only: a call's payload is not walked on every call)
+        lazy = lazy_arguments(args, kwargs, deep=False)
+        if lazy:
+            raise TypeError(
+                f"{', '.join(lazy)} of svc.{self.name}.{how}(): route(), fanout() and "
+                f"stream() send their arguments as they are, nothing computes them; pass "
+                f"the value (future.result()), or call svc.{self.name}.submit(...), a "
+                f"task whose futures and collections are computed first")
+
     def route(self, *args: Any, **kwargs: Any) -> Call:
         """Send one call to one healthy replica, chosen by the router (or the session)."""
         self._check_call(args, kwargs)
+        self._check_values(args, kwargs, "route")
         h = self._handle
         session = _session.get()
         if session is not None and session.handle is not h:
@@ -218,6 +230,7 @@ class Endpoint:
         if not endpoint_spec(self._handle.service_class, self.name).stream:
             raise TypeError(f"{self.name!r} is not a streaming endpoint (a generator): call "
                             f"it with svc.{self.name}.route(...)")
+        self._check_values(args, kwargs, "stream")
         h = self._handle
         session = _session.get()
         if session is not None and session.handle is not h:
@@ -227,6 +240,7 @@ class Endpoint:
     def fanout(self, *args: Any, **kwargs: Any) -> Call:
         """Call every healthy replica; the result is the list of their results."""
         self._check_call(args, kwargs)
+        self._check_values(args, kwargs, "fanout")
         h = self._handle
         return Call(h._transport, h._fanout(self.name, args, kwargs),
                     f"{h.name}.{self.name} (fan-out)")
