@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import decimal
+import re
 from collections import Counter
 from unittest import mock
 
@@ -617,3 +618,63 @@ def test_a_datetime_index_keeps_its_frequency_as_with_tasks(index, npartitions):
         got = ddf.groupby("k").shift(periods=-2, freq=index.freq or "D", meta=expected)
         got = got.compute(scheduler="sync")
     pd.testing.assert_frame_equal(got.sort_index(), expected.sort_index(), check_freq=True)
+
+
+def test_an_input_partition_with_other_columns_than_its_meta_is_named():
+    # it was handed back as it was: partitions with a column the collection's meta lacks
+    pdf = pd.DataFrame({"k": np.arange(400) % 10, "x": np.arange(400.0)})
+
+    def made(i, extra):
+        part = pdf.iloc[i * 100:(i + 1) * 100]
+        if i != 1:
+            return part
+        return part.assign(z=1) if extra else part[["x", "k"]]  # a column more; reordered
+
+    odd = dd.from_map(made, range(4), extra=True, meta=pdf.head(0))
+    with pytest.raises(ValueError, match=re.escape(
+            "shuffle: input partition 1 has columns ['k', 'x', 'z'] where the collection's "
+            "meta has ['k', 'x'] (not in the meta: ['z']; missing: [])")):
+        odd.shuffle("k", npartitions=3, shuffle_method="service").compute(scheduler="sync")
+    # columns in another order are rows of the same columns, as with tasks
+    reordered = dd.from_map(made, range(4), extra=False, meta=pdf.head(0))
+    ours = partitions(reordered.shuffle("k", npartitions=3, shuffle_method="service"))
+    ref = partitions(reordered.shuffle("k", npartitions=3, shuffle_method="tasks"))
+    for a, b in zip(ours, ref, strict=True):
+        pd.testing.assert_frame_equal(a, b)
+
+
+@pytest.mark.parametrize("case", ["drop_duplicates", "every_other_row", "unsorted_input"])
+def test_the_index_frequency_is_the_one_tasks_gives_not_the_metas(case):
+    # outputs took the meta's frequency wherever their rows allowed it: a one-row
+    # partition always did, and rows 2 s apart kept "s" where tasks gave "2s" or none,
+    # so index.shift(1) gave other timestamps, or some where tasks raises
+    index = pd.date_range("2001", periods=12, freq="s")
+    pdf = pd.DataFrame({"k": [1, 1, 0, 1, 0, 1, 2, 2, 3, 1, 0, 3]}, index=index)
+    ddf = dd.from_pandas(pdf, npartitions=2)
+    if case == "drop_duplicates":  # one row per output, kept 2 s apart by the first step
+        first = dd.from_pandas(pd.DataFrame({"k": [1, 1, 0, 1, 0, 1]}, index=index[:6]),
+                               npartitions=1)
+
+        def make(method):
+            return first.drop_duplicates(split_out=4, shuffle_method=method)
+    elif case == "every_other_row":
+        def make(method):
+            return ddf.map_partitions(lambda d: d.iloc[::2]).shuffle(
+                "k", npartitions=3, shuffle_method=method)
+    else:
+        def make(method):
+            return ddf.shuffle("k", npartitions=2, shuffle_method=method)
+
+    ours, ref = partitions(make("service")), partitions(make("tasks"))
+    for a, b in zip(ours, ref, strict=True):
+        pd.testing.assert_frame_equal(a, b, check_freq=len(b) > 0)
+
+    def next_stamps(part):
+        try:
+            return pd.Series(part.index.shift(1).astype(str), index=part.index)
+        except Exception as e:  # tasks: NullFrequencyError where the rows have none
+            return pd.Series(type(e).__name__, index=part.index, dtype=object)
+
+    got, expected = (make(m).map_partitions(next_stamps, meta=(None, object))
+                     .compute(scheduler="sync") for m in ("service", "tasks"))
+    pd.testing.assert_series_equal(got, expected)

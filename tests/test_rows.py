@@ -186,9 +186,9 @@ def test_small_inputs_split_as_arrays_assemble_as_pandas_does(
             df, column = inputs[i].assign(_p=targets[i]), "_p"
             patch = contextlib.nullcontext()
         with patch:
-            batches = split_input(df, ("unused",) if assign else None, column, destination,
-                                  nbytes=100, own=ServiceId("a"),
-                                  column_way=way if as_arrays else None)
+            batches, _ = split_input(df, ("unused",) if assign else None, column, destination,
+                                     nbytes=100, own=ServiceId("a"),
+                                     column_way=way if as_arrays else None)
         for frame, parts, bounds, _ in batches.get(ServiceId("a"), []):
             assert isinstance(frame, FrameRows) == (as_arrays and len(df) > 0)
             if sent[i]:

@@ -213,13 +213,37 @@ def split_by_destination(
     return out
 
 
+def check_input_columns(index: int, data: Any, meta: Any, partitions_column: Any) -> None:
+    """Raise if input partition ``index`` has other columns than the meta (but for the
+    column of output partitions ``partitions_column`` dask's partitioning step added, if
+    any); in another order is fine, rows are concatenated by column name.  ``tasks``
+    would hand back partitions whose columns disagree with the collection's."""
+    if getattr(data, "ndim", 0) != 2 or getattr(meta, "ndim", 0) != 2:
+        return
+    columns = data.columns
+    if partitions_column is not None and partitions_column in columns:
+        columns = columns[columns != partitions_column]
+    if columns.equals(meta.columns):
+        return
+    if len(columns) == len(meta.columns) and set(columns) == set(meta.columns):
+        return
+    extra = [c for c in columns if c not in set(meta.columns)]
+    missing = [c for c in meta.columns if c not in set(columns)]
+    raise ValueError(
+        f"shuffle: input partition {index} has columns {list(columns)[:20]} where the "
+        f"collection's meta has {list(meta.columns)[:20]} (not in the meta: {extra[:10]}; "
+        f"missing: {missing[:10]}); the function that made the partition and the meta "
+        "it was given disagree: fix the one or pass meta= matching the partitions")
+
+
 def split_input(
     df: pd.DataFrame | pd.Series, assign: Assign | None, column: Any,
     destination: dict[int, tuple[ServiceId, int]], nbytes: int,
     routing: Routing | None = None, own: ServiceId | None = None,
     column_way: ColumnWay | None = None,
-) -> dict[ServiceId, Batch]:
-    """:func:`split_by_destination` of one input partition.  Its rows' output partitions
+) -> tuple[dict[ServiceId, Batch], Any]:
+    """:func:`split_by_destination` of one input partition, and the frequency its index
+    keeps through the split (:func:`freq_kept`).  Its rows' output partitions
     are in ``column``, or, with ``assign`` (the shuffle took dask's partitioning step in),
     computed here as dask computes them, so rows go where ``tasks`` sends them.
     ``column_way`` (of the outputs' meta): an input that takes the column way is split as
@@ -234,7 +258,22 @@ def split_input(
             frame = df.drop(columns=[column])
     else:
         parts = target_partitions(df, assign)
-    return split_by_destination(frame, parts, destination, nbytes, routing, own, arrays)
+    return (split_by_destination(frame, parts, destination, nbytes, routing, own, arrays),
+            freq_kept(frame.index, parts))
+
+
+def freq_kept(index: pd.Index, parts: np.ndarray) -> Any:
+    """The frequency of a datetime or timedelta ``index`` where ``tasks`` keeps it through
+    its split of the partition, else None: ``tasks`` takes the rows in output-partition
+    order and slices that per output, and pandas keeps a frequency through a take only
+    where the rows are already in that order (the take is a slice)."""
+    freq = getattr(index, "freq", None)
+    if freq is None or not isinstance(index, (pd.DatetimeIndex, pd.TimedeltaIndex)):
+        return None
+    parts = np.asarray(parts)
+    if len(parts) > 1 and bool((parts[1:] < parts[:-1]).any()):
+        return None
+    return freq
 
 
 def size_batches(items: list[Any], size: Callable[[Any], int], limit: int) -> list[list[Any]]:
@@ -263,7 +302,8 @@ SMALL_PIECE_ROWS = 256
 
 
 def assemble_group(received: list[Received], window: list[int], meta: pd.DataFrame,
-                   ignore_index: bool, uniform: bool | None = None) -> list[pd.DataFrame]:
+                   ignore_index: bool, uniform: bool | None = None,
+                   freqs: dict[int, Any] | None = None) -> list[pd.DataFrame]:
     """The output partitions ``window`` (in order) from every frame received for them.
 
     Rows keep the order ``tasks`` gives them: by input partition, then as they were in it.
@@ -274,7 +314,9 @@ def assemble_group(received: list[Received], window: list[int], meta: pd.DataFra
     every output partition is made of hundreds of one-row pieces.  Frames whose dtypes
     differ from the meta's, or with categoricals (a partition's categories are the union
     over its own pieces), always take the first way.  ``uniform``: whether that is known
-    not to be the case (found with :func:`frame_is_uniform` otherwise).
+    not to be the case (found with :func:`frame_is_uniform` otherwise).  ``freqs``: the
+    frequency each input's index kept through its split, where it kept one
+    (:func:`with_index_freq`).
     """
     if not received:
         return [assemble([], meta, ignore_index) for _ in window]
@@ -285,7 +327,8 @@ def assemble_group(received: list[Received], window: list[int], meta: pd.DataFra
                       for _, frame, _, _ in received)
     if rows >= SMALL_PIECE_ROWS * pairs or not uniform:
         by_partition = pieces_by_partition(received)
-        return [assemble(by_partition.get(p, []), meta, ignore_index) for p in window]
+        return [assemble(by_partition.get(p, []), meta, ignore_index, freqs)
+                for p in window]
     received = sorted(received, key=lambda item: item[0])
     part = np.concatenate([
         np.repeat(np.asarray(parts, dtype=np.int64), np.diff(bounds))
@@ -308,6 +351,12 @@ def assemble_group(received: list[Received], window: list[int], meta: pd.DataFra
                            for f in frames]).take(order)
     cuts = np.searchsorted(part, np.asarray(window, dtype=np.int64), side="left").tolist()
     cuts.append(len(part))
+    inputs_of: dict[int, list[int]] = {p: [] for p in window}  # (only where freqs matter)
+    if freqs and not ignore_index:
+        for index, _, parts, bounds in received:
+            for j, p in enumerate(parts):
+                if bounds[j + 1] > bounds[j] and p in inputs_of:
+                    inputs_of[p].append(index)
     out = []
     for j in range(len(window)):
         a, b = cuts[j], cuts[j + 1]
@@ -315,24 +364,28 @@ def assemble_group(received: list[Received], window: list[int], meta: pd.DataFra
             out.append(assemble([], meta, ignore_index))
         else:
             out.append(frame.iloc[a:b].reset_index(drop=True) if ignore_index
-                       else with_index_freq(frame.iloc[a:b], meta))
+                       else with_index_freq(frame.iloc[a:b], [
+                           (freqs or {}).get(i) for i in inputs_of[window[j]]]))
     return out
 
 
-def with_index_freq(frame: pd.DataFrame, meta: pd.DataFrame) -> pd.DataFrame:
-    """``frame`` with the ``freq`` of the meta's datetime or timedelta index where its rows
-    are spaced by it, as ``tasks`` gives it: pandas keeps a frequency through a
-    concatenation of contiguous slices of one, and the pieces here are rebuilt from arrays,
-    which have none (``groupby(...).shift(freq=...)`` compares it)."""
-    freq = getattr(meta.index, "freq", None)
+def with_index_freq(frame: pd.DataFrame, freqs: list[Any]) -> pd.DataFrame:
+    """``frame`` (an output partition with rows) with the index frequency ``tasks`` gives
+    it, ``freqs`` being the frequency each of its pieces' inputs kept through its split
+    (:func:`freq_kept`), in input order: pandas keeps a frequency through the
+    concatenation of pieces that all have it and follow each other by it.  The pieces here
+    are rebuilt from arrays, which have none (``groupby(...).shift(freq=...)`` and
+    ``index.shift`` read it)."""
     index = frame.index
-    if (freq is None or not isinstance(index, (pd.DatetimeIndex, pd.TimedeltaIndex))
-            or index.freq is not None or not len(index)):
+    if not isinstance(index, (pd.DatetimeIndex, pd.TimedeltaIndex)) or not len(index):
+        return frame
+    freq = freqs[0] if freqs and all(f is not None and f == freqs[0] for f in freqs) else None
+    if index.freq == freq:
         return frame
     try:
         frame.index = type(index)(index, freq=freq)  # checks the spacing
-    except (ValueError, TypeError):
-        pass  # not evenly spaced by it: no frequency, as with tasks
+    except (ValueError, TypeError):  # not evenly spaced by it: none, as with tasks
+        frame.index = type(index)(index, freq=None)
     return frame
 
 
@@ -348,15 +401,17 @@ def frame_is_uniform(frame: pd.DataFrame, meta: pd.DataFrame) -> bool:
 
 
 def assemble_many(pieces: list[list[tuple[int, pd.DataFrame | FrameRows]]], meta: pd.DataFrame,
-                  ignore_index: bool) -> list[pd.DataFrame]:
+                  ignore_index: bool, freqs: dict[int, Any] | None = None
+                  ) -> list[pd.DataFrame]:
     """:func:`assemble` for several output partitions in one call."""
-    return [assemble(p, meta, ignore_index) for p in pieces]
+    return [assemble(p, meta, ignore_index, freqs) for p in pieces]
 
 
 def assemble(pieces: list[tuple[int, pd.DataFrame | FrameRows]], meta: pd.DataFrame,
-             ignore_index: bool) -> pd.DataFrame:
+             ignore_index: bool, freqs: dict[int, Any] | None = None) -> pd.DataFrame:
     """One output partition from its pieces, in input-partition order (as ``tasks`` does):
-    column by column where the pieces allow it (``_rows.py``), else by pandas."""
+    column by column where the pieces allow it (``_rows.py``), else by pandas; ``freqs``
+    as for :func:`assemble_group`."""
     from dask.dataframe.core import _concat
 
     if not pieces:
@@ -374,7 +429,9 @@ def assemble(pieces: list[tuple[int, pd.DataFrame | FrameRows]], meta: pd.DataFr
         result = _concat([r.frame(meta) for r in rows], ignore_index=ignore_index)
         if ignore_index:
             result = result.reset_index(drop=True)
-    return result if ignore_index else with_index_freq(result, meta)
+    if ignore_index:
+        return result
+    return with_index_freq(result, [(freqs or {}).get(i) for i, piece in pieces if len(piece)])
 
 
 class DataFrameShuffle(PeerExchange):
@@ -399,6 +456,8 @@ class DataFrameShuffle(PeerExchange):
         self.routing = Routing(self.destination)
         self.column_way = ColumnWay(meta)
         self.mixed_groups: set[int] = set()  # groups with frames of other dtypes than meta's
+        # the index frequency each input kept through its split, where it kept one
+        self.index_freqs: dict[int, Any] = {}
         self.open_exchange(concierge)
 
     async def add_key(self, key, data: pd.DataFrame) -> None:
@@ -407,31 +466,34 @@ class DataFrameShuffle(PeerExchange):
         nbytes = self.concierge.input_nbytes(key)
         if nbytes is None:
             nbytes = sizeof(data)
+        check_input_columns(index, data, self.meta, self.column if self.assign is None
+                            else None)
         args = (data, self.assign, self.column, self.destination, nbytes, self.routing,
                 self.id, self.column_way)
         if nbytes < INLINE_SPLIT_BYTES:
-            batches = split_input(*args)  # less than handing it to a thread costs
+            batches, freq = split_input(*args)  # less than handing it to a thread costs
         else:
-            batches = await self.concierge.run_in_executor(split_input, *args)
+            batches, freq = await self.concierge.run_in_executor(split_input, *args)
         del args
         del data
         for sid, batch in batches.items():
             if sid == self.id:
-                await self.receive(index, batch)
+                await self.receive(index, batch, freq)
                 continue
             nbytes = sum(group[3] for group in batch)
             self.sent_bytes += nbytes
-            await self.stream.send_batched(sid, nbytes, "receive_many", (index, batch))
+            await self.stream.send_batched(sid, nbytes, "receive_many", (index, batch, freq))
 
     @rpc
-    async def receive_many(self, items: list[tuple[int, Batch]]) -> None:
+    async def receive_many(self, items: list[tuple[int, Batch, Any]]) -> None:
         """Peer RPC: :meth:`receive` for the batches of several input partitions."""
-        for index, batch in items:
-            await self.receive(index, batch)
+        for index, batch, freq in items:
+            await self.receive(index, batch, freq)
 
     @rpc
-    async def receive(self, index: int, batch: Batch) -> None:
-        """Peer RPC: keep the rows of input ``index`` that belong to this instance.
+    async def receive(self, index: int, batch: Batch, freq: Any = None) -> None:
+        """Peer RPC: keep the rows of input ``index`` that belong to this instance
+        (``freq``: the frequency its index kept through the split, :func:`freq_kept`).
 
         A frame of large pieces (``SMALL_PIECE_ROWS`` rows or more per partition on
         average) is buffered as one share per partition (its row range, ``_rows.py``: the
@@ -444,6 +506,8 @@ class DataFrameShuffle(PeerExchange):
         time.
         """
         assert self.buffer is not None
+        if freq is not None:
+            self.index_freqs[index] = freq
         items: list[tuple[Any, Any, int]] = []
         group_of = self.destination
         # the frames of a batch are cut from one input partition (``split_by_destination``),
@@ -520,7 +584,7 @@ class DataFrameShuffle(PeerExchange):
             uniform = not self.mixed_groups.intersection(window)
             frames = await self.concierge.run_in_executor(
                 measured, assemble_group, small, partitions, self.meta, self.ignore_index,
-                uniform)
+                uniform, self.index_freqs)
             del small
             await self._trim(trim, held)
             for p, (frame, nbytes) in zip(partitions, frames, strict=True):
@@ -534,7 +598,8 @@ class DataFrameShuffle(PeerExchange):
             held = self.buffer.memory_bytes
             pieces = [await self.buffer.take(p) + rest.pop(p, []) for p in batch]
             frames = await self.concierge.run_in_executor(
-                measured, assemble_many, pieces, self.meta, self.ignore_index)
+                measured, assemble_many, pieces, self.meta, self.ignore_index,
+                self.index_freqs)
             del pieces
             await self._trim(trim, held)
             for p, (frame, nbytes) in zip(batch, frames, strict=True):
