@@ -624,22 +624,28 @@ def test_an_input_partition_with_other_columns_than_its_meta_is_named():
     # it was handed back as it was: partitions with a column the collection's meta lacks
     pdf = pd.DataFrame({"k": np.arange(400) % 10, "x": np.arange(400.0)})
 
-    def made(i, extra):
+    def made(i, how):
         part = pdf.iloc[i * 100:(i + 1) * 100]
-        if i != 1:
-            return part
-        return part.assign(z=1) if extra else part[["x", "k"]]  # a column more; reordered
+        if how == "extra":
+            return part.assign(z=1) if i == 1 else part
+        if how == "twice":
+            return pd.concat([part, part[["x"]]], axis=1) if i == 1 else part
+        return part[["x", "k"]]  # every partition in another order than the meta
 
-    odd = dd.from_map(made, range(4), extra=True, meta=pdf.head(0))
-    with pytest.raises(ValueError, match=re.escape(
-            "shuffle: input partition 1 has columns ['k', 'x', 'z'] where the collection's "
-            "meta has ['k', 'x'] (not in the meta: ['z']; missing: [])")):
-        odd.shuffle("k", npartitions=3, shuffle_method="service").compute(scheduler="sync")
-    # columns in another order are rows of the same columns, as with tasks
-    reordered = dd.from_map(made, range(4), extra=False, meta=pdf.head(0))
+    for how, columns, more in [("extra", "['k', 'x', 'z']", "['z']"),
+                               ("twice", "['k', 'x', 'x']", "['x']")]:
+        odd = dd.from_map(made, range(4), how=how, meta=pdf.head(0))
+        with pytest.raises(ValueError, match=re.escape(
+                f"shuffle: input partition 1 has columns {columns} where the collection's "
+                f"meta has ['k', 'x'] (more than in the meta: {more}; fewer: [])")):
+            odd.shuffle("k", npartitions=3, shuffle_method="service").compute(
+                scheduler="sync")
+    # columns in another order are the same columns, in the meta's order as with tasks
+    reordered = dd.from_map(made, range(4), how="reordered", meta=pdf.head(0))
     ours = partitions(reordered.shuffle("k", npartitions=3, shuffle_method="service"))
     ref = partitions(reordered.shuffle("k", npartitions=3, shuffle_method="tasks"))
     for a, b in zip(ours, ref, strict=True):
+        assert list(a.columns) == ["k", "x"]
         pd.testing.assert_frame_equal(a, b)
 
 

@@ -17,6 +17,7 @@ order, as ``tasks`` gives them."""
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -213,27 +214,31 @@ def split_by_destination(
     return out
 
 
-def check_input_columns(index: int, data: Any, meta: Any, partitions_column: Any) -> None:
-    """Raise if input partition ``index`` has other columns than the meta (but for the
-    column of output partitions ``partitions_column`` dask's partitioning step added, if
-    any); in another order is fine, rows are concatenated by column name.  ``tasks``
-    would hand back partitions whose columns disagree with the collection's."""
+def check_input_columns(index: int, data: Any, meta: Any, partitions_column: Any) -> Any:
+    """``data``, input partition ``index``, with the meta's columns in the meta's order (but
+    for the column of output partitions ``partitions_column`` dask's partitioning step
+    added, if any, kept last); raise if it has other columns than the meta.  ``tasks``
+    hands back the meta's order, and would hand back partitions whose columns disagree
+    with the collection's."""
     if getattr(data, "ndim", 0) != 2 or getattr(meta, "ndim", 0) != 2:
-        return
+        return data
     columns = data.columns
     if partitions_column is not None and partitions_column in columns:
         columns = columns[columns != partitions_column]
     if columns.equals(meta.columns):
-        return
-    if len(columns) == len(meta.columns) and set(columns) == set(meta.columns):
-        return
-    extra = [c for c in columns if c not in set(meta.columns)]
-    missing = [c for c in meta.columns if c not in set(columns)]
+        return data
+    if (len(columns) == len(meta.columns) and set(columns) == set(meta.columns)
+            and not meta.columns.has_duplicates):
+        extra_column = [] if len(columns) == len(data.columns) else [partitions_column]
+        return data[list(meta.columns) + extra_column]
+    got, expected = Counter(columns), Counter(meta.columns)
     raise ValueError(
         f"shuffle: input partition {index} has columns {list(columns)[:20]} where the "
-        f"collection's meta has {list(meta.columns)[:20]} (not in the meta: {extra[:10]}; "
-        f"missing: {missing[:10]}); the function that made the partition and the meta "
-        "it was given disagree: fix the one or pass meta= matching the partitions")
+        f"collection's meta has {list(meta.columns)[:20]} (more than in the meta: "
+        f"{list((got - expected).elements())[:10]}; fewer: "
+        f"{list((expected - got).elements())[:10]}); the function that made the partition "
+        "and the meta it was given disagree: fix the one or pass meta= matching the "
+        "partitions")
 
 
 def split_input(
@@ -466,8 +471,8 @@ class DataFrameShuffle(PeerExchange):
         nbytes = self.concierge.input_nbytes(key)
         if nbytes is None:
             nbytes = sizeof(data)
-        check_input_columns(index, data, self.meta, self.column if self.assign is None
-                            else None)
+        data = check_input_columns(index, data, self.meta,
+                                   self.column if self.assign is None else None)
         args = (data, self.assign, self.column, self.destination, nbytes, self.routing,
                 self.id, self.column_way)
         if nbytes < INLINE_SPLIT_BYTES:
