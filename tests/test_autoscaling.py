@@ -134,19 +134,36 @@ async def test_autoscales_up_and_down_under_load_without_losing_a_call(c, s, *wo
     await assert_nothing_left(s, workers)
 
 
+def _record_scale_downs(ext) -> list[list[str]]:
+    """The replicas' states at each scale-down ``ext`` decides from now on."""
+    scale_downs: list[list[str]] = []
+    carry_out = ext.autoscale
+
+    def recording(dep, decision):
+        if decision.target < decision.current:
+            scale_downs.append(sorted(m.state.value for m in dep.active().values()))
+        carry_out(dep, decision)
+
+    ext.autoscale = recording
+    return scale_downs
+
+
 async def _upscaled_into_failing_setups(c, s, to: int, **delays):
     """An autoscaled service of one healthy replica, scaled up to ``to`` while its setup
-    fails (the returned flag file exists): the added replicas unhealthy."""
+    fails (the returned flag file exists): the added replicas unhealthy (or, with a short
+    downscale delay, already being scaled down: the returned list of the states seen at
+    each scale-down says so)."""
     flag = os.path.join(tempfile.mkdtemp(), "store-down")
     svc = await Adder.options(autoscaling={
         "min_replicas": 1, "max_replicas": 3, **delays}).as_service(0, flag, client=c)
     ext = s.extensions[EXT]
     dep = ext.deployments[svc.name]
     open(flag, "w").close()
+    scale_downs = _record_scale_downs(ext)
     ext.autoscale(dep, Decision(1, to, "a burst"))
-    await async_poll_for(lambda: sum(m.state.value == "unhealthy"
-                                     for m in dep.active().values()) == to - 1, timeout=10)
-    return svc, dep, flag
+    await async_poll_for(lambda: scale_downs or sum(
+        m.state.value == "unhealthy" for m in dep.active().values()) == to - 1, timeout=10)
+    return svc, dep, flag, scale_downs
 
 
 @cluster(nthreads=[("127.0.0.1", 1)] * 2,
@@ -155,13 +172,14 @@ async def test_replicas_whose_setup_failed_are_scaled_down_when_the_load_falls(
         c, s, a, b):
     # replicas an upscale added failed their setup (a model store down for a while):
     # autoscaling stopped for good, scale-down included, and the service kept them
-    svc, dep, flag = await _upscaled_into_failing_setups(
+    svc, dep, flag, scale_downs = await _upscaled_into_failing_setups(
         c, s, 3, upscale_delay="100ms", downscale_delay="300ms")
     os.remove(flag)
     # no load: down to min_replicas, the unhealthy ones stopped first
     await async_poll_for(lambda: len(dep.active()) == 1, timeout=10)
     assert [m.state.value for m in dep.active().values()] == ["healthy"]
     assert dep.last_decision.startswith("3 -> 1")
+    assert scale_downs[0] == ["healthy", "unhealthy", "unhealthy"]
     assert await svc.add.route(1) == 1
     await svc.shutdown()
     await assert_nothing_left(s, [a, b])
@@ -170,7 +188,7 @@ async def test_replicas_whose_setup_failed_are_scaled_down_when_the_load_falls(
 @cluster(nthreads=[("127.0.0.1", 1)] * 2,
          config={**FAST, "dask_services.replicated.setup-attempts": 1})
 async def test_no_upscale_while_a_replica_is_unhealthy(c, s, a, b):
-    svc, dep, flag = await _upscaled_into_failing_setups(
+    svc, dep, flag, _ = await _upscaled_into_failing_setups(
         c, s, 2, upscale_delay="0s", downscale_delay="600s")
     dep.autoscaling.observe = lambda *args: Decision(2, 3, "more load")  # as under load
     s.extensions[EXT]._autoscale_all()
@@ -192,15 +210,7 @@ async def test_replicas_still_starting_are_not_scaled_down(c, s, a, b):
                          timeout=10)
     ext = s.extensions[EXT]
     (dep,) = ext.deployments.values()
-    scale_downs = []  # the replicas' states at each scale-down decided
-    carry_out = ext.autoscale
-
-    def recording(dep_, decision):
-        if decision.target < decision.current:
-            scale_downs.append(sorted(m.state.value for m in dep_.active().values()))
-        carry_out(dep_, decision)
-
-    ext.autoscale = recording
+    scale_downs = _record_scale_downs(ext)
     await async_poll_for(lambda: len(dep.active()) == 3, timeout=10)
     ext._autoscale_all()  # no load, no delay: would scale down at once
     assert len(dep.active()) == 3 and scale_downs == []

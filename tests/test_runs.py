@@ -209,8 +209,10 @@ async def test_an_instance_produces_on_a_paused_worker_to_disk(c, s, a, b):
     await async_poll_for(lambda: ext.host.instances, timeout=10)
     a.status = Status.paused
     ProducesOnCue.GO.set()
-    await async_poll_for(lambda: not ext.host.instances, timeout=10)  # the run is over
-    assert len(ext.produced) > 0 and ext.produced.in_memory() == 0
+    await async_poll_for(lambda: not ext.host.instances, timeout=30)  # the run is over
+    # (the run may end while the last output's write, in a thread, is still under way)
+    await async_poll_for(lambda: ext.produced.in_memory() == 0, timeout=10)
+    assert len(ext.produced) > 0
     a.status = Status.running
     assert await c.gather(outs) == [10] * 4
     del outs, xs
