@@ -34,7 +34,9 @@ pytestmark = pytest.mark.timeout(60)
 
 THREE_WORKERS = [("127.0.0.1", 1)] * 3
 FAST_PROBES = {"dask_services.replicated.health-check-period": "50ms",
-               "dask_services.replicated.health-check-timeout": "2s"}
+               # (a loaded machine's event loop may stall for seconds: a healthy
+               # replica must not time out)
+               "dask_services.replicated.health-check-timeout": "5s"}
 
 
 def cluster(**kwargs):
@@ -236,7 +238,8 @@ async def test_shutdown_timeout_cancels_calls_still_running(c, s, w):
 async def test_least_loaded_sends_fewer_calls_to_a_slow_replica(c, s, *workers):
     svc = await Adder.options(replicas=2, max_concurrency=8).as_service(client=c)
     slow, fast = sorted(await svc.whoami.fanout())
-    await svc.set_delays.fanout({slow: 0.2, fast: 0.01})
+    # (far apart, so that a loaded machine's own delay per call does not even them out)
+    await svc.set_delays.fanout({slow: 1.0, fast: 0.01})
     counts = {slow: 0, fast: 0}
 
     async def caller():
@@ -600,13 +603,13 @@ async def test_a_second_shutdown_returns_once_the_first_is_over(c, s, *workers):
     is over (its replicas gone, the name free), not at once."""
     svc = await Adder.options(replicas=2, name="twice").as_service(client=c)
     call = asyncio.ensure_future(svc.wait_for.route("running", 7))
-    await async_poll_for(lambda: "running" in GATES, timeout=5)  # the call runs
+    await async_poll_for(lambda: "running" in GATES, timeout=20)  # the call runs
     plugin = s.extensions["dask_services_replicated"]
     dep = plugin.deployments["twice"]
     first = asyncio.ensure_future(svc.shutdown(timeout=10))
-    await async_poll_for(lambda: dep.stopping, timeout=5)
+    await async_poll_for(lambda: dep.stopping, timeout=20)
     second = asyncio.ensure_future(ReplicatedService("twice", Adder, {}).shutdown(timeout=10))
-    await async_poll_for(lambda: len(dep.stopped._waiters) == 1, timeout=5)
+    await async_poll_for(lambda: len(dep.stopped._waiters) == 1, timeout=20)
     assert not second.done() and not first.done()  # the call in flight is drained
     GATES["running"].set()
     await second

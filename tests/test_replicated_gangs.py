@@ -100,7 +100,7 @@ async def test_lost_rank_relaunches_the_whole_gang(c, s, *workers):
     (m,) = machines(s, svc.name)
     old_id, old_workers = m.id, m.workers
     calls = [asyncio.ensure_future(svc.total.route(i, delay=0.2)) for i in range(6)]
-    await async_poll_for(lambda: any(h for h in hosted(workers).values()), timeout=5)
+    await async_poll_for(lambda: any(h for h in hosted(workers).values()), timeout=20)
     victim = next(w for w in workers if w.address == old_workers[1])
     await victim.close()
     assert await asyncio.gather(*calls) == [3 * i for i in range(6)]  # re-sent

@@ -265,7 +265,7 @@ async def test_a_stream_cut_by_a_scale_down_before_its_first_item_is_not_run_aga
     two = asyncio.ensure_future(first_item("s2"))
     await async_poll_for(lambda: RECORD.get("s2") == ["started"], timeout=10)
     await svc.scale(1)
-    done, running = await asyncio.wait([one, two], timeout=5,
+    done, running = await asyncio.wait([one, two], timeout=30,
                                        return_when=asyncio.FIRST_COMPLETED)
     (cut,) = done
     with pytest.raises(dask_services.ServiceUnavailable, match="scale-down"):

@@ -147,13 +147,13 @@ async def test_a_restart_drops_the_outputs_its_run_produced_and_nobody_took(c, s
     ProducesThenRestarts.GATE = asyncio.Event()
     RELEASE.clear()
     busy = c.submit(blocked, workers=[a.address], pure=False)  # claims on a wait
-    await async_poll_for(lambda: a.state.executing_count == 1, timeout=5)
+    await async_poll_for(lambda: a.state.executing_count == 1, timeout=20)
     xs = [c.submit(inc, i, workers=[b.address]) for i in range(2)]
     outs = dask_services.submit(ProducesThenRestarts, xs, outputs=4, restart_on=a.address)
     produced_on_a = a.extensions["dask_services"].produced
     await async_poll_for(lambda: any(e["action"] == "restarted" for _, e in
                                      s.get_events("dask_services")), timeout=10)
-    await async_poll_for(lambda: not produced_on_a, timeout=5)
+    await async_poll_for(lambda: not produced_on_a, timeout=20)
     assert busy.status == "pending"  # the claims on a never ran
     RELEASE.set()
     ProducesThenRestarts.GATE.set()
@@ -168,7 +168,7 @@ async def test_produced_outputs_go_to_disk_while_their_worker_is_paused(c, s, a,
     (distributed cannot spill them): they are written to disk until their claims run."""
     RELEASE.clear()
     busy = c.submit(blocked, workers=[a.address], pure=False)  # claims on a wait
-    await async_poll_for(lambda: a.state.executing_count == 1, timeout=5)
+    await async_poll_for(lambda: a.state.executing_count == 1, timeout=20)
     xs = [c.submit(inc, i, workers=[b.address]) for i in range(4)]  # hand-offs on b
     outs = dask_services.submit(AllReduce, xs, outputs=4)
     ext = a.extensions["dask_services"]
