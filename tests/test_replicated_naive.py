@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
+import re
 import sys
 import threading
 
@@ -147,6 +149,10 @@ async def test_an_unsendable_result_fails_its_own_call_once(c, s, *workers):
     await assert_nothing_left(s, workers)
 
 
+def divide(a, b):
+    return a / b
+
+
 @cluster()
 async def test_futures_and_collections_among_setup_arguments_are_computed_first(c, s,
                                                                                 *workers):
@@ -162,6 +168,20 @@ async def test_futures_and_collections_among_setup_arguments_are_computed_first(
     await assert_nothing_left(s, workers)
     # the computation of the arguments left nothing behind
     await async_poll_for(lambda: not s.tasks, timeout=10)
+    # one that fails raises its error, leaving nothing; one dask.delayed cannot find (in
+    # a dict subclass) is refused, not passed as it is
+    with pytest.raises(ZeroDivisionError) as failed:
+        await Adder.options(replicas=1).as_service(dask.delayed(divide)(1, 0), client=c)
+    assert "(computing the setup arguments of as_service())" in failed.value.__notes__
+    del failed
+    with pytest.raises(TypeError, match=re.escape(
+            "delays['x'] (a Delayed) of the setup arguments of as_service() cannot be "
+            "computed where it is")):
+        await Adder.options(replicas=1).as_service(
+            0, delays=collections.OrderedDict(x=dask.delayed(1)), client=c)
+    gc.collect()
+    await async_poll_for(lambda: not s.tasks, timeout=10)
+    assert not s.extensions["dask_services_replicated"].deployments
 
 
 @cluster()
@@ -177,7 +197,10 @@ async def test_a_future_as_an_argument_of_a_call_is_refused_or_computed(c, s, *w
         with pytest.raises(TypeError, match=named + ".*send their arguments as they are.*"
                                                     r"svc\.\w+\.submit\(\.\.\.\)"):
             call()
-    assert await svc.echo.submit(value, client=c) == 7  # a task: computed first
+    assert await svc.echo.submit(value, client=c) == 7  # a task: resolved first
+    with pytest.raises(TypeError, match=r"argument 0 \(a Delayed\) of svc.echo.submit\(\): "
+                                        r"submit\(\) resolves futures"):
+        svc.echo.submit(dask.delayed(1), client=c)
     await svc.shutdown()
     await assert_nothing_left(s, workers)
 

@@ -451,7 +451,6 @@ def test_cli_bench_replicated_splits_the_time_of_a_call(capsys):
         assert row["endpoint_ms"] >= 5.0  # each call sleeps 5 ms inside the endpoint
         assert row["calls_per_s"] <= row["ideal_for_endpoint_calls_per_s"]
         assert row["overhead_ms_per_call"] >= 0
-    assert result["batching"]["speedup"] > 0  # a measured ratio (how large: the bench's)
 
 
 def test_rechunk_task_costs_refuse_a_truncated_task_stream():

@@ -227,18 +227,21 @@ def check_input_columns(index: int, data: Any, meta: Any, partitions_column: Any
         columns = columns[columns != partitions_column]
     if columns.equals(meta.columns):
         return data
-    if (len(columns) == len(meta.columns) and set(columns) == set(meta.columns)
-            and not meta.columns.has_duplicates):
+    got, expected = Counter(columns), Counter(meta.columns)
+    if got == expected and not meta.columns.has_duplicates:
         extra_column = [] if len(columns) == len(data.columns) else [partitions_column]
         return data[list(meta.columns) + extra_column]
-    got, expected = Counter(columns), Counter(meta.columns)
+    if got == expected:
+        how = "the same columns in another order, which the meta's duplicate names leave "
+        how += "ambiguous"
+    else:
+        how = (f"more than in the meta: {list((got - expected).elements())[:10]}; fewer: "
+               f"{list((expected - got).elements())[:10]}")
     raise ValueError(
         f"shuffle: input partition {index} has columns {list(columns)[:20]} where the "
-        f"collection's meta has {list(meta.columns)[:20]} (more than in the meta: "
-        f"{list((got - expected).elements())[:10]}; fewer: "
-        f"{list((expected - got).elements())[:10]}); the function that made the partition "
-        "and the meta it was given disagree: fix the one or pass meta= matching the "
-        "partitions")
+        f"collection's meta has {list(meta.columns)[:20]} ({how}); the function that made "
+        "the partition and the meta it was given disagree: fix the one or pass meta= "
+        "matching the partitions")
 
 
 def split_input(
@@ -463,6 +466,10 @@ class DataFrameShuffle(PeerExchange):
         self.mixed_groups: set[int] = set()  # groups with frames of other dtypes than meta's
         # the index frequency each input kept through its split, where it kept one
         self.index_freqs: dict[int, Any] = {}
+        # an input's columns as expected (the meta's, and dask's column of output
+        # partitions last unless the shuffle computes them): anything else is looked at
+        self.input_columns = (meta.columns if assign is not None or meta.ndim != 2
+                              else meta.columns.append(pd.Index([column])))
         self.open_exchange(concierge)
 
     async def add_key(self, key, data: pd.DataFrame) -> None:
@@ -471,8 +478,10 @@ class DataFrameShuffle(PeerExchange):
         nbytes = self.concierge.input_nbytes(key)
         if nbytes is None:
             nbytes = sizeof(data)
-        data = check_input_columns(index, data, self.meta,
-                                   self.column if self.assign is None else None)
+        columns = getattr(data, "columns", None)
+        if columns is not None and not columns.equals(self.input_columns):
+            data = check_input_columns(index, data, self.meta,
+                                       self.column if self.assign is None else None)
         args = (data, self.assign, self.column, self.destination, nbytes, self.routing,
                 self.id, self.column_way)
         if nbytes < INLINE_SPLIT_BYTES:

@@ -52,9 +52,11 @@ def as_service(cls: type, args: tuple, kwargs: dict, client: Any = None) -> Any:
         # futures, Delayed objects and collections among the setup arguments are
         # computed first: every replica (one autoscaling or a recovery starts later too)
         # is set up with their values
-        args, kwargs = computed_arguments(client, args, kwargs)
+        args, kwargs = computed_arguments(client, args, kwargs,
+                                          "the setup arguments of as_service()")
         lazy = False
-    blob = _setup_blob(base, args, kwargs, shipped)
+    # (an asynchronous client's lazy arguments are computed, then pickled, as it deploys)
+    blob = b"" if lazy else _setup_blob(base, args, kwargs, shipped)
     if not client.asynchronous:
         from dask_services.client import install
 
@@ -81,7 +83,8 @@ async def _deploy(client: Any, handle: ReplicatedService, blob: bytes,
         await install_async(client)
     if setup is not None:  # an asynchronous client's lazy setup arguments
         args, kwargs, shipped = setup
-        args, kwargs = await computed_arguments(client, args, kwargs)
+        args, kwargs = await computed_arguments(client, args, kwargs,
+                                                "the setup arguments of as_service()")
         blob = _setup_blob(handle.service_class, args, kwargs, shipped)
     scheduler = client.scheduler
     resp = await scheduler.replicated_deploy(

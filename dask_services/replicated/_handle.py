@@ -208,9 +208,10 @@ class Endpoint:
         if lazy:
             raise TypeError(
                 f"{', '.join(lazy)} of svc.{self.name}.{how}(): route(), fanout() and "
-                f"stream() send their arguments as they are, nothing computes them; pass "
-                f"the value (future.result()), or call svc.{self.name}.submit(...), a "
-                f"task whose futures and collections are computed first")
+                f"stream() send their arguments as they are (looking at the arguments "
+                f"themselves, not into them), nothing computes them; pass the value "
+                f"(future.result()), or call svc.{self.name}.submit(...), a task whose "
+                f"future arguments are resolved first")
 
     def route(self, *args: Any, **kwargs: Any) -> Call:
         """Send one call to one healthy replica, chosen by the router (or the session)."""
@@ -251,6 +252,12 @@ class Endpoint:
         from distributed import get_client
 
         self._check_call(args, kwargs)
+        lazy = lazy_arguments(args, kwargs, deep=False, futures=False)
+        if lazy:
+            raise TypeError(
+                f"{', '.join(lazy)} of svc.{self.name}.submit(): submit() resolves "
+                f"futures among its arguments, as client.submit does, not Delayed objects "
+                f"or collections; pass client.compute(x) instead, or the value")
         h = self._handle
         if client is None:
             transport = h._transport
