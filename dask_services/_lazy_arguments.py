@@ -11,6 +11,8 @@ tuples, sets and dicts (exactly those types).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from dask.base import is_dask_collection
@@ -80,18 +82,19 @@ def computed_arguments(client: Any, args: tuple, kwargs: dict, what: str) -> Any
     future = client.compute(dask.delayed(_as_given, pure=False)(list(args), dict(kwargs)))
     if client.asynchronous:
         return _awaited(future, what)
-    try:
+    with _computing(future, what):
         return _checked(future.result(), what)
-    except Exception as e:
-        e.add_note(f"(computing {what})")
-        raise
-    finally:
-        future.release()
 
 
 async def _awaited(future: Any, what: str) -> tuple[tuple, dict]:
-    try:
+    with _computing(future, what):
         return _checked(await future, what)
+
+
+@contextlib.contextmanager
+def _computing(future: Any, what: str) -> Iterator[None]:
+    try:
+        yield
     except Exception as e:
         e.add_note(f"(computing {what})")
         raise

@@ -359,8 +359,10 @@ def assemble_group(received: list[Received], window: list[int], meta: pd.DataFra
                            for f in frames]).take(order)
     cuts = np.searchsorted(part, np.asarray(window, dtype=np.int64), side="left").tolist()
     cuts.append(len(part))
-    inputs_of: dict[int, list[int]] = {p: [] for p in window}  # (only where freqs matter)
+    # the inputs each output has rows from, where their frequencies matter
+    inputs_of: dict[int, list[int]] = {}
     if freqs and not ignore_index:
+        inputs_of = {p: [] for p in window}
         for index, _, parts, bounds in received:
             for j, p in enumerate(parts):
                 if bounds[j + 1] > bounds[j] and p in inputs_of:
@@ -373,7 +375,8 @@ def assemble_group(received: list[Received], window: list[int], meta: pd.DataFra
         else:
             out.append(frame.iloc[a:b].reset_index(drop=True) if ignore_index
                        else with_index_freq(frame.iloc[a:b], [
-                           (freqs or {}).get(i) for i in inputs_of[window[j]]]))
+                           freqs[i] if i in freqs else None
+                           for i in inputs_of.get(window[j], [])]))
     return out
 
 
@@ -439,7 +442,8 @@ def assemble(pieces: list[tuple[int, pd.DataFrame | FrameRows]], meta: pd.DataFr
             result = result.reset_index(drop=True)
     if ignore_index:
         return result
-    return with_index_freq(result, [(freqs or {}).get(i) for i, piece in pieces if len(piece)])
+    return with_index_freq(result, [freqs.get(i) for i, piece in pieces if len(piece)]
+                           if freqs else [])
 
 
 class DataFrameShuffle(PeerExchange):
