@@ -94,12 +94,8 @@ class ProducedOutputs:
                 _remove(path)  # a file half written (a full disk) is not left behind
                 error = e
                 if e.errno == errno.ENOSPC:
-                    error = OutOfDiskError(
-                        errno.ENOSPC,
-                        f"out of disk space writing produced outputs to {self.directory}; "
-                        "free disk space there or point the worker's local directory "
-                        "(--local-directory, config 'temporary-directory') to a larger disk",
-                    )
+                    error = OutOfDiskError.writing("writing produced outputs to",
+                                                   self.directory)
                 error.spilled = (count, written)  # type: ignore[attr-defined]  # before it
                 if error is e:
                     raise

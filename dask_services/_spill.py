@@ -35,6 +35,14 @@ Partition = Hashable
 class OutOfDiskError(OSError):
     """The disk under the worker's local directory is full."""
 
+    @classmethod
+    def writing(cls, what: str, directory: str) -> OutOfDiskError:
+        """The error for a full disk met while writing ``what`` to ``directory``."""
+        return cls(errno.ENOSPC,
+                   f"out of disk space {what} {directory}; free disk space there or point "
+                   "the worker's local directory (--local-directory, config "
+                   "'temporary-directory') to a larger disk")
+
 
 class SpillBuffer:
     def __init__(self, directory: str, limit: int) -> None:
@@ -119,12 +127,7 @@ class SpillBuffer:
                     sizes[partition] = f.tell()
             except OSError as e:
                 if e.errno == errno.ENOSPC:
-                    raise OutOfDiskError(
-                        errno.ENOSPC,
-                        f"out of disk space while spilling to {directory}; free disk "
-                        "space there or point the worker's local directory (--local-directory"
-                        ", config 'temporary-directory') to a larger disk",
-                    ) from e
+                    raise OutOfDiskError.writing("while spilling to", directory) from e
                 raise
         return sizes
 

@@ -375,8 +375,7 @@ def assemble_group(received: list[Received], window: list[int], meta: pd.DataFra
         else:
             out.append(frame.iloc[a:b].reset_index(drop=True) if ignore_index
                        else with_index_freq(frame.iloc[a:b], [
-                           freqs[i] if i in freqs else None
-                           for i in inputs_of.get(window[j], [])]))
+                           freqs.get(i) for i in inputs_of.get(window[j], [])]))
     return out
 
 
