@@ -64,6 +64,11 @@ class Adder(dask_services.Service):
         return value
 
     @dask_services.endpoint
+    async def wait_then_whoami(self, gate: str) -> str:
+        await GATES.setdefault(gate, asyncio.Event()).wait()
+        return str(self.id)
+
+    @dask_services.endpoint
     async def count_and_wait(self, gate: str, tag: str) -> str:
         """Counts its starts in ``STARTS[tag]``, then waits for ``GATES[gate]``."""
         STARTS[tag] = STARTS.get(tag, 0) + 1

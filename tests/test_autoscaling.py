@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import tempfile
 
@@ -131,6 +132,32 @@ async def test_autoscales_up_and_down_under_load_without_losing_a_call(c, s, *wo
         assert {r["target"] for r in rows if r["service"] == svc.name} == {2}
         assert all(r["decision"].endswith("sets the floor") for r in rows)
         await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
+@cluster(nthreads=[("127.0.0.1", 1)] * 3, config=FAST)
+async def test_a_burst_queued_on_one_replica_is_spread_over_the_replicas_it_caused(
+        c, s, *workers):
+    svc = await Adder.options(max_concurrency=1, autoscaling={
+        "min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 3,
+        "upscale_delay": 0, "downscale_delay": "60s"}).as_service(client=c)
+    dep = s.extensions[EXT].deployments[svc.name]
+    burst = [svc.wait_then_whoami.route("autoscaled-burst") for _ in range(12)]
+    await async_poll_for(lambda: len(dep.active()) == 3, timeout=20)
+    await async_poll_for(lambda: all(m.state.value == "healthy"
+                                     for m in dep.active().values()), timeout=20)
+
+    async def spread() -> list[int]:
+        return sorted(r["in_flight"] + r["queued"] for r in await svc.replicas())
+
+    deadline = asyncio.get_running_loop().time() + 20
+    while await spread() != [4, 4, 4]:
+        assert asyncio.get_running_loop().time() < deadline, await spread()
+        await asyncio.sleep(0.01)
+    GATES["autoscaled-burst"].set()
+    served = [await call for call in burst]
+    assert sorted(collections.Counter(served).values()) == [4, 4, 4]
+    await svc.shutdown()
     await assert_nothing_left(s, workers)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import gc
 import pickle
 
@@ -328,6 +329,50 @@ async def test_session_moves_when_its_replica_worker_leaves(c, s, *workers):
         after = [await svc.whoami.route() for _ in range(4)]
     assert len(set(after)) == 1 and after[0] != before and sess.replica is None
     await async_poll_for(lambda: healthy_count(s, svc) == 2, timeout=20)
+    await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
+async def loads(svc) -> dict[str, tuple[int, int]]:
+    """Running and queued calls of each healthy replica, now."""
+    return {r["id"]: (r["in_flight"], r["queued"]) for r in healthy(await svc.replicas())}
+
+
+@cluster()
+async def test_calls_queued_before_replicas_were_added_move_to_them(c, s, *workers):
+    """A burst queued on the one replica there was is spread over the replicas added
+    after it (its last queued calls go back to the caller, sent on to the new ones);
+    calls of a session stay where their session is."""
+    svc = await Adder.options(replicas=1, max_concurrency=1).as_service(client=c)
+    burst = [svc.wait_then_whoami.route("burst") for _ in range(12)]
+    async with svc.session():
+        held = [svc.wait_then_whoami.route("burst") for _ in range(3)]
+    (first,) = await loads(svc)
+    deadline = asyncio.get_running_loop().time() + 20
+    while (await loads(svc))[first] != (1, 14):
+        assert asyncio.get_running_loop().time() < deadline, await loads(svc)
+        await asyncio.sleep(0.01)
+
+    async def spread(expected: list[int]) -> None:
+        deadline = asyncio.get_running_loop().time() + 20
+        while sorted(sum(v) for v in (await loads(svc)).values()) != expected:
+            assert asyncio.get_running_loop().time() < deadline, await loads(svc)
+            await asyncio.sleep(0.01)
+
+    await svc.scale(2)
+    await spread([7, 8])  # 7 moved: the second replica runs one of them
+    await svc.scale(3)
+    # 5 a replica: the first keeps its running call, the session's 3 and 1 more; calls
+    # moved once move again (3 from the first replica, 2 from the second)
+    await spread([5, 5, 5])
+    events = await replica_events(c, "calls-rebalanced")
+    assert [(e["moved"], e["healthy"]) for e in events] == [(7, 2), (5, 3)]
+    GATES["burst"].set()
+    served = collections.Counter([await call for call in burst])
+    assert len(served) == 3 and sorted(served.values()) == [2, 5, 5], served
+    assert {await call for call in held} == {first}
+    (m,) = [m for m in await svc.metrics() if m["id"] == first]
+    assert m["calls"] == 5 and m["errors"] == 0  # the moved calls are no errors
     await svc.shutdown()
     await assert_nothing_left(s, workers)
 

@@ -20,9 +20,11 @@ from dask_services.replicated import (
     ServiceOverloaded,
     ServiceShutdown,
 )
+from dask_services.replicated._errors import CallMoved
 from dask_services.replicated._metrics import ReplicaMetrics
 from dask_services.replicated._options import ReplicaOptions, endpoints, unconfigured
 from dask_services.replicated._queue import CallGate
+from dask_services.replicated._rebalance import shed_plan
 from dask_services.replicated._routing import make_router
 from dask_services.service import ServiceId
 
@@ -94,6 +96,56 @@ def test_gate_close_fails_queued_calls_and_refuses_new_ones():
         await idle
 
     run(main())
+
+
+def test_shed_gives_back_the_last_movable_queued_calls_and_keeps_the_order_of_the_rest():
+    """Replicas were added: the last queued calls that nothing holds here go back
+    (``CallMoved``), the others (a session's) stay, in their order, and
+    a sync call queued for a thread goes back as an async one does."""
+
+    async def main():
+        gate = CallGate(1, 10, name="replica x")
+        executor = ThreadPoolExecutor(1)
+        await gate.acquire()  # running
+        order = []
+
+        async def call(i, movable):
+            await gate.acquire(movable=movable)
+            order.append(i)
+            gate.release()
+            return i
+
+        tasks = [asyncio.ensure_future(call(i, movable=i != 4)) for i in range(5)]
+        await until(lambda: all(suspended_in(t, "CallGate.acquire", gate) for t in tasks))
+        in_thread = gate.admit_to_thread(executor, lambda: "sync", movable=True)
+        assert (gate.in_flight, gate.queued) == (1, 6)
+        # keep 3 of 7: the thread call and calls 3, 2 and 1 go; call 4 is held here
+        assert gate.shed(3, "gave the call back") == 4
+        with pytest.raises(CallMoved, match="replica x gave the call back"):
+            await gate.outcome(in_thread)
+        for i in (1, 2, 3):
+            with pytest.raises(CallMoved):
+                await tasks[i]
+        assert (gate.in_flight, gate.queued) == (1, 2)
+        assert gate.shed(0, "again") == 1  # call 0; call 4 stays whatever keep says
+        assert gate.queued == 1
+        gate.release()
+        assert await tasks[4] == 4 and order == [4]
+        assert [t.exception().__class__ for t in tasks[:4]] == [CallMoved] * 4
+        assert gate.in_flight == 0 and gate.shed(0, "nothing queued") == 0
+        executor.shutdown()
+
+    run(main())
+
+
+def test_shed_plan_asks_replicas_above_the_even_share():
+    # a burst of 20 queued on one replica, two added: each ends near 20 / 3
+    assert shed_plan({"a": (1, 19), "b": (0, 0), "c": (0, 0)}) == {"a": 7}
+    # nothing queued, or at the share already: nobody is asked
+    assert shed_plan({"a": (4, 0), "b": (0, 0)}) == {}
+    assert shed_plan({"a": (2, 1), "b": (1, 2)}) == {}
+    assert shed_plan({"a": (1, 30)}) == {}  # one replica: nowhere to go
+    assert shed_plan({"a": (1, 5), "b": (1, 4), "c": (0, 0)}) == {"a": 4, "b": 4}
 
 
 def test_thread_calls_follow_each_other_without_the_event_loop():

@@ -35,6 +35,11 @@ class ScaledDown(ReplicaGone):
     internal."""
 
 
+class CallMoved(ServiceError):
+    """A queued call that its replica gave back, not started, so that a replica with less
+    to do takes it (replicas were added while it waited); internal, sent again at once."""
+
+
 class BatchResultError(ServiceError, ValueError):
     """A batched endpoint returned something other than one result per request (raised
     at every caller of that batch)."""

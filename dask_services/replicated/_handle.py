@@ -593,6 +593,9 @@ class ReplicatedService:
         failures: list[str] = []
         delay = -1.0  # the retry settings are read at the first failure (not per call)
         in_flight_losses = 0  # connections that broke while a replica had the call
+        # Nothing holds the call to one replica: while queued there it may be given back
+        # (replicas were added) and sent to another (at most once per replica added).
+        movable = pin is None and session is None and not self._sticky
         while True:
             if pin is not None:
                 target = next((r for r in self._table if r.id == pin), None)
@@ -605,9 +608,12 @@ class ReplicatedService:
                 target = self._choose(session)
             if target is not None:
                 self._outstanding[target.id] += 1
+                status = None
                 try:
-                    resp = await self._send(target, {"id": str(target.id), "method": method,
-                                                     **payload})
+                    msg = {"id": str(target.id), "method": method, **payload}
+                    if movable:
+                        msg["movable"] = True
+                    resp = await self._send(target, msg)
                 except OSError as e:
                     failure = f"{target.id} on {target.worker}: {type(e).__name__}: {e}"
                     if isinstance(e, LostInFlight):
@@ -642,6 +648,11 @@ class ReplicatedService:
                     self._outstanding[target.id] -= 1
                     if self._outstanding[target.id] <= 0:
                         del self._outstanding[target.id]
+                if status == "moved":  # not a failure: to a replica with less to do
+                    await self._refresh()  # the table that has the added replicas
+                    self._reported[target.id] = max(self._reported.get(target.id, 0),
+                                                    int(resp.get("load", 0)))
+                    continue
                 self._drop(target.id)
                 if pin is not None:
                     raise ServiceUnavailable(

@@ -4,6 +4,9 @@ Waiting callers each hold a future that the releasing call completes (first come
 served); nobody polls.  Beyond the queue a call fails at once with ``ServiceOverloaded``.
 Calls waiting to join a batch (``_batching.py``) are *held*: they count as queued, and
 the batch they join takes one slot (``acquire(internal=True)``, which is not a queued call).
+A call admitted as *movable* (no session holds it here, nor was it addressed to this
+replica) may be given back while it waits (:meth:`CallGate.shed`), the last queued
+first, when replicas are added.
 
 A sync call queues as a :class:`ThreadCall` (``admit_to_thread``): the thread that ends
 one call takes the next queued thread call itself, slot and all, so a busy replica of a
@@ -21,7 +24,12 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
-from dask_services.replicated._errors import ReplicaGone, ServiceOverloaded, ServiceShutdown
+from dask_services.replicated._errors import (
+    CallMoved,
+    ReplicaGone,
+    ServiceOverloaded,
+    ServiceShutdown,
+)
 
 
 @dataclass(eq=False)
@@ -35,6 +43,7 @@ class ThreadCall:
     future: asyncio.Future
     state: str = "queued"  # -> "running" (has the slot) or "dropped" (left the queue)
     what: str = "the call"  # named in its error if its thread is interrupted
+    movable: bool = False  # may be given back while queued (:meth:`CallGate.shed`)
 
 
 class CallGate:
@@ -48,6 +57,7 @@ class CallGate:
         self._waiters: collections.deque[asyncio.Future | ThreadCall] = collections.deque()
         self._lock = threading.Lock()  # the queue, which threads ending a call also take from
         self._internal: set[asyncio.Future] = set()  # waiters that are batches, not calls
+        self._movable: set[asyncio.Future] = set()  # waiting calls that may be given back
         self.held = 0  # calls waiting to join a batch (counted as queued)
         self._closed: BaseException | None = None
         self._idle = asyncio.Event()
@@ -79,10 +89,11 @@ class CallGate:
         """``n`` held calls joined a running batch or left."""
         self.held -= n
 
-    async def acquire(self, internal: bool = False) -> None:
+    async def acquire(self, internal: bool = False, movable: bool = False) -> None:
         """Wait for a slot; ``ServiceOverloaded`` at once when the queue is full.
 
-        ``internal``: a batch of held calls asks, never refused for a full queue."""
+        ``internal``: a batch of held calls asks, never refused for a full queue.
+        ``movable``: while it waits, :meth:`shed` may give the call back (``CallMoved``)."""
         if self._closed is not None:
             raise self._closed
         if self.in_flight < self.max_concurrency and not self._waiters:
@@ -95,6 +106,8 @@ class CallGate:
             self._waiters.append(fut)
         if internal:
             self._internal.add(fut)
+        elif movable:
+            self._movable.add(fut)
         try:
             await fut
         except asyncio.CancelledError:
@@ -116,6 +129,7 @@ class CallGate:
                     self._start(waiter)
                     return
                 self._internal.discard(waiter)
+                self._movable.discard(waiter)
                 if not waiter.done():
                     self._take()
                     waiter.set_result(None)
@@ -134,13 +148,40 @@ class CallGate:
                 waiter.state = "dropped"
                 waiter = waiter.future
             self._internal.discard(waiter)
+            self._movable.discard(waiter)
             if not waiter.done():
                 waiter.set_exception(self._closed)
+
+    def shed(self, keep: int, why: str) -> int:
+        """Give back movable queued calls, the last queued first, until this replica's
+        running and queued calls are at most ``keep`` (or none movable is left): each
+        fails with ``CallMoved`` and its caller sends it again, to a replica with less to
+        do.  Returns how many were given back.  Calls that hold their place (a session's,
+        a pinned one, a batch's) stay, and so does the order of those left."""
+        moved: list[asyncio.Future | ThreadCall] = []
+        with self._lock:
+            excess = self.in_flight + self.queued - keep
+            for waiter in reversed(self._waiters):
+                if len(moved) >= excess:
+                    break
+                if (waiter.movable and waiter.state == "queued"
+                        if isinstance(waiter, ThreadCall)
+                        else waiter in self._movable and not waiter.done()):
+                    moved.append(waiter)
+            for waiter in moved:
+                self._waiters.remove(waiter)
+                if isinstance(waiter, ThreadCall):
+                    waiter.state = "dropped"
+        for waiter in moved:
+            future = waiter.future if isinstance(waiter, ThreadCall) else waiter
+            self._movable.discard(future)
+            future.set_exception(CallMoved(f"{self.name} {why}"))
+        return len(moved)
 
     # ------------------------------------------------------------ sync calls
 
     def admit_to_thread(self, executor: Executor, fn: Callable[[], Any],
-                        what: str = "the call") -> ThreadCall:
+                        what: str = "the call", movable: bool = False) -> ThreadCall:
         """Admit sync call ``fn`` (run on ``executor``): started at once if a slot is
         free, else queued; ``ServiceOverloaded`` (or the closing error) at once when the
         queue is full.  Await its outcome with :meth:`outcome`; its slot is given back
@@ -148,7 +189,8 @@ class CallGate:
         if self._closed is not None:
             raise self._closed
         loop = asyncio.get_running_loop()
-        call = ThreadCall(fn, executor, loop, loop.create_future(), what=what)
+        call = ThreadCall(fn, executor, loop, loop.create_future(), what=what,
+                          movable=movable)
         with self._lock:
             if self.in_flight < self.max_concurrency and not self._waiters:
                 self._take()
@@ -233,6 +275,7 @@ class CallGate:
 
     def _discard(self, fut: asyncio.Future) -> None:
         self._internal.discard(fut)
+        self._movable.discard(fut)
         with self._lock:
             try:
                 self._waiters.remove(fut)
@@ -240,10 +283,14 @@ class CallGate:
                 pass
 
 
-def not_admitted(metrics: Any, exc: BaseException) -> dict:
+def not_admitted(metrics: Any, exc: BaseException, gate: CallGate | None = None) -> dict:
     """The answer to a call that a replica's gate (or batcher) did not take in, as the
     caller reads it: ``overloaded`` (fail at once; counted in ``metrics``), ``gone`` (send
-    it elsewhere) or ``shutdown`` (stop)."""
+    it elsewhere), ``moved`` (given back while queued: send it elsewhere, no failure) or
+    ``shutdown`` (stop); a moved call's answer has the load ``gate`` is left with."""
+    if isinstance(exc, CallMoved):
+        load = gate.in_flight + gate.queued if gate is not None else 0
+        return {"status": "moved", "message": str(exc), "load": load}
     if isinstance(exc, ServiceOverloaded):
         metrics.overloaded += 1
         return {"status": "overloaded", "message": str(exc)}

@@ -34,6 +34,7 @@ from dask_services.replicated._autoscale import AutoscalePolicy, AutoscalingConf
 from dask_services.replicated._gang import incarnation_of, rank_id
 from dask_services.replicated._lifecycle import ReplicaState
 from dask_services.replicated._options import config_seconds
+from dask_services.replicated._rebalance import shed_plan
 from dask_services.replicated._table import ReplicaReports
 from dask_services.replicated._worker import EXTENSION, ReplicaWorker
 
@@ -72,6 +73,8 @@ class Deployment:
     stopped: asyncio.Event = field(default_factory=asyncio.Event)  # its shutdown is over
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: set[asyncio.Task] = field(default_factory=set)
+    rebalancing: asyncio.Task | None = None  # spreading queued calls (``_rebalance``)
+    rebalance_again: bool = False  # a replica turned healthy while it ran
 
     def notify(self) -> None:
         """Wake whoever waits for a change of state."""
@@ -285,19 +288,22 @@ class Deployments(SchedulerPlugin):
             if row["worker"] is not None:
                 by_worker.setdefault(row["worker"], []).append(row["id"])
 
-        async def stats(worker: str, ids: list[str]) -> dict:
-            try:
-                return await asyncio.wait_for(
-                    self.scheduler.rpc(worker).replicated_stats(ids=ids), 5)
-            except (OSError, TimeoutError):
-                return {}
-
         found: dict[str, dict] = {}
-        for part in await asyncio.gather(*(stats(w, ids) for w, ids in by_worker.items())):
+        for part in await asyncio.gather(*(self._stats(w, ids)
+                                           for w, ids in by_worker.items())):
             found.update(part)
         for row in rows:
             row.update(found.get(row["id"], {}))
         return rows
+
+    async def _stats(self, worker: str, ids: list[str]) -> dict:
+        """The figures of replicas ``ids`` on ``worker`` now (none if it does not answer
+        within 5 s)."""
+        try:
+            return await asyncio.wait_for(
+                self.scheduler.rpc(worker).replicated_stats(ids=ids), 5)
+        except (OSError, TimeoutError):
+            return {}
 
     async def scale(self, comm: Any, name: str, n: int, timeout: float,
                     uid: str | None = None) -> dict:
@@ -591,6 +597,8 @@ class Deployments(SchedulerPlugin):
             elif isinstance(action, lc.StateChanged):
                 if action.state is ReplicaState.UNHEALTHY:  # holds no worker any more
                     self._capacity_freed()
+                elif action.state is ReplicaState.HEALTHY:
+                    self._rebalance_soon(dep)
                 self._log(dep.name, action.state.value, machine.id, machine.worker,
                           machine.last_error)
                 dep.notify()
@@ -601,6 +609,52 @@ class Deployments(SchedulerPlugin):
         if actions and prune:  # a replaced or stopped incarnation's figures go at once
             self.reports.prune(self.placed())
         return stops
+
+    def _rebalance_soon(self, dep: Deployment) -> None:
+        """A replica of ``dep`` turned healthy: calls queued on the others beyond their
+        share go back to their callers, to be sent to it (``_rebalance.py``).  One pass
+        at a time per deployment; a replica turning healthy meanwhile asks for another."""
+        if dep.rebalancing is not None and not dep.rebalancing.done():
+            dep.rebalance_again = True
+            return
+        dep.rebalancing = self._spawn(dep, self._rebalance(dep))
+
+    async def _rebalance(self, dep: Deployment) -> None:
+        again = True
+        while again and not dep.stopping:
+            dep.rebalance_again = False
+            healthy = {str(m.id): m.worker for m in dep.slots.values()
+                       if m.state is ReplicaState.HEALTHY and m.worker is not None}
+            if len(healthy) < 2:
+                return
+            by_worker: dict[str, list[str]] = {}
+            for rid, worker in healthy.items():
+                by_worker.setdefault(worker, []).append(rid)
+            loads: dict[str, tuple[int, int]] = {}
+            for part in await asyncio.gather(*(self._stats(w, ids)
+                                               for w, ids in by_worker.items())):
+                for rid, figures in part.items():
+                    loads[rid] = (int(figures["in_flight"]), int(figures["queued"]))
+            plan = shed_plan(loads)
+            if plan:
+                moved = await asyncio.gather(*(self._shed(healthy[rid], rid, keep)
+                                               for rid, keep in plan.items()))
+                if sum(moved):
+                    self.scheduler.log_event(EVENT_TOPIC, {
+                        "action": "calls-rebalanced", "service": dep.name,
+                        "moved": sum(moved), "healthy": len(loads)})
+                    logger.info("replicated service %s: %d queued calls given back to be "
+                                "sent to replicas with less to do", dep.name, sum(moved))
+            again = dep.rebalance_again
+
+    async def _shed(self, worker: str, rid: str, keep: int) -> int:
+        """Ask replica ``rid`` on ``worker`` to give back queued calls beyond ``keep``;
+        how many it gave back (none if it does not answer within 5 s)."""
+        try:
+            return await asyncio.wait_for(
+                self.scheduler.rpc(worker).replicated_shed(id=rid, keep=keep), 5)
+        except (OSError, TimeoutError):
+            return 0
 
     def _spawn(self, dep: Deployment, coro: Any) -> asyncio.Task:
         task = asyncio.ensure_future(coro)

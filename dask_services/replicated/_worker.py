@@ -27,6 +27,7 @@ from dask_services._messages import dumps_exception
 from dask_services._worker_context import in_current_context, worker_handler
 from dask_services.replicated._batching import Batcher
 from dask_services.replicated._errors import (
+    CallMoved,
     ReplicaGone,
     ScaledDown,
     ServiceOverloaded,
@@ -48,7 +49,7 @@ logger = logging.getLogger("dask_services")
 EXTENSION = "dask_services_replicated"  # the worker and the scheduler extension's name
 HANDLERS = ("replicated_start", "replicated_stop", "replicated_call", "replicated_health",
             "replicated_stats", "replicated_rank_call", "replicated_rank_rpc",
-            "replicated_stream", "replicated_calls")
+            "replicated_stream", "replicated_calls", "replicated_shed")
 
 
 @dataclass(eq=False)
@@ -339,6 +340,16 @@ class ReplicaWorker(WorkerPlugin):
                            **rep.metrics.summary()}
         return out
 
+    def shed(self, comm: Any, id: str, keep: int) -> int:
+        """Give back queued calls of replica ``id`` that nothing holds to it, the last
+        queued first, until it has at most ``keep`` running and queued (the scheduler asks
+        when replicas were added): their callers send them to replicas with less to do.
+        Returns how many were given back."""
+        rep = self.replicas.get(ServiceId(id))
+        if rep is None or not rep.ready or rep.closing:
+            return 0
+        return rep.gate.shed(int(keep), "gave the call back: replicas were added")
+
     def report(self) -> list[dict]:
         """The figures of every replica ready here, for the worker's heartbeat: id,
         in-flight and queued calls, and the metrics summary (see ``_table.py``)."""
@@ -350,8 +361,12 @@ class ReplicaWorker(WorkerPlugin):
 
     @worker_handler
     async def call(self, comm: Any, id: str, method: str, payload: Any = None,
-                   pickled: bytes | None = None) -> dict:
-        """Run endpoint ``method`` on replica ``id`` within its concurrency limits."""
+                   pickled: bytes | None = None, movable: bool = False) -> dict:
+        """Run endpoint ``method`` on replica ``id`` within its concurrency limits.
+
+        ``movable``: nothing holds the call to this replica (no session or pin), so while
+        it is queued it may be given back to be sent to a replica with less to do
+        (:meth:`shed`)."""
         rep = self.replicas.get(ServiceId(id))
         if rep is None or not rep.ready or rep.closing:
             return {"status": "gone", "message": f"replica {id} is not running on "
@@ -379,12 +394,13 @@ class ReplicaWorker(WorkerPlugin):
         in_thread: ThreadCall | None = None
         try:
             if fans_out or inspect.iscoroutinefunction(fn):
-                await rep.gate.acquire()
+                await rep.gate.acquire(movable=movable)
             else:  # the replica's thread that ends a call may start this one itself
                 in_thread = rep.gate.admit_to_thread(rep.executor, in_current_context(
-                    functools.partial(fn, *args, **kwargs)), what=f"{rep.name}.{method}")
-        except (ServiceOverloaded, ReplicaGone, ServiceShutdown) as e:
-            return not_admitted(rep.metrics, e)
+                    functools.partial(fn, *args, **kwargs)), what=f"{rep.name}.{method}",
+                    movable=movable)
+        except (ServiceOverloaded, ReplicaGone, ServiceShutdown, CallMoved) as e:
+            return not_admitted(rep.metrics, e, rep.gate)
         task = asyncio.current_task()
         if task is not None:
             rep.running.add(task)
@@ -399,6 +415,9 @@ class ReplicaWorker(WorkerPlugin):
             else:
                 result = await fn(*args, **kwargs)
             error = False
+        except CallMoved as e:  # given back while queued for a thread: never started
+            error = False
+            return not_admitted(rep.metrics, e, rep.gate)
         except asyncio.CancelledError as e:
             if not rep.cancelled:
                 if task is None or task.cancelling():
