@@ -7,7 +7,8 @@ call at a time from the client, alternating order; p50/p99 over ``calls`` calls 
 
 Autoscaling: :func:`autoscaling`, a step from 1 to 16 concurrent callers of a 20 ms
 endpoint; how long until the p99 latency is back under 3x the endpoint's time, the
-replicas added and removed, and whether any call failed.
+replicas added and removed, and whether any call failed.  :func:`burst`: 400 calls sent
+at once to one autoscaled replica; how long until the last is answered.
 """
 
 from __future__ import annotations
@@ -164,6 +165,52 @@ def autoscaling(client: Any, callers: int = 16, before: float = 3.0, during: flo
     }
 
 
+BURST_AUTOSCALING = {"min_replicas": 1, "max_replicas": 8, "target_ongoing_requests": 1,
+                     "upscale_delay": "500ms", "downscale_delay": "60s"}
+
+
+def burst(client: Any, calls: int = 400) -> dict[str, Any]:
+    """``calls`` calls of a 20 ms endpoint (``max_concurrency=1``) sent at once to an
+    autoscaled service of one replica (``BURST_AUTOSCALING``): the calls queue on that
+    replica, the autoscaler adds replicas, and the queued calls spread over them.
+
+    Returns the time until the last call is answered against the time one replica alone
+    would take (``calls`` x 20 ms), the latency quantiles, the replicas at most, and the
+    calls given back to be sent to added replicas (``calls-rebalanced`` events)."""
+    svc = Step.options(max_concurrency=1, max_queued=calls + 1,
+                       autoscaling=BURST_AUTOSCALING).as_service(client=client)
+
+    async def run() -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        latencies: list[float] = []
+        most = 0
+
+        async def one(i: int) -> None:
+            start = loop.time()
+            assert await svc.work.route(i) == i
+            latencies.append(loop.time() - start)
+
+        start = loop.time()
+        sent = asyncio.ensure_future(asyncio.gather(*(one(i) for i in range(calls))))
+        while not sent.done():
+            table = await client.scheduler.replicated_table(name=svc.name)
+            most = max(most, len(table["replicas"]) if table else 0)
+            await asyncio.wait([sent], timeout=0.1)
+        await sent
+        return {"seconds": loop.time() - start, "latencies": latencies, "most": most}
+
+    try:
+        raw = client.sync(run)
+        moved = sum(e.get("moved", 0) for _, e in client.get_events("dask_services")
+                    if e.get("action") == "calls-rebalanced" and e.get("service") == svc.name)
+    finally:
+        svc.shutdown()
+    one_replica = calls * STEP_SERVICE_TIME
+    return {"calls": calls, "seconds": raw["seconds"], "one_replica_s": one_replica,
+            "ratio_to_one_replica": raw["seconds"] / one_replica,
+            **_quantiles(raw["latencies"]), "replicas_max": raw["most"], "moved": moved}
+
+
 def recovered_after(calls: list[tuple[float, float]], during: float, window: float,
                     limit: float) -> float | None:
     """Seconds from the step (t=0) after which every ``window`` up to ``during`` has its
@@ -181,11 +228,11 @@ def recovered_after(calls: list[tuple[float, float]], during: float, window: flo
 
 
 def run(client: Any, calls: int = 1000, show_progress: bool = True) -> dict[str, Any]:
-    """The gang round trips, then the autoscaling load step."""
+    """The gang round trips, the autoscaling load step, then a burst."""
     import os
 
     return {"gang": gang(client, calls, show_progress), "autoscaling": autoscaling(client),
-            "load_average": os.getloadavg()}
+            "burst": burst(client), "load_average": os.getloadavg()}
 
 
 def report(result: dict[str, Any]) -> str:
@@ -207,6 +254,17 @@ def report(result: dict[str, Any]) -> str:
               f"replicas at most / at the end | {a['replicas_max']} / {a['replicas_end']}",
               f"calls / failed | {a['calls']} / {a['failed']}"]
     lines += [f"decision | {d}" for d in a["decisions"]]
+    b = result.get("burst")
+    if b is not None:
+        lines += ["", f"burst of {b['calls']} calls of a {STEP_SERVICE_TIME * 1e3:.0f} ms "
+                      "endpoint sent at once, autoscaled from 1 replica | value",
+                  "--- | ---",
+                  f"last call answered after | {b['seconds']:.2f} s "
+                  f"({b['ratio_to_one_replica']:.2f}x one replica's "
+                  f"{b['one_replica_s']:.0f} s)",
+                  f"latency p50 / p99 | {b['p50_ms']:.0f} / {b['p99_ms']:.0f} ms",
+                  f"replicas at most | {b['replicas_max']}",
+                  f"queued calls moved to added replicas | {b['moved']}"]
     if "load_average" in result:
         lines += ["", "load average (1, 5, 15 min): "
                   + ", ".join(f"{x:.1f}" for x in result["load_average"])]

@@ -533,3 +533,22 @@ def _adaptive_state(dask_scheduler) -> dict:
             "slots": [(str(m.id), m.state.value, m.workers, m.waiting_for_worker,
                        m.launching, m.starting)
                       for d in ext.deployments.values() for m in d.slots.values()]}
+
+
+@pytest.mark.timeout(120)
+def test_the_burst_benchmark_spreads_a_burst_over_the_replicas_it_causes():
+    """``dask-services bench replicated``'s burst: every call answered, replicas added, and
+    calls queued on the first replica moved to them."""
+    from distributed import Client, LocalCluster
+
+    from benchmarks import replicated_scaling
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                      dashboard_address=":0") as lc_, Client(lc_) as client:
+        result = replicated_scaling.burst(client, calls=150)
+    assert result["calls"] == 150 and result["replicas_max"] > 1 and result["moved"] > 0
+    assert "queued calls moved to added replicas" in replicated_scaling.report(
+        {"gang": {"1 rank": {"p50_ms": 1, "p99_ms": 1}}, "autoscaling": {
+            "callers": 16, "service_ms": 20, "p99_back_under_3x_after_s": None, "added": 0,
+            "removed": 0, "replicas_max": 1, "replicas_end": 1, "calls": 0, "failed": 0,
+            "decisions": []}, "burst": result})
