@@ -377,6 +377,34 @@ async def test_calls_queued_before_replicas_were_added_move_to_them(c, s, *worke
     await assert_nothing_left(s, workers)
 
 
+@cluster(nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_call_given_back_that_then_finds_no_room_is_sent_again_not_refused(
+        c, s, *workers):
+    """Callers that moved calls to an added replica at once may fill its queue: a call
+    taken in once is re-sent, not refused for load; a call never taken in is refused."""
+    svc = await Adder.options(replicas=2).as_service(client=c)
+    send = svc._send
+    sent: list[bool] = []
+    scripted = [{"status": "moved", "message": "gave the call back", "load": 3},
+                {"status": "overloaded", "message": "replica x is overloaded"}]
+
+    async def answers(target, msg):
+        sent.append(msg.get("movable", False))
+        return scripted.pop(0) if scripted else await send(target, msg)
+
+    svc._send = answers
+    assert await svc.add.route(1) == 1
+    assert sent == [True, True, True]
+    scripted[:] = [{"status": "overloaded", "message": "replica x is overloaded"}]
+    with pytest.raises(ServiceOverloaded, match="replica x is overloaded"):
+        await svc.add.route(2)
+    async with svc.session():  # a session's calls are never given back
+        assert await svc.add.route(3) == 3
+    assert sent[-1] is False
+    await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
 @cluster()
 async def test_scale_up_and_down(c, s, *workers):
     svc = await Adder.options(replicas=1).as_service(3, client=c)

@@ -596,6 +596,7 @@ class ReplicatedService:
         # Nothing holds the call to one replica: while queued there it may be given back
         # (replicas were added) and sent to another (at most once per replica added).
         movable = pin is None and session is None and not self._sticky
+        moved = False  # given back by a replica once already
         while True:
             if pin is not None:
                 target = next((r for r in self._table if r.id == pin), None)
@@ -636,24 +637,31 @@ class ReplicatedService:
                         return unpack(resp, "result")
                     if status == "error":
                         raise loads_exception(resp["exception"])
-                    if status == "overloaded":
+                    if status == "overloaded" and not moved:
                         raise ServiceOverloaded(resp["message"])
                     if status == "shutdown":
                         raise ServiceShutdown(resp["message"])
                     if status == "cut":  # started, then its replica was scaled down
                         raise ServiceUnavailable(resp["message"])
-                    failure = (f"{target.id}: {resp['message']}" if status == "gone"
+                    failure = (f"{target.id}: {resp['message']}"
+                               if status in ("gone", "overloaded")
                                else f"{target.id} on {target.worker}: no answer ({resp!r})")
                 finally:
                     self._outstanding[target.id] -= 1
                     if self._outstanding[target.id] <= 0:
                         del self._outstanding[target.id]
                 if status == "moved":  # not a failure: to a replica with less to do
+                    moved = True
                     await self._refresh()  # the table that has the added replicas
                     self._reported[target.id] = max(self._reported.get(target.id, 0),
                                                     int(resp.get("load", 0)))
                     continue
-                self._drop(target.id)
+                # An "overloaded" answer here is to a call given back and sent on that
+                # found no room (callers with other views of the loads sent theirs there
+                # too): it was taken in once, so it is re-sent like a lost one, not
+                # refused, and the replica, healthy, stays in the table.
+                if status != "overloaded":
+                    self._drop(target.id)
                 if pin is not None:
                     raise ServiceUnavailable(
                         f"replica {pin} of {self.name} was lost during the call: {failure}")
