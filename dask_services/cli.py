@@ -391,11 +391,12 @@ def bench_replicated(args: argparse.Namespace) -> int:
     with _local_cluster(args.workers, args.threads, True) as cluster, Client(cluster) as client:
         result: dict[str, Any] = {}
         if "calls" in cases:
-            result = replicated.run(client, calls=args.calls, show_progress=not args.json)
+            result = replicated.run(client, calls=args.calls,
+                                    show_progress=show_progress(args))
             reports.append(replicated.report(result))
         if "scaling" in cases:  # replicas of 2 ranks, and autoscaling under a load step
             scaling = replicated_scaling.run(client, calls=args.calls,
-                                             show_progress=not args.json)
+                                             show_progress=show_progress(args))
             reports.append(replicated_scaling.report(scaling))
             result["scaling"] = scaling
     print(json.dumps(result, indent=2) if args.json else "\n\n".join(reports))
@@ -481,6 +482,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     problem = (_cli_status.bad_argument(args) if args.command == "status"
                else _bad_argument(args))
+    if problem is None and args.command == "bench":
+        problem = _not_applicable(args, p_bench)
     if problem is not None:
         {"bench": p_bench, "demo": p_demo, "status": p_status}[args.command].error(problem)
     return int(args.func(args))
@@ -489,6 +492,34 @@ def main(argv: Sequence[str] | None = None) -> int:
 METHODS = ("service", "p2p", "tasks")
 CONSUMERS = {"shuffle": ("none", "len", "sum", "groupby"), "rechunk": ("none", "sum")}
 CASES = ("calls", "scaling")
+
+
+# The options each benchmark reads (argparse's names); any other given is refused.
+_COMMON = ("workers", "repeat", "json", "quiet")
+BENCH_OPTIONS = {
+    "overhead": _COMMON,
+    "shuffle": (*_COMMON, "threads", "sizes", "partitions", "input_partitions", "input",
+                "no_tiny", "consumer", "memory_limit", "methods", "reuse_workers"),
+    "rechunk": (*_COMMON, "threads", "sizes", "local_size", "chunks", "pieces", "consumer",
+                "memory_limit", "methods", "reuse_workers"),
+    "queries": (*_COMMON, "threads", "memory_limit", "scale", "queries", "methods"),
+    "replicated": ("workers", "json", "quiet", "threads", "calls", "cases"),
+}
+
+
+def _not_applicable(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
+    """An option given (not at its default) that the chosen benchmark does not read: it
+    would be ignored without a word (``bench overhead --sizes 1GB``)."""
+    takes = BENCH_OPTIONS[args.what]
+    given = [name for name, value in vars(args).items()
+             if name not in ("command", "what", "func", *takes)
+             and value != parser.get_default(name)]
+    if not given:
+        return None
+    names = ", ".join("--" + name.replace("_", "-") for name in given)
+    options = ", ".join("--" + name.replace("_", "-") for name in takes)
+    return (f"{names} {'does' if len(given) == 1 else 'do'} not apply to bench {args.what}, "
+            f"which takes {options}")
 
 
 def _bad_argument(args: argparse.Namespace) -> str | None:

@@ -17,7 +17,16 @@ pytestmark = pytest.mark.timeout(60)
     (["demo", "--workers", "0"], "--workers must be at least 1, got 0"),
     (["bench", "overhead", "--workers", "-1"], "--workers must be at least 1"),
     (["bench", "overhead", "--repeat", "0"], "--repeat must be at least 1, got 0"),
-    (["bench", "overhead", "--threads", "0"], "--threads must be at least 1"),
+    (["bench", "shuffle", "--threads", "0"], "--threads must be at least 1"),
+    # an option the benchmark would ignore
+    (["bench", "overhead", "--sizes", "1GB"], "--sizes does not apply to bench overhead, "
+                                              "which takes --workers, --repeat, --json, "
+                                              "--quiet"),
+    (["bench", "replicated", "--repeat", "5", "--methods", "p2p"],
+     "--methods, --repeat do not apply to bench replicated"),
+    (["bench", "shuffle", "--local-size", "1GB"], "--local-size does not apply"),
+    (["bench", "rechunk", "--no-tiny"], "--no-tiny does not apply to bench rechunk"),
+    (["bench", "queries", "--reuse-workers"], "--reuse-workers does not apply"),
     (["bench", "replicated", "--calls", "0"], "--calls must be at least 1"),
     (["bench", "rechunk", "--chunks", "-5"], "--chunks must be 0"),
     (["bench", "shuffle", "--sizes", "abc"], "--sizes and --local-size take sizes"),

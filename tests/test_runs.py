@@ -272,10 +272,9 @@ def test_cli_bench_json_on_restarted_workers(capsys, what, sizes):
     from dask_services.cli import main
 
     methods = "service,p2p,noop" if what == "shuffle" else "service,p2p"
-    args = ["bench", what, "--sizes", sizes, "--repeat", "1", "--methods", methods,
-            "--partitions", "8", "--local-size", "1MB", "--json"]
-    args += ["--consumer", "none,sum" if what == "rechunk" else "none,len"]
-    args += ["--pieces", "8"] if what == "rechunk" else []
+    args = ["bench", what, "--sizes", sizes, "--repeat", "1", "--methods", methods, "--json"]
+    args += (["--consumer", "none,sum", "--local-size", "1MB", "--pieces", "8"]
+             if what == "rechunk" else ["--consumer", "none,len", "--partitions", "8"])
     assert main(args) == 0
     rows = json.loads(capsys.readouterr().out)
     cases = {row["case"] for row in rows}

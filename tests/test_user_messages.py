@@ -86,7 +86,7 @@ def test_every_public_exception_is_exported_at_the_top_level():
     from dask_services import _spill, service
 
     # retried, or turned into ServiceUnavailable, inside the package: never raised to a caller
-    internal = {"ReplicaGone", "ScaledDown"}
+    internal = {"ReplicaGone", "ScaledDown", "CallMoved"}
     for module in (service, replicated_errors, _spill):
         for name, obj in vars(module).items():
             if (isinstance(obj, type) and issubclass(obj, Exception)
