@@ -620,6 +620,13 @@ class Deployments(SchedulerPlugin):
         dep.rebalancing = self._spawn(dep, self._rebalance(dep))
 
     async def _rebalance(self, dep: Deployment) -> None:
+        try:
+            await self._rebalance_passes(dep)
+        except Exception:  # noqa: BLE001 - calls stay where they are, as before
+            logger.exception("spreading the queued calls of %s over its replicas failed",
+                             dep.name)
+
+    async def _rebalance_passes(self, dep: Deployment) -> None:
         again = True
         while again and not dep.stopping:
             dep.rebalance_again = False
