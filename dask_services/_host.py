@@ -15,6 +15,7 @@ import functools
 import inspect
 import logging
 import shutil
+import sys
 import tempfile
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +50,19 @@ T = TypeVar("T")
 
 # How long a stopping instance waits for answers to the peer calls it has on the wire.
 OUTGOING_CALLS_GRACE = 5.0
+
+
+def read_only(data: Any) -> Any:
+    """``data`` as ``add_key`` gets it: a numpy array as a read-only view.  The value is
+    the graph's, shared with every other task that uses the key (and, under dask's local
+    schedulers, maybe the caller's own array): an instance changing it in place would
+    change what those get, so it gets numpy's "read-only" error instead.  Other types are
+    handed as they are (pandas objects copy on write from pandas 3 on)."""
+    np = sys.modules.get("numpy")  # not imported: no array can be here
+    if np is not None and type(data) is np.ndarray and data.flags.writeable:
+        data = data.view()
+        data.flags.writeable = False
+    return data
 
 
 @dataclass(frozen=True)
@@ -434,8 +448,15 @@ class ServiceHost:
             if nbytes is not None:
                 inst.input_sizes[key] = nbytes
             try:
-                await _called(inst.service.add_key, (key, data), {},
+                await _called(inst.service.add_key, (key, read_only(data)), {},
                               _named(inst.service, "add_key"))
+            except ValueError as e:
+                if "read-only" in str(e):
+                    e.add_note(f"(add_key of {type(inst.service).__name__} for {key!r}: "
+                               "a numpy array handed to add_key is the graph's value, "
+                               "shared with every task that uses the key, so it comes "
+                               "read-only; change a copy: data = data.copy())")
+                raise
             finally:
                 inst.input_sizes.pop(key, None)
 

@@ -251,3 +251,20 @@ class ByPosition(Service):
 def ident(x):
     return x
 
+
+
+class ChangesItsInput(AllReduce):
+    """Takes its input's buffer for its own: changes it in place."""
+
+    async def add_key(self, key, data) -> None:
+        data *= 2
+        await super().add_key(key, data)
+
+
+class ChangesACopy(AllReduce):
+    """Changes a copy of its input, as the README says to."""
+
+    async def add_key(self, key, data) -> None:
+        data = data.copy()
+        data *= 2
+        await super().add_key(key, data)

@@ -1587,3 +1587,41 @@ async def test_a_cancelled_runs_blocked_thread_job_does_not_hold_up_later_runs(c
     await async_poll_for(lambda: all(w.extensions["dask_services"].threads.held == 0
                                      for w in (a, b)), timeout=10)
     await assert_nothing_left(s, [a, b])
+
+
+# ------------------------------------------------------------------ inputs are shared
+
+
+@service_cluster()
+async def test_an_instance_cannot_change_an_input_the_graph_shares(c, s, a, b):
+    """An input's value is the graph's: computed alongside the service task, ``x`` came
+    back changed by the instance (every run). A numpy input now comes read-only, and the
+    error says to change a copy, which works."""
+    import dask.array as da
+    from services import ChangesACopy, ChangesItsInput
+
+    x = da.arange(10.0, chunks=5) + 1
+    (total,) = dask_services.service_task(ChangesItsInput, [x], outputs=1)
+    total_f, x_f = c.compute([total, x])
+    exc = await assert_errs(total_f, ValueError, "read-only")
+    assert "change a copy: data = data.copy()" in " ".join(getattr(exc, "__notes__", ()))
+    np.testing.assert_array_equal(await x_f, np.arange(10.0) + 1)
+    del total_f, x_f, exc
+    (total,) = dask_services.service_task(ChangesACopy, [x], outputs=1)
+    total_f, x_f = c.compute([total, x])
+    np.testing.assert_array_equal(await total_f, 2 * (np.arange(1.0, 6) + np.arange(6.0, 11)))
+    np.testing.assert_array_equal(await x_f, np.arange(10.0) + 1)
+    del total_f, x_f
+    await assert_nothing_left(s, [a, b])
+
+
+def test_a_local_run_cannot_change_the_callers_array():
+    """Under dask's local schedulers an input may be the caller's own array."""
+    from services import ChangesItsInput
+
+    mine = np.arange(5.0)
+    (total,) = dask_services.service_task(ChangesItsInput, [dask.delayed(mine)], outputs=1)
+    for scheduler in ("sync", "threads"):
+        with pytest.raises(ValueError, match="read-only"):
+            dask.compute(total, scheduler=scheduler)
+        np.testing.assert_array_equal(mine, np.arange(5.0))
