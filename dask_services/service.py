@@ -125,7 +125,11 @@ class Concierge(abc.ABC):
         already in memory, or released by its futures.  So a service may simply produce
         every output; ``wanted_outputs`` only saves it the work.
         Raises :class:`ProduceKeyError` for a key that is not an output of the task, or a
-        wanted output produced a second time.
+        wanted output this instance produced already.  The same output produced by two
+        instances fails the run with ``ProduceKeyError`` while the run still waits for
+        outputs; once it has them all the run is over and the later value is dropped
+        (after the second instance got True: the answer is its own worker's, which
+        cannot know), so produce each output on one instance (``owner(key)``).
 
         ``nbytes``: the value's size as dask's ``sizeof`` measures it, where the service
         knows it (it measured the value in a service thread, where it built it).  The
