@@ -19,6 +19,7 @@ from replicated_services import (
     inc,
     whoami_from_task,
 )
+from tornado.ioloop import PeriodicCallback
 from utils import any_task_suspended_in
 
 from dask_services.replicated import (
@@ -403,6 +404,50 @@ async def test_a_call_given_back_that_then_finds_no_room_is_sent_again_not_refus
     assert sent[-1] is False
     await svc.shutdown()
     await assert_nothing_left(s, workers)
+
+
+@cluster(nthreads=[("127.0.0.1", 1)])
+async def test_replicas_crowded_on_one_worker_spread_to_workers_that_join(c, s, a):
+    """Workers coming back one by one (``client.restart()``) had every replica placed on
+    the first to return, for good. Replicas now move to workers that join: a new one is
+    started there, and the one it replaces stops once it is healthy, so the service
+    never has fewer healthy replicas than it should."""
+    from distributed import Worker
+
+    svc = await Adder.options(replicas=3).as_service(client=c)
+    dep = s.extensions["dask_services_replicated"].deployments[svc.name]
+    assert {r["worker"] for r in await svc.replicas()} == {a.address}
+    fewest_healthy = []
+
+    def healthy_now():
+        fewest_healthy.append(sum(m.state.value == "healthy" for m in dep.slots.values()))
+
+    watch = s.periodic_callbacks["spread-watch"] = PeriodicCallback(healthy_now, 1)
+    watch.start()
+    try:
+        async with Worker(s.address, nthreads=1, validate=True) as b, \
+                Worker(s.address, nthreads=1, validate=True) as w3:
+            everywhere = {a.address, b.address, w3.address}
+
+            async def spread() -> bool:
+                rows = await svc.replicas()
+                return (len(rows) == 3 and all(r["state"] == "healthy" for r in rows)
+                        and {r["worker"] for r in rows} == everywhere)
+
+            deadline = asyncio.get_running_loop().time() + 30
+            while not await spread():
+                assert asyncio.get_running_loop().time() < deadline, await svc.replicas()
+                await asyncio.sleep(0.01)
+            await async_poll_for(lambda: not dep.moves, timeout=10)
+            assert sorted(len(v) for v in hosted([a, b, w3]).values()) == [1, 1, 1]
+            assert min(fewest_healthy) >= 3  # made before broken
+            assert len(await replica_events(c, "replica-spreading")) == 2
+            assert sorted(await svc.add.fanout(1)) == [1, 1, 1]
+            await svc.shutdown()
+            await assert_nothing_left(s, [a, b, w3])
+    finally:
+        watch.stop()
+        del s.periodic_callbacks["spread-watch"]
 
 
 @cluster()

@@ -24,7 +24,7 @@ from dask_services.replicated._errors import CallMoved
 from dask_services.replicated._metrics import ReplicaMetrics
 from dask_services.replicated._options import ReplicaOptions, endpoints, unconfigured
 from dask_services.replicated._queue import CallGate
-from dask_services.replicated._rebalance import shed_plan
+from dask_services.replicated._rebalance import shed_plan, spread_move
 from dask_services.replicated._routing import make_router
 from dask_services.service import ServiceId
 
@@ -146,6 +146,19 @@ def test_shed_plan_asks_replicas_above_the_even_share():
     assert shed_plan({"a": (2, 1), "b": (1, 2)}) == {}
     assert shed_plan({"a": (1, 30)}) == {}  # one replica: nowhere to go
     assert shed_plan({"a": (1, 5), "b": (1, 4), "c": (0, 0)}) == {"a": 4, "b": 4}
+
+
+def test_spread_move_moves_from_the_most_crowded_to_a_worker_two_ranks_short():
+    # all three on the first worker back after a restart; two more joined
+    assert spread_move({"a": 3}, {"a", "b", "c"}, {"a": [0, 1, 2]}) == (0, "a")
+    # one moved (leaving, so not counted; its new replica starting on b counts there)
+    assert spread_move({"a": 2, "b": 1}, {"a", "b", "c"}, {"a": [1, 2]}) == (1, "a")
+    assert spread_move({"a": 1, "b": 1, "c": 1}, {"a", "b", "c"}, {"a": [2]}) is None
+    # a difference of one cannot be evened out; nor can a worker that is not eligible
+    assert spread_move({"a": 2, "b": 1}, {"a", "b"}, {"a": [0, 1], "b": [2]}) is None
+    assert spread_move({"a": 3}, {"a"}, {"a": [0, 1, 2]}) is None
+    # only healthy replicas move: none movable, nothing to do
+    assert spread_move({"a": 3}, {"a", "b"}, {}) is None
 
 
 def test_thread_calls_follow_each_other_without_the_event_loop():

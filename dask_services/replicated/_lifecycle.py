@@ -322,7 +322,11 @@ class ReplicaMachine:
 
     def _on_WorkerAdded(self, event: WorkerAdded) -> list[Action]:
         if self.waiting_for_worker:
-            return self._relaunch(self.excluded)
+            # the incarnation waiting was never placed (nobody knows its id): it tries
+            # again as it is, so that workers joining one by one do not burn an id each
+            self.waiting_for_worker = False
+            self.launching = True
+            return [Launch(self.id, self.excluded)]
         return []
 
     def _on_WorkerLost(self, event: WorkerLost) -> list[Action]:

@@ -34,7 +34,7 @@ from dask_services.replicated._autoscale import AutoscalePolicy, AutoscalingConf
 from dask_services.replicated._gang import incarnation_of, rank_id
 from dask_services.replicated._lifecycle import ReplicaState
 from dask_services.replicated._options import config_seconds
-from dask_services.replicated._rebalance import shed_plan
+from dask_services.replicated._rebalance import shed_plan, spread_move
 from dask_services.replicated._table import ReplicaReports
 from dask_services.replicated._worker import EXTENSION, ReplicaWorker
 
@@ -75,6 +75,8 @@ class Deployment:
     tasks: set[asyncio.Task] = field(default_factory=set)
     rebalancing: asyncio.Task | None = None  # spreading queued calls (``_rebalance``)
     rebalance_again: bool = False  # a replica turned healthy while it ran
+    moves: dict[int, int] = field(default_factory=dict)  # new slot -> slot it replaces
+    spread_pending: bool = False  # a spreading check is due (``_spread_soon``)
 
     def notify(self) -> None:
         """Wake whoever waits for a change of state."""
@@ -158,8 +160,11 @@ class Deployments(SchedulerPlugin):
         self.worker_report(ws.address, data or ())
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
-        """A worker joined: replicas waiting for one are launched."""
+        """A worker joined: replicas waiting for one are launched, and replicas crowded
+        on other workers spread to it."""
         self._broadcast(lc.WorkerAdded(stimulus_id=new_stimulus_id(f"add-worker-{worker}")))
+        for dep in list(self.deployments.values()):
+            self._spread_soon(dep)
 
     def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str = "",
                       **kwargs: Any) -> None:
@@ -341,16 +346,72 @@ class Deployments(SchedulerPlugin):
         # finish within the drain), then the newest
         victims = sorted(active, key=lambda s: (order[active[s].state],
                                                 self._busy(active[s]), -s))[:len(active) - n]
+        for s in victims:  # a move's new replica stopped: the one it replaces stays
+            dep.moves.pop(s, None)
+        await self._stop_slots(dep, victims, "scale-down")
+
+    async def _stop_slots(self, dep: Deployment, slots: list[int], reason: str) -> None:
+        """Stop the replicas of ``slots`` for good, draining their calls, then forget
+        them."""
         stops = []
-        for s in victims:
-            stops += self._apply(dep, s, dep.slots[s].handle(lc.StopRequested()),
-                                 reason="scale-down", timeout=config_seconds("drain-timeout"))
+        for s in slots:
+            if s in dep.slots:
+                stops += self._apply(dep, s, dep.slots[s].handle(lc.StopRequested()),
+                                     reason=reason, timeout=config_seconds("drain-timeout"))
         await self._await(stops, config_seconds("drain-timeout") + 10)
-        for s in victims:
+        for s in slots:
             dep.slots.pop(s, None)
             dep.errors.pop(s, None)
         self.reports.prune(self.placed())
         dep.notify()
+
+    # ------------------------------------------------------------ spreading
+
+    def _spread_soon(self, dep: Deployment) -> None:
+        """Check, once the current step is carried out, whether a replica of ``dep`` is
+        to move to a worker holding fewer (``_rebalance.spread_move``)."""
+        if dep.spread_pending or dep.stopping:
+            return
+        dep.spread_pending = True
+
+        def check() -> None:
+            dep.spread_pending = False
+            if self.deployments.get(dep.name) is dep and not dep.stopping:
+                self._spread(dep)
+
+        asyncio.get_running_loop().call_soon(check)
+
+    def _spread(self, dep: Deployment) -> None:
+        """Start a new replica on a worker holding fewer of ``dep``'s than the most
+        crowded one, for each replica to move; the one it replaces is stopped once it is
+        healthy (make before break: the service never has fewer replicas meanwhile)."""
+        leaving = set(dep.moves.values())
+        while True:
+            ranks: dict[str, int] = collections.Counter()
+            movable: dict[str, list[int]] = {}
+            for s, m in dep.active().items():
+                if s in leaving:
+                    continue
+                for w in m.workers:
+                    ranks[w] += 1
+                    if m.state is ReplicaState.HEALTHY and s not in dep.moves:
+                        movable.setdefault(w, []).append(s)
+            eligible = {ws.address for ws in self._eligible(dep)}
+            move = spread_move(ranks, eligible, movable)
+            if move is None:
+                return
+            slot, source = move
+            workers, _ = self._place(dep, frozenset({source}))
+            if workers is None or source in workers:
+                return
+            old = dep.slots[slot]
+            new = self._add_slot(dep)
+            dep.moves[new] = slot
+            leaving.add(slot)
+            self._log(dep.name, "spreading", old.id, source,
+                      f"replaced by {dep.slots[new].id} on "
+                      f"{dep.slots[new].worker or 'a worker'}: {ranks[source]} replica "
+                      "ranks of the service on its worker, fewer elsewhere")
 
     # ------------------------------------------------------------ autoscaling
 
@@ -518,6 +579,8 @@ class Deployments(SchedulerPlugin):
             self._broadcast(lc.WorkerRetiring(worker, stimulus_id=stimulus_id))
         elif status == Status.running.name:
             self._broadcast(lc.WorkerAdded(stimulus_id=stimulus_id))
+            for dep in list(self.deployments.values()):
+                self._spread_soon(dep)
 
     def _capacity_freed(self) -> None:
         """A replica let go of its workers (its instance stopped, after any drain; it
@@ -597,8 +660,15 @@ class Deployments(SchedulerPlugin):
             elif isinstance(action, lc.StateChanged):
                 if action.state is ReplicaState.UNHEALTHY:  # holds no worker any more
                     self._capacity_freed()
+                    if dep.moves.pop(slot, None) is not None:  # a move's new replica
+                        # failed its setup: the replica it was to replace stays
+                        self._spawn(dep, self._stop_slots(dep, [slot], "spread failed"))
                 elif action.state is ReplicaState.HEALTHY:
                     self._rebalance_soon(dep)
+                    replaced = dep.moves.pop(slot, None)
+                    if replaced is not None and replaced in dep.slots:
+                        self._spawn(dep, self._stop_slots(dep, [replaced], "spread"))
+                    self._spread_soon(dep)
                 self._log(dep.name, action.state.value, machine.id, machine.worker,
                           machine.last_error)
                 dep.notify()
