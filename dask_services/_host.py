@@ -53,11 +53,9 @@ OUTGOING_CALLS_GRACE = 5.0
 
 
 def read_only(data: Any) -> Any:
-    """``data`` as ``add_key`` gets it: a numpy array as a read-only view.  The value is
-    the graph's, shared with every other task that uses the key (and, under dask's local
-    schedulers, maybe the caller's own array): an instance changing it in place would
-    change what those get, so it gets numpy's "read-only" error instead.  Other types are
-    handed as they are (pandas objects copy on write from pandas 3 on)."""
+    """``data`` as ``add_key`` gets it: a writeable numpy array as a read-only view (see
+    the hook order in ``design/architecture.md``); other types as they are (pandas objects
+    copy on write from pandas 3 on)."""
     np = sys.modules.get("numpy")  # not imported: no array can be here
     if np is not None and type(data) is np.ndarray and data.flags.writeable:
         data = data.view()
@@ -447,11 +445,12 @@ class ServiceHost:
             inst.inputs.add(key)
             if nbytes is not None:
                 inst.input_sizes[key] = nbytes
+            given = read_only(data)
             try:
-                await _called(inst.service.add_key, (key, read_only(data)), {},
+                await _called(inst.service.add_key, (key, given), {},
                               _named(inst.service, "add_key"))
             except ValueError as e:
-                if "read-only" in str(e):
+                if given is not data and "read-only" in str(e):
                     e.add_note(f"(add_key of {type(inst.service).__name__} for {key!r}: "
                                "a numpy array handed to add_key is the graph's value, "
                                "shared with every task that uses the key, so it comes "

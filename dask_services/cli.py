@@ -466,8 +466,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="replicated: calls per latency measurement")
     p_bench.add_argument("--cases", default="calls,scaling",
                          help="replicated: 'calls' (latency, throughput, ...), 'scaling' "
-                              "(2-rank replicas, autoscaling under a load step); "
-                              "comma-separated")
+                              "(2-rank replicas, autoscaling under a load step, a burst "
+                              "sent at once to one autoscaled replica); comma-separated")
     p_bench.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p_bench.add_argument("--quiet", action="store_true",
                          help="no progress bar (there is none either when stderr is not a "

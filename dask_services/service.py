@@ -221,7 +221,8 @@ class Service(Deployable, abc.ABC):
         """Called once every instance of the run has returned from ``start``."""
 
     async def add_key(self, key: Key, data: Any) -> None:
-        """Receive one input; the instance owns ``data`` afterwards."""
+        """Receive one input.  ``data`` is the graph's value, shared with every task that
+        uses the key: keep it, change only a copy (a numpy array comes read-only)."""
         raise NotImplementedError(
             f"{type(self).__name__} received input {key!r} but does not define add_key(); "
             "define `async def add_key(self, key, data)` to accept inputs"

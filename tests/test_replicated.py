@@ -378,6 +378,46 @@ async def test_calls_queued_before_replicas_were_added_move_to_them(c, s, *worke
     await assert_nothing_left(s, workers)
 
 
+@cluster()
+async def test_a_pass_waits_for_the_calls_the_last_pass_moved_to_land(c, s, *workers):
+    """Calls given back are counted on no replica until their callers send them on: a
+    second pass (a third replica turning healthy) right after the first took them for
+    gone and shed too many, and callers that each know only their own call spread them
+    at random ([3, 6, 6] where 5 each were wanted)."""
+    svc = await Adder.options(replicas=1, max_concurrency=1).as_service(client=c)
+    callers = [ReplicatedService(svc.name, Adder, {}) for _ in range(15)]
+
+    def slow_to_send_on(handle):  # a caller busy with other work
+        send = handle._send
+
+        async def answer(target, msg):
+            got = await send(target, msg)
+            if got.get("status") == "moved":
+                await asyncio.sleep(0.3)
+            return got
+
+        handle._send = answer
+
+    for handle in callers:
+        slow_to_send_on(handle)
+    burst = [h.wait_then_whoami.route("in-transit") for h in callers]
+    (first,) = await loads(svc)
+    deadline = asyncio.get_running_loop().time() + 20
+    while (await loads(svc))[first] != (1, 14):
+        assert asyncio.get_running_loop().time() < deadline, await loads(svc)
+        await asyncio.sleep(0.01)
+    await svc.scale(2)
+    await svc.scale(3)  # while the calls the first pass moved are on their way
+    deadline = asyncio.get_running_loop().time() + 20
+    while sorted(sum(v) for v in (await loads(svc)).values()) != [5, 5, 5]:
+        assert asyncio.get_running_loop().time() < deadline, await loads(svc)
+        await asyncio.sleep(0.01)
+    GATES["in-transit"].set()
+    assert len(await asyncio.gather(*burst)) == 15
+    await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
 @cluster(nthreads=[("127.0.0.1", 1)] * 2)
 async def test_a_call_given_back_that_then_finds_no_room_is_sent_again_not_refused(
         c, s, *workers):
@@ -448,6 +488,59 @@ async def test_replicas_crowded_on_one_worker_spread_to_workers_that_join(c, s, 
     finally:
         watch.stop()
         del s.periodic_callbacks["spread-watch"]
+
+
+@cluster(nthreads=[("127.0.0.1", 1)])
+async def test_a_replica_is_replaced_once_when_workers_join_as_its_move_ends(c, s, a):
+    """The replica a move replaces was stopped a step after its successor turned healthy:
+    a spreading check in between (a worker turning running then) moved it again, and the
+    service kept a replica too many."""
+    from distributed import Worker
+
+    svc = await Adder.options(replicas=3).as_service(client=c)
+    ext = s.extensions["dask_services_replicated"]
+    dep = ext.deployments[svc.name]
+    apply = ext._apply
+
+    def check_in_the_same_step(dep_, slot, actions, *args, **kwargs):
+        if slot in dep_.moves and any(isinstance(x, lc.StateChanged) and
+                                      x.state.value == "healthy" for x in actions):
+            ext._spread_soon(dep_)
+        return apply(dep_, slot, actions, *args, **kwargs)
+
+    ext._apply = check_in_the_same_step
+    async with Worker(s.address, nthreads=1, validate=True) as b:
+        await async_poll_for(lambda: len(dep.slots) == 3 and not dep.moves
+                             and {m.worker for m in dep.slots.values()} == {a.address,
+                                                                             b.address},
+                             timeout=20)
+        assert len(healthy(await svc.replicas())) == 3
+        await svc.shutdown()
+        await assert_nothing_left(s, [a, b])
+
+
+@cluster(nthreads=[("127.0.0.1", 1)])
+async def test_scale_during_a_move_counts_the_move_once(c, s, a):
+    """``scale(4)`` while a move's new replica starts saw 4 replicas (the new one and the
+    one it replaces), added none, and the service ended with 3."""
+    from distributed import Worker
+
+    GATES["move-setup"] = asyncio.Event()
+    GATES["move-setup"].set()
+    svc = await Adder.options(replicas=3).as_service(setup_gate="move-setup", client=c)
+    dep = s.extensions["dask_services_replicated"].deployments[svc.name]
+    GATES["move-setup"].clear()  # the move's new replica waits in its setup
+    async with Worker(s.address, nthreads=1, validate=True) as b:
+        await async_poll_for(lambda: dep.moves, timeout=20)
+        assert len(dep.active()) == 3
+        scaling = asyncio.ensure_future(svc.scale(4))
+        await async_poll_for(lambda: len(dep.active()) == 4, timeout=20)
+        GATES["move-setup"].set()
+        await scaling
+        await async_poll_for(lambda: not dep.moves and len(dep.slots) == 4, timeout=20)
+        assert len(healthy(await svc.replicas())) == 4
+        await svc.shutdown()
+        await assert_nothing_left(s, [a, b])
 
 
 @cluster()

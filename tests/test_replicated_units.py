@@ -138,6 +138,39 @@ def test_shed_gives_back_the_last_movable_queued_calls_and_keeps_the_order_of_th
     run(main())
 
 
+def test_shed_skips_a_thread_call_whose_caller_was_just_cancelled():
+    """The caller's cancellation cancels the call's future at once and takes it out of
+    the queue a step later: a shed in between failed on it and left the calls it had
+    already taken out of the queue neither failed nor started (their callers hung)."""
+
+    async def main():
+        gate = CallGate(1, 10, name="replica x")
+        executor = ThreadPoolExecutor(1)
+        block = threading.Event()
+        try:
+            running = gate.admit_to_thread(executor, functools.partial(block.wait, 10))
+            first = gate.admit_to_thread(executor, lambda: "first", movable=True)
+            last = gate.admit_to_thread(executor, lambda: "last", movable=True)
+            waiting = [asyncio.ensure_future(gate.outcome(c)) for c in (first, last)]
+            await until(lambda: all(suspended_in(t, "CallGate.outcome", gate)
+                                    for t in waiting))
+            waiting[1].cancel()  # the caller of the last call goes away
+            # the first goes back; the last is its cancelled caller's to take out
+            assert gate.shed(0, "gave the call back") == 1
+            with pytest.raises(CallMoved):
+                await waiting[0]
+            block.set()
+            await gate.outcome(running)
+            await asyncio.gather(*waiting, return_exceptions=True)
+            assert waiting[1].cancelled() and gate.queued == 0
+            await until(lambda: gate.in_flight == 0)
+        finally:
+            block.set()  # a failed assertion must not leave the thread waiting
+            executor.shutdown(wait=False)
+
+    run(main())
+
+
 def test_shed_plan_asks_replicas_above_the_even_share():
     # a burst of 20 queued on one replica, two added: each ends near 20 / 3
     assert shed_plan({"a": (1, 19), "b": (0, 0), "c": (0, 0)}) == {"a": 7}

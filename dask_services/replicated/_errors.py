@@ -37,7 +37,13 @@ class ScaledDown(ReplicaGone):
 
 class CallMoved(ServiceError):
     """A queued call that its replica gave back, not started, so that a replica with less
-    to do takes it (replicas were added while it waited); internal, sent again at once."""
+    to do takes it (replicas were added while it waited); internal, sent again at once.
+    ``replicas``: the healthy replicas as the scheduler saw them when it asked, ``[id,
+    worker, load once the calls given back are sent on]`` (the caller's routing)."""
+
+    def __init__(self, message: str, replicas: list | None = None) -> None:
+        super().__init__(message)
+        self.replicas = replicas or []
 
 
 class BatchResultError(ServiceError, ValueError):

@@ -534,6 +534,19 @@ class ReplicatedService:
             self._refreshing = asyncio.ensure_future(self._fetch_table())
             self._refreshing.add_done_callback(_consume)
 
+    def _learn(self, replicas: list) -> None:
+        """The healthy replicas the scheduler told of with a call given back (``[id,
+        worker, load]``, the load each is to have once the calls given back are sent on):
+        those the cached table lacks are added, and the loads taken as reported, so that
+        the call goes to the replicas with less to do without a round trip for the table,
+        though this caller has sent them nothing yet."""
+        known = {r.id for r in self._table}
+        self._table = self._table + [
+            _Replica(ServiceId(rid), worker, "healthy")
+            for rid, worker, _ in replicas if ServiceId(rid) not in known]
+        for rid, _, load in replicas:
+            self._reported[ServiceId(rid)] = int(load)
+
     def _drop(self, sid: ServiceId) -> None:
         self._table = [r for r in self._table if r.id != sid]
 
@@ -596,7 +609,8 @@ class ReplicatedService:
         # Nothing holds the call to one replica: while queued there it may be given back
         # (replicas were added) and sent to another (at most once per replica added).
         movable = pin is None and session is None and not self._sticky
-        moved = False  # given back by a replica once already
+        moved = False  # given back by a replica (counted where it arrives next)
+        just_moved = False  # ... by the replica the last attempt went to
         while True:
             if pin is not None:
                 target = next((r for r in self._table if r.id == pin), None)
@@ -614,6 +628,8 @@ class ReplicatedService:
                     msg = {"id": str(target.id), "method": method, **payload}
                     if movable:
                         msg["movable"] = True
+                    if moved:
+                        msg["moved"] = True
                     resp = await self._send(target, msg)
                 except OSError as e:
                     failure = f"{target.id} on {target.worker}: {type(e).__name__}: {e}"
@@ -637,7 +653,7 @@ class ReplicatedService:
                         return unpack(resp, "result")
                     if status == "error":
                         raise loads_exception(resp["exception"])
-                    if status == "overloaded" and not moved:
+                    if status == "overloaded" and not just_moved:
                         raise ServiceOverloaded(resp["message"])
                     if status == "shutdown":
                         raise ServiceShutdown(resp["message"])
@@ -650,16 +666,17 @@ class ReplicatedService:
                     self._outstanding[target.id] -= 1
                     if self._outstanding[target.id] <= 0:
                         del self._outstanding[target.id]
-                if status == "moved":  # not a failure: to a replica with less to do
+                just_moved = status == "moved"
+                if just_moved:  # not a failure: to a replica with less to do
                     moved = True
-                    await self._refresh()  # the table that has the added replicas
+                    self._learn(resp.get("replicas") or [])
                     self._reported[target.id] = max(self._reported.get(target.id, 0),
                                                     int(resp.get("load", 0)))
                     continue
                 # An "overloaded" answer here is to a call given back and sent on that
                 # found no room (callers with other views of the loads sent theirs there
-                # too): it was taken in once, so it is re-sent like a lost one, not
-                # refused, and the replica, healthy, stays in the table.
+                # too): it was taken in once, so it is re-sent like a lost one (once: a
+                # second replica full is an overload), and the replica stays known.
                 if status != "overloaded":
                     self._drop(target.id)
                 if pin is not None:

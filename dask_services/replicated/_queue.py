@@ -152,11 +152,12 @@ class CallGate:
             if not waiter.done():
                 waiter.set_exception(self._closed)
 
-    def shed(self, keep: int, why: str) -> int:
+    def shed(self, keep: int, why: str, replicas: list | None = None) -> int:
         """Give back movable queued calls, the last queued first, until this replica's
         running and queued calls are at most ``keep`` (or none movable is left): each
         fails with ``CallMoved`` and its caller sends it again, to a replica with less to
-        do.  Returns how many were given back.  Calls that hold their place (a session's,
+        do (``replicas``, the healthy ones, goes with them).  Returns how many were given
+        back.  Calls that hold their place (a session's,
         a pinned one, a batch's) stay, and so does the order of those left."""
         moved: list[asyncio.Future | ThreadCall] = []
         with self._lock:
@@ -164,7 +165,9 @@ class CallGate:
             for waiter in reversed(self._waiters):
                 if len(moved) >= excess:
                     break
-                if (waiter.movable and waiter.state == "queued"
+                # (a thread call whose caller was just cancelled has its future done
+                # before ``outcome`` marks it dropped)
+                if (waiter.movable and waiter.state == "queued" and not waiter.future.done()
                         if isinstance(waiter, ThreadCall)
                         else waiter in self._movable and not waiter.done()):
                     moved.append(waiter)
@@ -175,7 +178,8 @@ class CallGate:
         for waiter in moved:
             future = waiter.future if isinstance(waiter, ThreadCall) else waiter
             self._movable.discard(future)
-            future.set_exception(CallMoved(f"{self.name} {why}"))
+            if not future.done():
+                future.set_exception(CallMoved(f"{self.name} {why}", replicas))
         return len(moved)
 
     # ------------------------------------------------------------ sync calls
@@ -290,7 +294,8 @@ def not_admitted(metrics: Any, exc: BaseException, gate: CallGate | None = None)
     ``shutdown`` (stop); a moved call's answer has the load ``gate`` is left with."""
     if isinstance(exc, CallMoved):
         load = gate.in_flight + gate.queued if gate is not None else 0
-        return {"status": "moved", "message": str(exc), "load": load}
+        return {"status": "moved", "message": str(exc), "load": load,
+                "replicas": exc.replicas}
     if isinstance(exc, ServiceOverloaded):
         metrics.overloaded += 1
         return {"status": "overloaded", "message": str(exc)}

@@ -75,6 +75,8 @@ class Deployment:
     tasks: set[asyncio.Task] = field(default_factory=set)
     rebalancing: asyncio.Task | None = None  # spreading queued calls (``_rebalance``)
     rebalance_again: bool = False  # a replica turned healthy while it ran
+    # the replicas' ``moved_in`` summed once every call the last pass moved has arrived
+    moved_landed_by: int = 0
     moves: dict[int, int] = field(default_factory=dict)  # new slot -> slot it replaces
     spread_pending: bool = False  # a spreading check is due (``_spread_soon``)
 
@@ -84,8 +86,11 @@ class Deployment:
         self.changed = asyncio.Event()
 
     def active(self) -> dict[int, lc.ReplicaMachine]:
-        """The replica slots that are not stopped."""
-        return {s: m for s, m in self.slots.items() if m.state is not ReplicaState.STOPPED}
+        """The replica slots that are not stopped, nor being replaced by a move's new
+        replica (which counts in their place)."""
+        leaving = set(self.moves.values())
+        return {s: m for s, m in self.slots.items()
+                if m.state is not ReplicaState.STOPPED and s not in leaving}
 
 
 class Deployments(SchedulerPlugin):
@@ -353,11 +358,21 @@ class Deployments(SchedulerPlugin):
     async def _stop_slots(self, dep: Deployment, slots: list[int], reason: str) -> None:
         """Stop the replicas of ``slots`` for good, draining their calls, then forget
         them."""
+        await self._forget_once_stopped(dep, slots, self._stop_slots_now(dep, slots, reason))
+
+    def _stop_slots_now(self, dep: Deployment, slots: list[int], reason: str
+                        ) -> list[asyncio.Task]:
+        """:meth:`_stop_slots`, its replicas stopped in this step (their drains and the
+        forgetting in a task); returns the stop tasks."""
         stops = []
         for s in slots:
             if s in dep.slots:
                 stops += self._apply(dep, s, dep.slots[s].handle(lc.StopRequested()),
                                      reason=reason, timeout=config_seconds("drain-timeout"))
+        return stops
+
+    async def _forget_once_stopped(self, dep: Deployment, slots: list[int],
+                                   stops: list[asyncio.Task]) -> None:
         await self._await(stops, config_seconds("drain-timeout") + 10)
         for s in slots:
             dep.slots.pop(s, None)
@@ -385,19 +400,20 @@ class Deployments(SchedulerPlugin):
         """Start a new replica on a worker holding fewer of ``dep``'s than the most
         crowded one, for each replica to move; the one it replaces is stopped once it is
         healthy (make before break: the service never has fewer replicas meanwhile)."""
-        leaving = set(dep.moves.values())
+        if dep.procs_per_replica > 1:
+            # a gang's ranks are placed together, on the workers with the fewest: moving
+            # one can crowd another worker, and every move restarts the whole gang
+            return
         while True:
-            ranks: dict[str, int] = collections.Counter()
+            held: dict[str, int] = collections.Counter()
             movable: dict[str, list[int]] = {}
-            for s, m in dep.active().items():
-                if s in leaving:
-                    continue
-                for w in m.workers:
-                    ranks[w] += 1
+            for s, m in dep.active().items():  # (replicas being replaced are not)
+                if m.worker is not None:
+                    held[m.worker] += 1
                     if m.state is ReplicaState.HEALTHY and s not in dep.moves:
-                        movable.setdefault(w, []).append(s)
+                        movable.setdefault(m.worker, []).append(s)
             eligible = {ws.address for ws in self._eligible(dep)}
-            move = spread_move(ranks, eligible, movable)
+            move = spread_move(held, eligible, movable)
             if move is None:
                 return
             slot, source = move
@@ -407,11 +423,10 @@ class Deployments(SchedulerPlugin):
             old = dep.slots[slot]
             new = self._add_slot(dep)
             dep.moves[new] = slot
-            leaving.add(slot)
             self._log(dep.name, "spreading", old.id, source,
                       f"replaced by {dep.slots[new].id} on "
-                      f"{dep.slots[new].worker or 'a worker'}: {ranks[source]} replica "
-                      "ranks of the service on its worker, fewer elsewhere")
+                      f"{dep.slots[new].worker or 'a worker'}: {held[source]} replicas of "
+                      "the service on its worker, fewer elsewhere")
 
     # ------------------------------------------------------------ autoscaling
 
@@ -666,8 +681,9 @@ class Deployments(SchedulerPlugin):
                 elif action.state is ReplicaState.HEALTHY:
                     self._rebalance_soon(dep)
                     replaced = dep.moves.pop(slot, None)
-                    if replaced is not None and replaced in dep.slots:
-                        self._spawn(dep, self._stop_slots(dep, [replaced], "spread"))
+                    if replaced is not None:  # stopped in this step: no check moves it
+                        self._spawn(dep, self._forget_once_stopped(
+                            dep, [replaced], self._stop_slots_now(dep, [replaced], "spread")))
                     self._spread_soon(dep)
                 self._log(dep.name, action.state.value, machine.id, machine.worker,
                           machine.last_error)
@@ -700,36 +716,62 @@ class Deployments(SchedulerPlugin):
         again = True
         while again and not dep.stopping:
             dep.rebalance_again = False
-            healthy = {str(m.id): m.worker for m in dep.slots.values()
-                       if m.state is ReplicaState.HEALTHY and m.worker is not None}
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 2.0
+            while True:
+                healthy, loads, arrived = await self._loads(dep)
+                # The calls the last pass moved are counted on no replica until their
+                # callers have sent them on: a pass before that would take them for
+                # gone and shed too much.  Callers that left never send theirs: 2 s.
+                if arrived >= dep.moved_landed_by or loop.time() > deadline \
+                        or dep.stopping:
+                    break
+                await asyncio.sleep(0.02)
             if len(healthy) < 2:
                 return
-            by_worker: dict[str, list[str]] = {}
-            for rid, worker in healthy.items():
-                by_worker.setdefault(worker, []).append(rid)
-            loads: dict[str, tuple[int, int]] = {}
-            for part in await asyncio.gather(*(self._stats(w, ids)
-                                               for w, ids in by_worker.items())):
-                for rid, figures in part.items():
-                    loads[rid] = (int(figures["in_flight"]), int(figures["queued"]))
+            dep.moved_landed_by = arrived
             plan = shed_plan(loads)
             if plan:
-                moved = await asyncio.gather(*(self._shed(healthy[rid], rid, keep)
-                                               for rid, keep in plan.items()))
-                if sum(moved):
+                # the healthy replicas and their loads once the plan is carried out, for
+                # the callers that send the calls on (each knows only its own calls)
+                table = [[rid, worker, plan.get(rid, sum(loads.get(rid, (0, 0))))]
+                         for rid, worker in healthy.items()]
+                moved = sum(await asyncio.gather(*(self._shed(healthy[rid], rid, keep, table)
+                                                   for rid, keep in plan.items())))
+                dep.moved_landed_by = arrived + moved
+                if moved:
                     self.scheduler.log_event(EVENT_TOPIC, {
                         "action": "calls-rebalanced", "service": dep.name,
-                        "moved": sum(moved), "healthy": len(loads)})
+                        "moved": moved, "healthy": len(loads)})
                     logger.info("replicated service %s: %d queued calls given back to be "
-                                "sent to replicas with less to do", dep.name, sum(moved))
+                                "sent to replicas with less to do", dep.name, moved)
             again = dep.rebalance_again
 
-    async def _shed(self, worker: str, rid: str, keep: int) -> int:
-        """Ask replica ``rid`` on ``worker`` to give back queued calls beyond ``keep``;
-        how many it gave back (none if it does not answer within 5 s)."""
+    async def _loads(self, dep: Deployment
+                     ) -> tuple[dict[str, str], dict[str, tuple[int, int]], int]:
+        """The healthy replicas of ``dep`` (id -> worker), their running and queued calls
+        now, and the moved calls they have taken in, summed."""
+        healthy = {str(m.id): m.worker for m in dep.slots.values()
+                   if m.state is ReplicaState.HEALTHY and m.worker is not None}
+        by_worker: dict[str, list[str]] = {}
+        for rid, worker in healthy.items():
+            by_worker.setdefault(worker, []).append(rid)
+        loads: dict[str, tuple[int, int]] = {}
+        arrived = 0
+        for part in await asyncio.gather(*(self._stats(w, ids)
+                                           for w, ids in by_worker.items())):
+            for rid, figures in part.items():
+                loads[rid] = (int(figures["in_flight"]), int(figures["queued"]))
+                arrived += int(figures.get("moved_in", 0))
+        return healthy, loads, arrived
+
+    async def _shed(self, worker: str, rid: str, keep: int, table: list) -> int:
+        """Ask replica ``rid`` on ``worker`` to give back queued calls beyond ``keep``
+        (with ``table``, the healthy replicas, for their callers); how many it gave back
+        (none if it does not answer within 5 s)."""
         try:
-            return await asyncio.wait_for(
-                self.scheduler.rpc(worker).replicated_shed(id=rid, keep=keep), 5)
+            return await asyncio.wait_for(self.scheduler.rpc(worker).replicated_shed(
+                id=rid, keep=keep, replicas=table), 5)
         except (OSError, TimeoutError):
             return 0
 

@@ -75,6 +75,7 @@ class HostedReplica:
     running: set[asyncio.Task] = field(default_factory=set)
     gang: GangMember | None = None  # its rank and the other ranks (``_gang.py``)
     batchers: dict[str, Batcher] = field(default_factory=dict)  # by batched endpoint
+    moved_in: int = 0  # calls that arrived after another replica gave them back
     handle: Any = None  # the ReplicatedService behind its self.service and self.peers
 
     async def peers_known(self) -> None:
@@ -337,18 +338,19 @@ class ReplicaWorker(WorkerPlugin):
             rep = self.replicas.get(ServiceId(id))
             if rep is not None:
                 out[id] = {"in_flight": rep.gate.in_flight, "queued": rep.gate.queued,
-                           **rep.metrics.summary()}
+                           "moved_in": rep.moved_in, **rep.metrics.summary()}
         return out
 
-    def shed(self, comm: Any, id: str, keep: int) -> int:
+    def shed(self, comm: Any, id: str, keep: int, replicas: list | None = None) -> int:
         """Give back queued calls of replica ``id`` that nothing holds to it, the last
         queued first, until it has at most ``keep`` running and queued (the scheduler asks
-        when replicas were added): their callers send them to replicas with less to do.
-        Returns how many were given back."""
+        when replicas were added, ``replicas`` the healthy ones): their callers send them
+        to replicas with less to do.  Returns how many were given back."""
         rep = self.replicas.get(ServiceId(id))
         if rep is None or not rep.ready or rep.closing:
             return 0
-        return rep.gate.shed(int(keep), "gave the call back: replicas were added")
+        return rep.gate.shed(int(keep), "gave the call back: replicas were added",
+                             replicas)
 
     def report(self) -> list[dict]:
         """The figures of every replica ready here, for the worker's heartbeat: id,
@@ -361,12 +363,14 @@ class ReplicaWorker(WorkerPlugin):
 
     @worker_handler
     async def call(self, comm: Any, id: str, method: str, payload: Any = None,
-                   pickled: bytes | None = None, movable: bool = False) -> dict:
+                   pickled: bytes | None = None, movable: bool = False,
+                   moved: bool = False) -> dict:
         """Run endpoint ``method`` on replica ``id`` within its concurrency limits.
 
         ``movable``: nothing holds the call to this replica (no session or pin), so while
         it is queued it may be given back to be sent to a replica with less to do
-        (:meth:`shed`)."""
+        (:meth:`shed`); ``moved``: another replica gave it back (counted in
+        ``moved_in``)."""
         rep = self.replicas.get(ServiceId(id))
         if rep is None or not rep.ready or rep.closing:
             return {"status": "gone", "message": f"replica {id} is not running on "
@@ -392,6 +396,8 @@ class ReplicaWorker(WorkerPlugin):
         fn = getattr(rep.service, method)
         fans_out = rep.gang is not None and rep.gang.fans_out(type(rep.service), method)
         in_thread: ThreadCall | None = None
+        if moved:  # counted as it is queued (or started): a pass then sees it in the loads
+            rep.moved_in += 1
         try:
             if fans_out or inspect.iscoroutinefunction(fn):
                 await rep.gate.acquire(movable=movable)
