@@ -439,6 +439,12 @@ async def test_a_call_given_back_that_then_finds_no_room_is_sent_again_not_refus
     scripted[:] = [{"status": "overloaded", "message": "replica x is overloaded"}]
     with pytest.raises(ServiceOverloaded, match="replica x is overloaded"):
         await svc.add.route(2)
+    # once only: a second replica full after a move is an overload, said so
+    scripted[:] = [{"status": "moved", "message": "gave the call back", "load": 3},
+                   {"status": "overloaded", "message": "replica x is overloaded"},
+                   {"status": "overloaded", "message": "replica y is overloaded"}]
+    with pytest.raises(ServiceOverloaded, match="replica y is overloaded"):
+        await svc.add.route(4)
     async with svc.session():  # a session's calls are never given back
         assert await svc.add.route(3) == 3
     assert sent[-1] is False
