@@ -293,27 +293,30 @@ class Deployments(SchedulerPlugin):
         rows = [{"id": str(m.id), "worker": m.worker, "state": m.state.value,
                  "last_error": m.last_error}
                 for m in dep.slots.values() if m.state is not ReplicaState.STOPPED]
-        by_worker: dict[str, list[str]] = {}
-        for row in rows:
-            if row["worker"] is not None:
-                by_worker.setdefault(row["worker"], []).append(row["id"])
-
-        found: dict[str, dict] = {}
-        for part in await asyncio.gather(*(self._stats(w, ids)
-                                           for w, ids in by_worker.items())):
-            found.update(part)
+        found = await self._stats({row["id"]: row["worker"] for row in rows
+                                   if row["worker"] is not None})
         for row in rows:
             row.update(found.get(row["id"], {}))
         return rows
 
-    async def _stats(self, worker: str, ids: list[str]) -> dict:
-        """The figures of replicas ``ids`` on ``worker`` now (none if it does not answer
-        within 5 s)."""
-        try:
-            return await asyncio.wait_for(
-                self.scheduler.rpc(worker).replicated_stats(ids=ids), 5)
-        except (OSError, TimeoutError):
-            return {}
+    async def _stats(self, placed: Mapping[str, str]) -> dict[str, dict]:
+        """The figures now of the replicas ``placed`` (id -> worker), one message per
+        worker (none for a worker that does not answer within 5 s)."""
+        by_worker: dict[str, list[str]] = {}
+        for rid, worker in placed.items():
+            by_worker.setdefault(worker, []).append(rid)
+
+        async def ask(worker: str, ids: list[str]) -> dict:
+            try:
+                return await asyncio.wait_for(
+                    self.scheduler.rpc(worker).replicated_stats(ids=ids), 5)
+            except (OSError, TimeoutError):
+                return {}
+
+        found: dict[str, dict] = {}
+        for part in await asyncio.gather(*(ask(w, ids) for w, ids in by_worker.items())):
+            found.update(part)
+        return found
 
     async def scale(self, comm: Any, name: str, n: int, timeout: float,
                     uid: str | None = None) -> dict:
@@ -753,16 +756,9 @@ class Deployments(SchedulerPlugin):
         now, and the moved calls they have taken in, summed."""
         healthy = {str(m.id): m.worker for m in dep.slots.values()
                    if m.state is ReplicaState.HEALTHY and m.worker is not None}
-        by_worker: dict[str, list[str]] = {}
-        for rid, worker in healthy.items():
-            by_worker.setdefault(worker, []).append(rid)
-        loads: dict[str, tuple[int, int]] = {}
-        arrived = 0
-        for part in await asyncio.gather(*(self._stats(w, ids)
-                                           for w, ids in by_worker.items())):
-            for rid, figures in part.items():
-                loads[rid] = (int(figures["in_flight"]), int(figures["queued"]))
-                arrived += int(figures.get("moved_in", 0))
+        found = await self._stats(healthy)
+        loads = {rid: (int(f["in_flight"]), int(f["queued"])) for rid, f in found.items()}
+        arrived = sum(int(f.get("moved_in", 0)) for f in found.values())
         return healthy, loads, arrived
 
     async def _shed(self, worker: str, rid: str, keep: int, table: list) -> int:
