@@ -19,7 +19,6 @@ from replicated_services import (
     inc,
     whoami_from_task,
 )
-from tornado.ioloop import PeriodicCallback
 from utils import any_task_suspended_in
 
 from dask_services.replicated import (
@@ -386,14 +385,15 @@ async def test_a_pass_waits_for_the_calls_the_last_pass_moved_to_land(c, s, *wor
     at random ([3, 6, 6] where 5 each were wanted)."""
     svc = await Adder.options(replicas=1, max_concurrency=1).as_service(client=c)
     callers = [ReplicatedService(svc.name, Adder, {}) for _ in range(15)]
+    third_up = asyncio.Event()
 
-    def slow_to_send_on(handle):  # a caller busy with other work
+    def slow_to_send_on(handle):  # callers busy with other work until a third replica
         send = handle._send
 
         async def answer(target, msg):
             got = await send(target, msg)
             if got.get("status") == "moved":
-                await asyncio.sleep(0.3)
+                await third_up.wait()
             return got
 
         handle._send = answer
@@ -408,6 +408,7 @@ async def test_a_pass_waits_for_the_calls_the_last_pass_moved_to_land(c, s, *wor
         await asyncio.sleep(0.01)
     await svc.scale(2)
     await svc.scale(3)  # while the calls the first pass moved are on their way
+    third_up.set()
     deadline = asyncio.get_running_loop().time() + 20
     while sorted(sum(v) for v in (await loads(svc)).values()) != [5, 5, 5]:
         assert asyncio.get_running_loop().time() < deadline, await loads(svc)
@@ -464,36 +465,33 @@ async def test_replicas_crowded_on_one_worker_spread_to_workers_that_join(c, s, 
     dep = s.extensions["dask_services_replicated"].deployments[svc.name]
     assert {r["worker"] for r in await svc.replicas()} == {a.address}
     fewest_healthy = []
+    notify = dep.notify
 
-    def healthy_now():
+    def healthy_at_every_change():  # every state change of a replica notifies
         fewest_healthy.append(sum(m.state.value == "healthy" for m in dep.slots.values()))
+        notify()
 
-    watch = s.periodic_callbacks["spread-watch"] = PeriodicCallback(healthy_now, 1)
-    watch.start()
-    try:
-        async with Worker(s.address, nthreads=1, validate=True) as b, \
-                Worker(s.address, nthreads=1, validate=True) as w3:
-            everywhere = {a.address, b.address, w3.address}
+    dep.notify = healthy_at_every_change
+    async with Worker(s.address, nthreads=1, validate=True) as b, \
+            Worker(s.address, nthreads=1, validate=True) as w3:
+        everywhere = {a.address, b.address, w3.address}
 
-            async def spread() -> bool:
-                rows = await svc.replicas()
-                return (len(rows) == 3 and all(r["state"] == "healthy" for r in rows)
-                        and {r["worker"] for r in rows} == everywhere)
+        async def spread() -> bool:
+            rows = await svc.replicas()
+            return (len(rows) == 3 and all(r["state"] == "healthy" for r in rows)
+                    and {r["worker"] for r in rows} == everywhere)
 
-            deadline = asyncio.get_running_loop().time() + 30
-            while not await spread():
-                assert asyncio.get_running_loop().time() < deadline, await svc.replicas()
-                await asyncio.sleep(0.01)
-            await async_poll_for(lambda: not dep.moves, timeout=10)
-            assert sorted(len(v) for v in hosted([a, b, w3]).values()) == [1, 1, 1]
-            assert min(fewest_healthy) >= 3  # made before broken
-            assert len(await replica_events(c, "replica-spreading")) == 2
-            assert sorted(await svc.add.fanout(1)) == [1, 1, 1]
-            await svc.shutdown()
-            await assert_nothing_left(s, [a, b, w3])
-    finally:
-        watch.stop()
-        del s.periodic_callbacks["spread-watch"]
+        deadline = asyncio.get_running_loop().time() + 30
+        while not await spread():
+            assert asyncio.get_running_loop().time() < deadline, await svc.replicas()
+            await asyncio.sleep(0.01)
+        await async_poll_for(lambda: not dep.moves, timeout=10)
+        assert sorted(len(v) for v in hosted([a, b, w3]).values()) == [1, 1, 1]
+        assert min(fewest_healthy) >= 3  # made before broken
+        assert len(await replica_events(c, "replica-spreading")) == 2
+        assert sorted(await svc.add.fanout(1)) == [1, 1, 1]
+        await svc.shutdown()
+        await assert_nothing_left(s, [a, b, w3])
 
 
 @cluster(nthreads=[("127.0.0.1", 1)])

@@ -167,9 +167,7 @@ class Deployments(SchedulerPlugin):
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
         """A worker joined: replicas waiting for one are launched, and replicas crowded
         on other workers spread to it."""
-        self._broadcast(lc.WorkerAdded(stimulus_id=new_stimulus_id(f"add-worker-{worker}")))
-        for dep in list(self.deployments.values()):
-            self._spread_soon(dep)
+        self._worker_added(new_stimulus_id(f"add-worker-{worker}"))
 
     def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str = "",
                       **kwargs: Any) -> None:
@@ -358,21 +356,15 @@ class Deployments(SchedulerPlugin):
             dep.moves.pop(s, None)
         await self._stop_slots(dep, victims, "scale-down")
 
-    async def _stop_slots(self, dep: Deployment, slots: list[int], reason: str) -> None:
-        """Stop the replicas of ``slots`` for good, draining their calls, then forget
-        them."""
-        await self._forget_once_stopped(dep, slots, self._stop_slots_now(dep, slots, reason))
-
-    def _stop_slots_now(self, dep: Deployment, slots: list[int], reason: str
-                        ) -> list[asyncio.Task]:
-        """:meth:`_stop_slots`, its replicas stopped in this step (their drains and the
-        forgetting in a task); returns the stop tasks."""
+    def _stop_slots(self, dep: Deployment, slots: list[int], reason: str) -> asyncio.Task:
+        """Stop the replicas of ``slots`` for good, in this step; the returned task drains
+        their calls, then forgets them."""
         stops = []
         for s in slots:
             if s in dep.slots:
                 stops += self._apply(dep, s, dep.slots[s].handle(lc.StopRequested()),
                                      reason=reason, timeout=config_seconds("drain-timeout"))
-        return stops
+        return self._spawn(dep, self._forget_once_stopped(dep, slots, stops))
 
     async def _forget_once_stopped(self, dep: Deployment, slots: list[int],
                                    stops: list[asyncio.Task]) -> None:
@@ -380,6 +372,8 @@ class Deployments(SchedulerPlugin):
         for s in slots:
             dep.slots.pop(s, None)
             dep.errors.pop(s, None)
+        # the calls moved to a replica now gone are counted nowhere: no pass waits for them
+        dep.moved_landed_by = 0
         self.reports.prune(self.placed())
         dep.notify()
 
@@ -596,9 +590,14 @@ class Deployments(SchedulerPlugin):
         if status == Status.closing_gracefully.name:
             self._broadcast(lc.WorkerRetiring(worker, stimulus_id=stimulus_id))
         elif status == Status.running.name:
-            self._broadcast(lc.WorkerAdded(stimulus_id=stimulus_id))
-            for dep in list(self.deployments.values()):
-                self._spread_soon(dep)
+            self._worker_added(stimulus_id)
+
+    def _worker_added(self, stimulus_id: str) -> None:
+        """A worker joined or turned running: replicas waiting for one are launched, and
+        replicas crowded on other workers spread to it."""
+        self._broadcast(lc.WorkerAdded(stimulus_id=stimulus_id))
+        for dep in list(self.deployments.values()):
+            self._spread_soon(dep)
 
     def _capacity_freed(self) -> None:
         """A replica let go of its workers (its instance stopped, after any drain; it
@@ -680,13 +679,13 @@ class Deployments(SchedulerPlugin):
                     self._capacity_freed()
                     if dep.moves.pop(slot, None) is not None:  # a move's new replica
                         # failed its setup: the replica it was to replace stays
-                        self._spawn(dep, self._stop_slots(dep, [slot], "spread failed"))
+                        asyncio.get_running_loop().call_soon(
+                            self._stop_slots, dep, [slot], "spread failed")
                 elif action.state is ReplicaState.HEALTHY:
                     self._rebalance_soon(dep)
                     replaced = dep.moves.pop(slot, None)
                     if replaced is not None:  # stopped in this step: no check moves it
-                        self._spawn(dep, self._forget_once_stopped(
-                            dep, [replaced], self._stop_slots_now(dep, [replaced], "spread")))
+                        self._stop_slots(dep, [replaced], "spread")
                     self._spread_soon(dep)
                 self._log(dep.name, action.state.value, machine.id, machine.worker,
                           machine.last_error)
@@ -729,7 +728,7 @@ class Deployments(SchedulerPlugin):
                 if arrived >= dep.moved_landed_by or loop.time() > deadline \
                         or dep.stopping:
                     break
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(0.05)
             if len(healthy) < 2:
                 return
             dep.moved_landed_by = arrived
