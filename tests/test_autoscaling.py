@@ -11,7 +11,7 @@ import pytest
 from distributed.utils_test import async_poll_for
 from gang_services import Sleeper
 from replicated_services import GATES, STARTS, Adder
-from test_replicated import assert_nothing_left, cluster
+from test_replicated import assert_nothing_left, cluster, until_equal
 
 from dask_services.replicated import ReplicaOptions, ServiceShutdown, ServiceUnavailable
 from dask_services.replicated._autoscale import AutoscalePolicy, AutoscalingConfig, Decision
@@ -150,10 +150,7 @@ async def test_a_burst_queued_on_one_replica_is_spread_over_the_replicas_it_caus
     async def spread() -> list[int]:
         return sorted(r["in_flight"] + r["queued"] for r in await svc.replicas())
 
-    deadline = asyncio.get_running_loop().time() + 20
-    while await spread() != [4, 4, 4]:
-        assert asyncio.get_running_loop().time() < deadline, await spread()
-        await asyncio.sleep(0.01)
+    await until_equal(spread, [4, 4, 4])
     GATES["autoscaled-burst"].set()
     served = [await call for call in burst]
     assert sorted(collections.Counter(served).values()) == [4, 4, 4]

@@ -184,13 +184,7 @@ async def test_overload_fails_fast_and_queue_limits_hold(c, s, w):
         (row,) = await svc.replicas()
         return row["in_flight"], row["queued"]
 
-    async def until(expected):
-        deadline = asyncio.get_running_loop().time() + 10
-        while await counts() != expected:
-            assert asyncio.get_running_loop().time() < deadline, await counts()
-            await asyncio.sleep(0.01)
-
-    await until((1, 2))
+    await until_equal(counts, (1, 2), timeout=10)
     with pytest.raises(ServiceOverloaded, match="max_queued=2"):
         await asyncio.wait_for(svc.wait_for.route("g", 4), 5)  # fails fast, not queued
     GATES["g"].set()
@@ -333,9 +327,27 @@ async def test_session_moves_when_its_replica_worker_leaves(c, s, *workers):
     await assert_nothing_left(s, workers)
 
 
+async def until_equal(get, want, timeout: float = 20) -> None:
+    """Poll ``await get()`` until it equals ``want``; after ``timeout`` s, fail showing
+    the last value."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while (got := await get()) != want:
+        assert asyncio.get_running_loop().time() < deadline, got
+        await asyncio.sleep(0.01)
+
+
 async def loads(svc) -> dict[str, tuple[int, int]]:
     """Running and queued calls of each healthy replica, now."""
     return {r["id"]: (r["in_flight"], r["queued"]) for r in healthy(await svc.replicas())}
+
+
+async def one_load(svc, rid: str) -> tuple[int, int] | None:
+    return (await loads(svc)).get(rid)
+
+
+async def totals(svc) -> list[int]:
+    """Running and queued calls of the healthy replicas, summed per replica, sorted."""
+    return sorted(sum(v) for v in (await loads(svc)).values())
 
 
 @cluster()
@@ -348,16 +360,10 @@ async def test_calls_queued_before_replicas_were_added_move_to_them(c, s, *worke
     async with svc.session():
         held = [svc.wait_then_whoami.route("burst") for _ in range(3)]
     (first,) = await loads(svc)
-    deadline = asyncio.get_running_loop().time() + 20
-    while (await loads(svc))[first] != (1, 14):
-        assert asyncio.get_running_loop().time() < deadline, await loads(svc)
-        await asyncio.sleep(0.01)
+    await until_equal(lambda: one_load(svc, first), (1, 14))
 
     async def spread(expected: list[int]) -> None:
-        deadline = asyncio.get_running_loop().time() + 20
-        while sorted(sum(v) for v in (await loads(svc)).values()) != expected:
-            assert asyncio.get_running_loop().time() < deadline, await loads(svc)
-            await asyncio.sleep(0.01)
+        await until_equal(lambda: totals(svc), expected)
 
     await svc.scale(2)
     await spread([7, 8])  # 7 moved: the second replica runs one of them
@@ -402,17 +408,11 @@ async def test_a_pass_waits_for_the_calls_the_last_pass_moved_to_land(c, s, *wor
         slow_to_send_on(handle)
     burst = [h.wait_then_whoami.route("in-transit") for h in callers]
     (first,) = await loads(svc)
-    deadline = asyncio.get_running_loop().time() + 20
-    while (await loads(svc))[first] != (1, 14):
-        assert asyncio.get_running_loop().time() < deadline, await loads(svc)
-        await asyncio.sleep(0.01)
+    await until_equal(lambda: one_load(svc, first), (1, 14))
     await svc.scale(2)
     await svc.scale(3)  # while the calls the first pass moved are on their way
     third_up.set()
-    deadline = asyncio.get_running_loop().time() + 20
-    while sorted(sum(v) for v in (await loads(svc)).values()) != [5, 5, 5]:
-        assert asyncio.get_running_loop().time() < deadline, await loads(svc)
-        await asyncio.sleep(0.01)
+    await until_equal(lambda: totals(svc), [5, 5, 5])
     GATES["in-transit"].set()
     assert len(await asyncio.gather(*burst)) == 15
     await svc.shutdown()
@@ -481,10 +481,7 @@ async def test_replicas_crowded_on_one_worker_spread_to_workers_that_join(c, s, 
             return (len(rows) == 3 and all(r["state"] == "healthy" for r in rows)
                     and {r["worker"] for r in rows} == everywhere)
 
-        deadline = asyncio.get_running_loop().time() + 30
-        while not await spread():
-            assert asyncio.get_running_loop().time() < deadline, await svc.replicas()
-            await asyncio.sleep(0.01)
+        await until_equal(spread, True, timeout=30)
         await async_poll_for(lambda: not dep.moves, timeout=10)
         assert sorted(len(v) for v in hosted([a, b, w3]).values()) == [1, 1, 1]
         assert min(fewest_healthy) >= 3  # made before broken
