@@ -16,6 +16,7 @@ from dask_services import (
 )
 from dask_services import config as _config  # noqa: F401  (registers config defaults)
 from dask_services._buffers import Buffers, IncomingBuffers
+from dask_services._plugins import ExtensionError
 from dask_services._spill import OutOfDiskError
 from dask_services._status import status
 from dask_services.client import install, install_async, service_task, story, submit
@@ -59,6 +60,7 @@ __all__ = [
     "Concierge",
     "DeploymentError",
     "EndpointRefused",
+    "ExtensionError",
     "IncomingBuffers",
     "OutOfDiskError",
     "OutputLostError",

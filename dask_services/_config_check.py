@@ -3,10 +3,10 @@ to use (building a graph, deploying a service) with its key named, not deep in a
 the scheduler's graph handling.
 
 Each key has a kind: a count (an integer, with a least value), a duration (``"30s"``,
-seconds as a number), a size (``"64 MiB"``, bytes), a fraction in ``(0, 1]``, a boolean;
-some also take ``null``.  :func:`check_config` checks every key set (keys absent, which
-the code reads with a default, are skipped) and raises ``ValueError`` naming the key, the
-value, what it should be, and the default.
+seconds as a number), a size (``"64 MiB"``, bytes), a fraction in ``(0, 1]``, a boolean,
+a list of ``"module:attribute"`` imports; some also take ``null``.  :func:`check_config`
+checks every key set (keys absent, which the code reads with a default, are skipped) and
+raises ``ValueError`` naming the key, the value, what it should be, and the default.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ KEYS: dict[str, tuple[str, float, bool]] = {
     "threads": ("count", 1, True),
     "bulk-lane": ("bool", 0, False),
     "fuse-consumers": ("bool", 0, False),
+    "extensions": ("imports", 0, False),
     "shuffle.buffer-fraction": ("fraction", 0, False),
     "shuffle.bytes-in-flight": ("size", 1, False),
     "shuffle.groups": ("count", 1, False),
@@ -63,6 +64,7 @@ _WHAT = {
     "size": 'a size such as "64 MiB" (or bytes as a number)',
     "fraction": "a number greater than 0 and at most 1",
     "bool": "true or false",
+    "imports": 'a list of "module:attribute" strings',
 }
 
 _MISSING = object()
@@ -83,6 +85,10 @@ def _problem(kind: str, least: float, value: Any) -> str | None:
     """What is wrong with ``value`` for a key of this kind, or None."""
     if kind == "bool":
         return None if isinstance(value, bool) else _WHAT[kind]
+    if kind == "imports":
+        good = isinstance(value, (list, tuple)) and all(
+            isinstance(v, str) and all(v.partition(":")) for v in value)
+        return None if good else _WHAT[kind]
     if isinstance(value, bool):
         return _WHAT[kind]
     try:
@@ -110,16 +116,23 @@ def _problem(kind: str, least: float, value: Any) -> str | None:
 def check_config() -> None:
     """Raise ``ValueError`` for the first ``dask_services`` config value that is not
     valid, naming it and what it should be."""
-    for key, (kind, least, nullable) in KEYS.items():
-        full = f"dask_services.{key}"
-        value = dask.config.get(full, _MISSING)
-        if value is _MISSING or (nullable and (value is None or value is False)):
-            continue
-        problem = _problem(kind, least, value)
-        if problem is None:
-            continue
-        raise ValueError(  # every key has a packaged default (tested)
-            f"config value {full}={value!r} is not valid: it should be {problem}"
-            f"{' or null' if nullable else ''} (default {packaged_default(key)!r}); fix it "
-            "in dask.config.set(...), your dask config files or the "
-            "DASK_DASK_SERVICES__... environment variables")
+    for key in KEYS:
+        check_key(key)
+
+
+def check_key(key: str) -> None:
+    """Raise ``ValueError`` if ``dask_services.<key>`` is set to a value that is not
+    valid, naming it and what it should be."""
+    kind, least, nullable = KEYS[key]
+    full = f"dask_services.{key}"
+    value = dask.config.get(full, _MISSING)
+    if value is _MISSING or (nullable and (value is None or value is False)):
+        return
+    problem = _problem(kind, least, value)
+    if problem is None:
+        return
+    raise ValueError(  # every key has a packaged default (tested)
+        f"config value {full}={value!r} is not valid: it should be {problem}"
+        f"{' or null' if nullable else ''} (default {packaged_default(key)!r}); fix it "
+        "in dask.config.set(...), your dask config files or the "
+        "DASK_DASK_SERVICES__... environment variables")

@@ -3,20 +3,104 @@
 The service-task core (``scheduler.ServiceSchedulerPlugin``) comes first; the extensions
 are plugins of their own next to it: replicated services (``replicated/_scheduler.py``)
 and the diagnostics (``_observe.py``: status tables, dashboard page, metrics), which
-observe the core and so come after it.  ``install()``, ``install_async()`` and the
-``--preload dask_services`` hook all install this list.  Each plugin registers its own
-worker plugin.
+observe the core and so come after it.  Extensions from other packages come last: those
+a distribution declares in the ``dask_services.extensions`` entry-point group (in entry
+point name order), then those the ``dask_services.extensions`` config key names as
+``"module:attribute"``.  ``install()``, ``install_async()`` and the ``--preload
+dask_services`` hook all install this list.  Each plugin registers its own worker plugin.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
+from typing import Any
+
 from distributed.diagnostics.plugin import SchedulerPlugin
+
+from dask_services._config_check import check_key
+from dask_services.config import setting
+from dask_services.service import ServiceError
+
+ENTRY_POINT_GROUP = "dask_services.extensions"
+
+
+class ExtensionError(ServiceError):
+    """An extension named by an entry point or by the ``dask_services.extensions`` config
+    key could not be loaded, or is not a scheduler plugin."""
 
 
 def scheduler_plugins() -> list[SchedulerPlugin]:
-    """New objects of every scheduler plugin of dask-services, core first."""
+    """New objects of every scheduler plugin of dask-services, core first, extensions of
+    other packages last.  Raises :class:`ExtensionError` naming an extension that cannot
+    be loaded."""
     from dask_services._observe import ServiceDiagnostics
     from dask_services.replicated._scheduler import Deployments
     from dask_services.scheduler import ServiceSchedulerPlugin
 
-    return [ServiceSchedulerPlugin(), Deployments(), ServiceDiagnostics()]
+    plugins: list[SchedulerPlugin] = [
+        ServiceSchedulerPlugin(), Deployments(), ServiceDiagnostics()]
+    seen = {plugin.name: "dask-services itself" for plugin in plugins}
+    for origin, load in _declared_extensions():
+        plugin = _as_plugin(origin, load)
+        name = getattr(plugin, "name", None)
+        if name in seen:
+            raise ExtensionError(
+                f"extension {origin} makes a scheduler plugin named {name!r}, as "
+                f"{seen[name]} does: the second would replace the first on the scheduler; "
+                "give the plugin a `name` of its own")
+        seen[name] = origin
+        plugins.append(plugin)
+    return plugins
+
+
+def _declared_extensions() -> list[tuple[str, Any]]:
+    """(where it was declared, a callable loading it) for each extension of another
+    package: entry points first, in name order, then the config key's entries."""
+    found: list[tuple[str, Any]] = []
+    points = sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP),
+                    key=lambda ep: ep.name)
+    for ep in points:
+        dist = getattr(ep.dist, "name", None) or "an installed distribution"
+        found.append((f"entry point {ep.name!r} = {ep.value!r} of {dist} (group "
+                      f"{ENTRY_POINT_GROUP!r}; fix or uninstall that package)", ep.load))
+    check_key("extensions")
+    for spec in setting("extensions"):
+        found.append((f"{spec!r} in the dask_services.extensions config key",
+                      lambda spec=spec: _import(spec)))
+    return found
+
+
+def _import(spec: str) -> Any:
+    module, _, attribute = spec.partition(":")
+    target: Any = importlib.import_module(module)
+    for part in attribute.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def _as_plugin(origin: str, load: Any) -> SchedulerPlugin:
+    """The scheduler plugin an extension stands for: a ``SchedulerPlugin`` object, a
+    subclass of it (made with no arguments), or a callable returning one."""
+    try:
+        target = load()
+    except Exception as e:
+        raise ExtensionError(
+            f"extension {origin} could not be loaded: {type(e).__name__}: {e}") from e
+    try:
+        if isinstance(target, SchedulerPlugin):
+            plugin = target
+        elif callable(target):
+            plugin = target()
+        else:
+            plugin = None
+    except Exception as e:
+        raise ExtensionError(
+            f"extension {origin} failed to make its scheduler plugin: "
+            f"{type(e).__name__}: {e}") from e
+    if not isinstance(plugin, SchedulerPlugin):
+        raise ExtensionError(
+            f"extension {origin} gave {type(plugin if plugin is not None else target)!r}"
+            ", not a distributed SchedulerPlugin: point it at a SchedulerPlugin subclass, "
+            "an instance of one, or a function returning one")
+    return plugin

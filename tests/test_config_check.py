@@ -39,7 +39,9 @@ BAD = {"count": ["x", -1, 2.5, True, "3 things", float("inf"), [], 2**63],
        "duration": ["soon", -1, "5 parsecs", True, "", "  ", [], {}, "1e400"],
        "size": ["lots", -5, True, float("inf"), "1e400", [], {}],
        "fraction": [0, 1.5, "half", -0.1, True],
-       "bool": ["yes", 1, None]}
+       "bool": ["yes", 1, None],
+       "imports": ["module:Plugin", ["no_colon"], [":Plugin"], ["module:"], [3], None,
+                   {"a": "b"}]}
 
 
 @given(st.sampled_from(sorted(KEYS)), st.data())
