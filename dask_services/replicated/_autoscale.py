@@ -14,7 +14,10 @@ into decisions:
   per replica stay above the target), the policy decides to scale up to it; when it stays
   below for ``downscale_delay``, to scale down to it; a count outside the bounds is
   corrected at once;
-* after a decision the delays start again, so each decision sees the effect of the last.
+* after a decision the delays start again, so each decision sees the effect of the last;
+* with ``min_replicas: 0`` the service scales to zero replicas once idle for
+  ``downscale_delay``; a call made then waits (``ongoing`` counts the callers waiting
+  for a replica) and the policy scales up from zero at once, without ``upscale_delay``.
 
 Nothing here does I/O or reads a clock: ``observe`` takes the time.
 """
@@ -65,10 +68,11 @@ class AutoscalingConfig:
         return config
 
     def check(self) -> None:
-        for name in ("min_replicas", "max_replicas"):
+        for name, least in (("min_replicas", 0), ("max_replicas", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"autoscaling {name} must be an integer >= 1, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"autoscaling {name} must be an integer >= {least}, got "
+                                 f"{value!r}")
         if self.max_replicas < self.min_replicas:
             raise ValueError(f"autoscaling max_replicas ({self.max_replicas}) is below "
                              f"min_replicas ({self.min_replicas})")
@@ -146,6 +150,9 @@ class AutoscalePolicy:
         want = self.desired(ongoing, floor)
         average = ongoing / replicas if replicas else math.inf
         target = self.config.target_ongoing_requests
+        if replicas == 0 and want > 0:  # scaled to zero, and calls wait: no delay
+            self.above_since = self.below_since = None
+            return Decision(0, want, f"{ongoing:g} calls waiting with no replica")
         if want > replicas:
             self.below_since = None
             if self.above_since is None:

@@ -435,6 +435,8 @@ class ReplicatedService:
         self._own_session: Session | None = None
         self._table: list[_Replica] = []
         self._table_time = -1.0
+        self._wakes = False  # the service scales to zero and back (from the table)
+        self._min_replicas: int | None = None  # its autoscaling's (from the table)
         self._stale_at = 0.0  # monotonic time after which the table is refreshed
         self._refreshing: asyncio.Future | None = None
         self._outstanding: collections.Counter = collections.Counter()
@@ -516,6 +518,8 @@ class ReplicatedService:
             raise ServiceShutdown(f"service {self.name} was shut down (or never deployed)")
         self._table = [_Replica(ServiceId(r["id"]), r["worker"], r["state"])
                        for r in info["replicas"]]
+        self._wakes = bool(info.get("wakes"))
+        self._min_replicas = info.get("min_replicas")
         # Loads replicas reported in their answers are forgotten as the table ages: a
         # replica reported busy and then no longer chosen would never report again.
         self._reported.clear()
@@ -533,6 +537,19 @@ class ReplicatedService:
                 return
             self._refreshing = asyncio.ensure_future(self._fetch_table())
             self._refreshing.add_done_callback(_consume)
+
+    async def _wake(self) -> bool:
+        """For a call that found no healthy replica: if the service scales to zero,
+        wait until it has one (scaled up from zero at once, the caller counted in its
+        load) and refresh the table; False if it does not scale to zero.  Raises what
+        the replicas' setup raised, or ``ServiceUnavailable`` after
+        ``dask_services.replicated.deploy-timeout``."""
+        if not self._wakes:
+            return False
+        result = await self._management("replicated_wake",
+                                        timeout=config_seconds("deploy-timeout"))
+        await self._refresh()
+        return result.get("status") == "ok"
 
     def _learn(self, replicas: list) -> None:
         """The healthy replicas the scheduler told of with a call given back (``[id,
@@ -611,6 +628,7 @@ class ReplicatedService:
         movable = pin is None and session is None and not self._sticky
         moved = False  # given back by a replica (counted where it arrives next)
         just_moved = False  # ... by the replica the last attempt went to
+        woken = False  # waited for a replica of a service scaled to zero (``_wake``)
         while True:
             if pin is not None:
                 target = next((r for r in self._table if r.id == pin), None)
@@ -683,6 +701,9 @@ class ReplicatedService:
                     raise ServiceUnavailable(
                         f"replica {pin} of {self.name} was lost during the call: {failure}")
             else:
+                if not woken and await self._wake():
+                    woken = True  # not a failure: the service was at zero replicas
+                    continue
                 failure = "no healthy replica"
             failures.append(failure)
             if delay < 0:
@@ -802,6 +823,8 @@ class ReplicatedService:
     async def _fanout(self, method: str, args: tuple, kwargs: dict) -> list[Any]:
         await self._refresh()
         targets = [r.id for r in self._healthy()]
+        if not targets and await self._wake():
+            targets = [r.id for r in self._healthy()]
         if not targets:
             raise ServiceUnavailable(f"{self.name} has no healthy replica")
         return list(await asyncio.gather(
@@ -853,14 +876,29 @@ class ReplicatedService:
         return [dict(row) for row in result] if isinstance(result, (list, tuple)) else result
 
     def scale(self, n: int, timeout: float | None = None) -> Any:
-        """Add or remove replicas until there are ``n``; waits until they are healthy."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        """Add or remove replicas until there are ``n``; waits until they are healthy.
+
+        With autoscaling ``n`` is a floor it never goes below; ``scale(0)`` (for a service
+        whose autoscaling has ``min_replicas: 0``) lifts the floor and scales to zero."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"scale(n) needs an integer n >= 1, got {n!r}; to stop the "
                              "service call svc.shutdown()")
+        if n == 0 and self._table_time >= 0:  # min_replicas known (it never changes)
+            self._check_scale_to_zero()
         timeout = config_seconds("deploy-timeout") if timeout is None else timeout
         return self._transport.sync(self._scale, n, timeout)
 
+    def _check_scale_to_zero(self) -> None:
+        if self._min_replicas != 0:
+            raise ValueError(
+                "scale(n) needs an integer n >= 1, got 0; to stop the service call "
+                "svc.shutdown() (scale(0) is for a service autoscaled with "
+                "min_replicas: 0)")
+
     async def _scale(self, n: int, timeout: float) -> None:
+        if n == 0 and self._table_time < 0:  # a handle that never fetched the table
+            await self._refresh()
+            self._check_scale_to_zero()
         await self._management("replicated_scale", n=n, timeout=timeout)
         await self._refresh()
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import uuid
 from collections.abc import Coroutine, Mapping
@@ -44,7 +45,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("dask_services")
 EVENT_TOPIC = "dask_services"
 HANDLERS = ("replicated_deploy", "replicated_wait", "replicated_table", "replicated_replicas",
-            "replicated_metrics", "replicated_scale", "replicated_shutdown", "replicated_story")
+            "replicated_metrics", "replicated_scale", "replicated_shutdown", "replicated_story",
+            "replicated_wake")
 
 
 @dataclass(eq=False)
@@ -63,6 +65,7 @@ class Deployment:
     autoscaling: AutoscalePolicy | None = None
     floor: int = 0  # the last svc.scale(n): autoscaling never goes below it
     last_decision: str = ""  # the last autoscaling decision, with its reason
+    waiting: int = 0  # callers waiting for a replica of a service scaled to zero (``wake``)
     # this deployment, apart from any other deployed under the same name before or after:
     # a handle carries it, so that a handle of a shut-down service never reaches another
     uid: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -84,6 +87,11 @@ class Deployment:
         """Wake whoever waits for a change of state."""
         self.changed.set()
         self.changed = asyncio.Event()
+
+    def wakes(self) -> bool:
+        """Whether the service scales to zero replicas and back: its autoscaling allows
+        none (``min_replicas: 0``, no ``svc.scale(n)`` floor)."""
+        return self.autoscaling is not None and self.autoscaling.bounds(self.floor)[0] == 0
 
     def active(self) -> dict[int, lc.ReplicaMachine]:
         """The replica slots that are not stopped, nor being replaced by a move's new
@@ -261,10 +269,59 @@ class Deployments(SchedulerPlugin):
         dep = self._deployment(name, uid)
         if dep is None:
             return None
-        return {"stopping": dep.stopping, "replicas": [
+        return {"stopping": dep.stopping, "wakes": dep.wakes(),
+                "min_replicas": (dep.autoscaling.config.min_replicas
+                                 if dep.autoscaling is not None else None), "replicas": [
             {"id": str(m.id), "worker": m.worker, "state": m.state.value}
             for m in dep.slots.values() if m.state is not ReplicaState.STOPPED
         ]}
+
+    async def wake(self, comm: Any, name: str, timeout: float,
+                   uid: str | None = None) -> dict:
+        """Wait for a healthy replica of a service that scales to zero, for a call that
+        found none: the caller counts in the autoscaler's load while it waits, and a
+        service at zero replicas is scaled up at once.  ``{"status": "none"}`` for a
+        service that does not scale to zero (the caller retries as for any other);
+        an error once every replica's setup failed, or after ``timeout``."""
+        dep = self._deployment(name, uid)
+        if dep is None or dep.stopping:
+            return {"status": "error", "shutdown": True,
+                    "error": f"service {name} was shut down (or never deployed)"}
+        if not dep.wakes():
+            return {"status": "none"}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        dep.waiting += 1
+        try:
+            while True:
+                if dep.stopping:
+                    return {"status": "error", "shutdown": True,
+                            "error": f"service {name} was shut down while a call waited "
+                                     "for a replica"}
+                if not dep.active():  # at zero (again): up at once
+                    self._autoscale(dep, loop.time())
+                active = dep.active()
+                if any(m.state is ReplicaState.HEALTHY for m in active.values()):
+                    return {"status": "ok"}
+                failed = [s for s, m in active.items() if m.state is ReplicaState.UNHEALTHY]
+                if active and len(failed) == len(active):
+                    m = active[failed[0]]
+                    return {"status": "error", "error": m.last_error,
+                            "exception": dep.errors.get(failed[0])}
+                left = deadline - loop.time()
+                if left <= 0:
+                    late = "; ".join(f"{m.id}: {_why_not_healthy(m)}"
+                                     for m in active.values())
+                    return {"status": "error", "late": True, "error": (
+                        f"no replica of {name} healthy {timeout} s after a call found it "
+                        f"scaled to zero (dask_services.replicated.deploy-timeout): {late}")}
+                if comm is not None and comm.closed():  # the caller went away
+                    return {"status": "error", "error": "the caller went away"}
+                with contextlib.suppress(TimeoutError):
+                    # woken by every change of state; the caller's comm checked each second
+                    await asyncio.wait_for(dep.changed.wait(), min(left, 1.0))
+        finally:
+            dep.waiting -= 1
 
     async def replicas(self, comm: Any, name: str, uid: str | None = None
                        ) -> list[dict] | None:
@@ -429,8 +486,8 @@ class Deployments(SchedulerPlugin):
 
     def ongoing(self, dep: Deployment) -> int:
         """Calls running or queued on the deployment's healthy replicas, as of their
-        workers' last heartbeats."""
-        return sum(self._busy(m) for m in dep.slots.values())
+        workers' last heartbeats, and calls waiting for a replica (``wake``)."""
+        return sum(self._busy(m) for m in dep.slots.values()) + dep.waiting
 
     def _busy(self, m: lc.ReplicaMachine) -> int:
         """Calls running or queued on a healthy replica, as of its worker's last
@@ -443,25 +500,28 @@ class Deployments(SchedulerPlugin):
     def _autoscale_all(self) -> None:
         now = asyncio.get_running_loop().time()
         for dep in list(self.deployments.values()):
-            if dep.autoscaling is None or dep.stopping:
-                continue
-            active = dep.active()
-            decision = dep.autoscaling.observe(now, len(active), self.ongoing(dep),
-                                               dep.floor)
-            if decision is None:
-                continue
-            if decision.target > decision.current and any(
-                    m.state is ReplicaState.UNHEALTHY for m in active.values()):
-                continue  # setup fails: more replicas would not help (fewer are fine:
-                # a scale-down stops the unhealthy ones first)
-            if decision.target < decision.current and any(
-                    m.launching or m.starting for m in active.values()):
-                # replicas being placed or set up (the initial ones, an upscale's) have
-                # had no load to take: the downscale delay runs again once they are up.
-                # One waiting for a worker does not hold it back: it may wait for good,
-                # and is the first a scale-down stops.
-                continue
-            self.autoscale(dep, decision)
+            self._autoscale(dep, now)
+
+    def _autoscale(self, dep: Deployment, now: float) -> None:
+        """One load sample of ``dep`` given to its policy, and its decision carried out."""
+        if dep.autoscaling is None or dep.stopping:
+            return
+        active = dep.active()
+        decision = dep.autoscaling.observe(now, len(active), self.ongoing(dep), dep.floor)
+        if decision is None:
+            return
+        if decision.target > decision.current and any(
+                m.state is ReplicaState.UNHEALTHY for m in active.values()):
+            return  # setup fails: more replicas would not help (fewer are fine: a
+            # scale-down stops the unhealthy ones first)
+        if decision.target < decision.current and any(
+                m.launching or m.starting for m in active.values()):
+            # replicas being placed or set up (the initial ones, an upscale's) have had
+            # no load to take: the downscale delay runs again once they are up.  One
+            # waiting for a worker does not hold it back: it may wait for good, and is
+            # the first a scale-down stops.
+            return
+        self.autoscale(dep, decision)
 
     def autoscale(self, dep: Deployment, decision: Decision) -> None:
         """Carry out an autoscaling decision (logged with its reason)."""

@@ -422,6 +422,7 @@ class Stream:
             raise TypeError(f"the arguments of {h.name}.{self._method} cannot be sent to a "
                             f"replica: {e}") from None
         failures: list[str] = []
+        woken = False  # waited for a replica of a service scaled to zero (``_wake``)
         while True:
             target = h._choose(self._session)
             if target is not None:
@@ -469,6 +470,9 @@ class Stream:
                 self._release_target()
                 h._drop(target.id)
             else:
+                if not woken and await h._wake():
+                    woken = True  # not a failure: the service was at zero replicas
+                    continue
                 failure = "no healthy replica"
             failures.append(failure)
             if len(failures) > retries:

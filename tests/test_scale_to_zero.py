@@ -1,0 +1,156 @@
+"""Replicated services that scale to zero replicas when idle (``min_replicas: 0``) and
+back up when a call comes: the pure policy, then on clusters."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+
+import dask
+import pytest
+from distributed.utils_test import async_poll_for
+from replicated_batch_stream_services import Streamer
+from replicated_services import GATES, Adder
+from test_autoscaling import FAST, policy
+from test_replicated import assert_nothing_left, call_from_task, cluster
+
+from dask_services.replicated._autoscale import AutoscalingConfig, Decision
+
+pytestmark = pytest.mark.timeout(60)
+EXT = "dask_services_replicated"
+TO_ZERO = {"min_replicas": 0, "max_replicas": 2, "target_ongoing_requests": 1,
+           "upscale_delay": "60s", "downscale_delay": "100ms"}
+
+
+def test_min_replicas_zero_is_valid_and_max_replicas_zero_is_not():
+    config = AutoscalingConfig.from_options({"min_replicas": 0, "max_replicas": 3})
+    assert config.initial(1) == 1 and config.initial(0) == 0
+    assert AutoscalingConfig.from_options({"min_replicas": 0, "max_replicas": 2,
+                                           "initial_replicas": 0}).initial(1) == 0
+    for bad, match in [({"min_replicas": -1}, "min_replicas must be an integer >= 0"),
+                       ({"min_replicas": 0, "max_replicas": 0},
+                        "max_replicas must be an integer >= 1")]:
+        with pytest.raises(ValueError, match=match):
+            AutoscalingConfig.from_options(bad)
+
+
+def test_scales_to_zero_after_the_downscale_delay_and_up_from_it_at_once():
+    p = policy(min_replicas=0, upscale_delay="60s", downscale_delay="30s")
+    assert p.observe(0, 1, 0) is None
+    assert p.observe(30, 1, 0).target == 0
+    assert p.observe(31, 0, 0) is None  # idle at zero: stays
+    decision = p.observe(32, 0, 3)  # calls wait: up now, not after upscale_delay
+    assert decision == Decision(0, 2, "3 calls waiting with no replica")  # target 2
+    assert policy(min_replicas=0, max_replicas=1).observe(0, 0, 5).target == 1
+    # a floor set by svc.scale(n) keeps replicas; scale(0) lifts it
+    assert policy(min_replicas=0, downscale_delay=0).observe(0, 2, 0, floor=2) is None
+
+
+@cluster(config=FAST)
+async def test_an_idle_service_scales_to_zero_and_a_call_brings_a_replica_back(
+        c, s, *workers):
+    svc = await Adder.options(name="to-zero", autoscaling=TO_ZERO).as_service(5, client=c)
+    dep = s.extensions[EXT].deployments[svc.name]
+    assert await svc.add.route(1) == 6
+    await async_poll_for(lambda: not dep.active(), timeout=20)  # idle: scaled to zero
+    await async_poll_for(lambda: not any(
+        w.extensions[EXT].replicas for w in workers), timeout=20)
+    assert (await svc.replicas()) == []
+    # a call waits for a replica, without upscale_delay (60 s) nor counting as a
+    # failure: the autoscaler is told of it at once
+    assert await svc.add.route(2) == 7
+    events = [e for _, e in await c.get_events("dask_services")
+              if e["action"] == "replicas-autoscaled"]
+    assert [(e["from"], e["to"]) for e in events][-2:] == [(1, 0), (0, 1)], events
+    assert events[-1]["reason"] == "1 calls waiting with no replica"
+    assert dep.waiting == 0
+    # back to zero, then many callers at once, a fan-out and a stream among them
+    await async_poll_for(lambda: not dep.active(), timeout=20)
+    results = await asyncio.gather(*(svc.add.route(i) for i in range(20)),
+                                   svc.add.fanout(100))
+    assert list(results[:20]) == [i + 5 for i in range(20)]
+    assert results[20] and set(results[20]) == {105}
+    assert dep.waiting == 0
+    # a task on a worker calling through the handle wakes it too
+    await async_poll_for(lambda: not dep.active(), timeout=20)
+    assert await c.submit(call_from_task, svc, 1) == 6
+    s.validate_state()
+    await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
+@cluster(config=FAST)
+async def test_calls_wait_for_a_slow_setup_however_few_retries_are_allowed(
+        c, s, *workers):
+    with dask.config.set({"dask_services.replicated.call-retries": 0}):
+        svc = await Adder.options(name="slow-wake", autoscaling={
+            **TO_ZERO, "initial_replicas": 0}).as_service(
+            1, setup_gate="wake-setup", client=c)
+        dep = s.extensions[EXT].deployments[svc.name]
+        assert not dep.slots  # initial_replicas 0: deployed with none
+        calls = [asyncio.ensure_future(svc.add.route(i)) for i in range(5)]
+        # the replica woken is in its setup, the callers wait for it
+        await async_poll_for(lambda: "wake-setup-reached" in GATES, timeout=20)
+        await async_poll_for(lambda: dep.waiting == 5, timeout=20)
+        assert not any(call.done() for call in calls)
+        GATES["wake-setup"].set()
+        assert await asyncio.gather(*calls) == [1, 2, 3, 4, 5]
+        assert dep.waiting == 0
+        await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
+@cluster(config=FAST)
+async def test_a_setup_failing_on_waking_fails_the_waiting_calls_with_its_error(
+        c, s, *workers):
+    with tempfile.TemporaryDirectory() as tmp, dask.config.set(
+            {"dask_services.replicated.setup-attempts": 1}):
+        flag = os.path.join(tmp, "refuse")
+        svc = await Adder.options(name="wake-fails", autoscaling={
+            **TO_ZERO, "initial_replicas": 0}).as_service(
+            0, fail_if_exists=flag, client=c)
+        open(flag, "w").close()
+        with pytest.raises(FileExistsError, match="setup refused"):
+            await svc.add.route(1)
+        dep = s.extensions[EXT].deployments[svc.name]
+        assert dep.waiting == 0
+        # the failed replica is scaled away once idle; the next call tries again
+        await async_poll_for(lambda: not dep.active(), timeout=20)
+        os.remove(flag)
+        assert await svc.add.route(1) == 1
+        await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
+@cluster(config=FAST)
+async def test_a_stream_wakes_the_service_and_scale_zero_lifts_the_floor(c, s, *workers):
+    svc = await Streamer.options(name="stream-wake", autoscaling=TO_ZERO).as_service(
+        client=c)
+    dep = s.extensions[EXT].deployments[svc.name]
+    await svc.scale(1)  # a floor: stays at one replica however idle
+    assert dep.floor == 1
+    s.extensions[EXT]._autoscale_all()
+    assert len(dep.active()) == 1
+    await svc.scale(0)  # the floor lifted: down to zero now
+    await async_poll_for(lambda: not dep.active(), timeout=20)
+    assert [x async for x in svc.count.stream(3)] == [0, 1, 2]
+    await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
+@cluster(config=FAST)
+async def test_scale_zero_is_refused_without_min_replicas_zero(c, s, *workers):
+    svc = await Adder.options(name="no-zero", autoscaling={
+        "min_replicas": 1, "max_replicas": 2}).as_service(client=c)
+    with pytest.raises(ValueError, match=r"n >= 1, got 0.*min_replicas: 0"):
+        await svc.scale(0)
+    plain = await Adder.options(name="plain").as_service(client=c)
+    with pytest.raises(ValueError, match=r"n >= 1, got 0"):
+        await plain.scale(0)
+    # a service that does not scale to zero and has no healthy replica fails as before
+    assert not s.extensions[EXT].deployments[plain.name].wakes()
+    await svc.shutdown()
+    await plain.shutdown()
+    await assert_nothing_left(s, workers)
+
