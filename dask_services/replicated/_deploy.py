@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
@@ -75,6 +76,15 @@ def _setup_blob(base: type, args: tuple, kwargs: dict, shipped: dict) -> bytes:
                         f"cannot be pickled: {e}") from e
 
 
+_abandoned: set[asyncio.Future] = set()  # shutdowns of interrupted deployments
+
+
+def _forget(task: asyncio.Future) -> None:
+    _abandoned.discard(task)
+    if not task.cancelled():
+        task.exception()  # retrieved: a shutdown that could not be sent is not logged
+
+
 async def _deploy(client: Any, handle: ReplicatedService, blob: bytes,
                   options: ReplicaOptions, setup: tuple | None = None) -> ReplicatedService:
     if client.asynchronous:
@@ -98,12 +108,25 @@ async def _deploy(client: Any, handle: ReplicatedService, blob: bytes,
         **({"autoscaling": dict(options.autoscaling)} if options.autoscaling else {}),
         **({"max_replicas_per_worker": options.max_replicas_per_worker}
            if options.max_replicas_per_worker is not None else {}),
+        client=client.id,
     )
     if resp["status"] != "ok":
         raise DeploymentError(resp["error"])
     handle._uid = resp["uid"]
-    result = await scheduler.replicated_wait(name=handle.name, uid=handle._uid,
-                                             timeout=config_seconds("deploy-timeout"))
+    try:
+        result = await scheduler.replicated_wait(
+            name=handle.name, uid=handle._uid, timeout=config_seconds("deploy-timeout"),
+            deploying=True)
+    except BaseException:
+        # interrupted (cancelled, timed out by the caller, the client closing): no one
+        # holds a handle, so the deployment goes (the scheduler also shuts it down when
+        # this client leaves first)
+        # (not awaited: the interruption is not delayed by the replicas' stops)
+        shutdown = asyncio.ensure_future(scheduler.replicated_shutdown(
+            name=handle.name, uid=handle._uid, timeout=0))
+        _abandoned.add(shutdown)
+        shutdown.add_done_callback(_forget)
+        raise
     if result["status"] != "ok":
         await scheduler.replicated_shutdown(name=handle.name, uid=handle._uid, timeout=0)
         if result.get("exception"):

@@ -47,6 +47,10 @@ from dask_services.replicated._watch import ReplacementWatch
 from dask_services.replicated._wire import pack, unpack
 from dask_services.service import ServiceId
 
+# a call waiting for a service scaled to zero asks the scheduler again this often, so that
+# a caller that went away stops counting in the autoscaler's load within that time
+WAKE_ASK_S = 2.0
+
 _session: contextvars.ContextVar[Session | None] = contextvars.ContextVar(
     "dask_services_replicated_session", default=None)
 
@@ -546,8 +550,19 @@ class ReplicatedService:
         ``dask_services.replicated.deploy-timeout``."""
         if not self._wakes:
             return False
-        result = await self._management("replicated_wake",
-                                        timeout=config_seconds("deploy-timeout"))
+        timeout = config_seconds("deploy-timeout")
+        deadline = time.monotonic() + timeout
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            result = await self._management("replicated_wake",
+                                            timeout=min(WAKE_ASK_S, left))
+            if result.get("status") != "pending":
+                break
+            if time.monotonic() >= deadline:
+                raise ServiceUnavailable(
+                    f"no replica of {self.name} healthy {timeout:g} s after a call found "
+                    "it scaled to zero (dask_services.replicated.deploy-timeout): "
+                    f"{result.get('why')}")
         await self._refresh()
         return result.get("status") == "ok"
 

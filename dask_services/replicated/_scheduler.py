@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from distributed.scheduler import Scheduler, WorkerState
 
 logger = logging.getLogger("dask_services")
+NAMES_KEPT = 10_000  # service names whose slot counts are kept (``_slots_made``)
 EVENT_TOPIC = "dask_services"
 HANDLERS = ("replicated_deploy", "replicated_wait", "replicated_table", "replicated_replicas",
             "replicated_metrics", "replicated_scale", "replicated_shutdown", "replicated_story",
@@ -66,6 +67,7 @@ class Deployment:
     floor: int = 0  # the last svc.scale(n): autoscaling never goes below it
     last_decision: str = ""  # the last autoscaling decision, with its reason
     waiting: int = 0  # callers waiting for a replica of a service scaled to zero (``wake``)
+    deploying_client: str | None = None  # the client whose as_service() still waits
     # this deployment, apart from any other deployed under the same name before or after:
     # a handle carries it, so that a handle of a shut-down service never reaches another
     uid: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -112,7 +114,11 @@ class Deployments(SchedulerPlugin):
         self.scheduler: Scheduler = None  # type: ignore[assignment]  # set by start()
         self.deployments: dict[str, Deployment] = {}
         self._prefix = uuid.uuid4().hex[:6] + "-"
-        self._slots_made: dict[str, int] = {}  # by service name, over its deployments
+        # slots made by service name, over its deployments (a replica id is never
+        # reused); the least recently deployed names beyond NAMES_KEPT are dropped, and a
+        # name not kept starts above every slot of a dropped one
+        self._slots_made: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._dropped_slots = 0
         self._probing: set[str] = set()
         self._probe: PeriodicCallback | None = None
         self._autoscaler: PeriodicCallback | None = None
@@ -123,6 +129,8 @@ class Deployments(SchedulerPlugin):
         # (worker, incarnation id) of every stop under way: its replica is not an orphan
         self._stops_under_way: collections.Counter[tuple[str, str]] = collections.Counter()
         self._freed_pending = False  # a "capacity freed" broadcast is due this loop turn
+        # shutdowns of deployments whose deploying client left (``remove_client``)
+        self._orphan_shutdowns: set[asyncio.Task] = set()
         # resources that instances being stopped (draining their calls) still hold
         self._held_by_stops: dict[tuple[str, str], dict[str, float]] = {}
 
@@ -172,6 +180,19 @@ class Deployments(SchedulerPlugin):
         """Figures of the replicas on ``ws``, sent by ``ReplicaWorker.heartbeat``."""
         self.worker_report(ws.address, data or ())
 
+    def remove_client(self, scheduler: Scheduler, client: str) -> None:
+        """A client left: a deployment it was still waiting for (its ``as_service()``
+        interrupted by the client closing) is shut down, since no one holds a handle."""
+        for dep in list(self.deployments.values()):
+            if dep.deploying_client == client and not dep.stopping:
+                self.scheduler.log_event(EVENT_TOPIC, {
+                    "action": "deploy-abandoned", "service": dep.name, "client": client})
+                logger.info("replicated service %s: shut down, its deploying client %s "
+                            "left before it was deployed", dep.name, client)
+                task = asyncio.ensure_future(self.shutdown(None, dep.name, 0, uid=dep.uid))
+                self._orphan_shutdowns.add(task)
+                task.add_done_callback(self._orphan_shutdowns.discard)
+
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
         """A worker joined: replicas waiting for one are launched, and replicas crowded
         on other workers spread to it."""
@@ -202,9 +223,12 @@ class Deployments(SchedulerPlugin):
                      max_concurrency: int, max_queued: int, workers: list[str] | None,
                      resources: dict | None, cls: str = "", procs_per_replica: int = 1,
                      autoscaling: dict | None = None,
-                     max_replicas_per_worker: int | None = None) -> dict:
+                     max_replicas_per_worker: int | None = None,
+                     client: str | None = None) -> dict:
         """Create a deployment of ``replicas`` replicas of ``procs_per_replica`` ranks and
-        launch them (does not wait); ``autoscaling``: see ``_autoscale.py``."""
+        launch them (does not wait); ``autoscaling``: see ``_autoscale.py``.  ``client``:
+        the id of the client deploying it, which waits (``wait(deploying=True)``); should
+        it leave first, the deployment is shut down (``remove_client``)."""
         if name in self.deployments:
             return {"status": "error", "error": f"a service named {name!r} is already "
                                                 "deployed; pick another options(name=...)"}
@@ -219,7 +243,13 @@ class Deployments(SchedulerPlugin):
                          max_replicas_per_worker=max_replicas_per_worker)
         # slots go on from those of earlier deployments of the name: a replica id is
         # never reused, so nothing meant for one reaches another
-        dep.next_slot = self._slots_made.get(name, 0)
+        dep.next_slot = self._slots_made.get(name, self._dropped_slots)
+        dep.deploying_client = client
+        self._slots_made[name] = dep.next_slot
+        self._slots_made.move_to_end(name)
+        while len(self._slots_made) > NAMES_KEPT:
+            _, made = self._slots_made.popitem(last=False)
+            self._dropped_slots = max(self._dropped_slots, made)
         self.deployments[name] = dep
         for _ in range(replicas):
             self._add_slot(dep)
@@ -234,8 +264,19 @@ class Deployments(SchedulerPlugin):
         return dep
 
     async def wait(self, comm: Any, name: str, timeout: float,
-                   slots: list[int] | None = None, uid: str | None = None) -> dict:
-        """Until every (given) replica is healthy, one is unhealthy, or ``timeout``."""
+                   slots: list[int] | None = None, uid: str | None = None,
+                   deploying: bool = False) -> dict:
+        """Until every (given) replica is healthy, one is unhealthy, or ``timeout``.
+        ``deploying``: the deploying client's wait; once it ends well, the deployment no
+        longer depends on that client."""
+        result = await self._wait(name, timeout, slots, uid)
+        dep = self._deployment(name, uid)
+        if deploying and result["status"] == "ok" and dep is not None:
+            dep.deploying_client = None
+        return result
+
+    async def _wait(self, name: str, timeout: float, slots: list[int] | None = None,
+                    uid: str | None = None) -> dict:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
@@ -281,8 +322,10 @@ class Deployments(SchedulerPlugin):
         """Wait for a healthy replica of a service that scales to zero, for a call that
         found none: the caller counts in the autoscaler's load while it waits, and a
         service at zero replicas is scaled up at once.  ``{"status": "none"}`` for a
-        service that does not scale to zero (the caller retries as for any other);
-        an error once every replica's setup failed, or after ``timeout``."""
+        service that does not scale to zero (the caller retries as for any other); an
+        error once every replica's setup failed; ``{"status": "pending"}`` after
+        ``timeout`` (a few seconds: the caller asks again while it still waits, so a
+        caller that went away stops counting in the load within that time)."""
         dep = self._deployment(name, uid)
         if dep is None or dep.stopping:
             return {"status": "error", "shutdown": True,
@@ -310,16 +353,10 @@ class Deployments(SchedulerPlugin):
                             "exception": dep.errors.get(failed[0])}
                 left = deadline - loop.time()
                 if left <= 0:
-                    late = "; ".join(f"{m.id}: {_why_not_healthy(m)}"
-                                     for m in active.values())
-                    return {"status": "error", "late": True, "error": (
-                        f"no replica of {name} healthy {timeout} s after a call found it "
-                        f"scaled to zero (dask_services.replicated.deploy-timeout): {late}")}
-                if comm is not None and comm.closed():  # the caller went away
-                    return {"status": "error", "error": "the caller went away"}
+                    return {"status": "pending", "why": "; ".join(
+                        f"{m.id}: {_why_not_healthy(m)}" for m in active.values())}
                 with contextlib.suppress(TimeoutError):
-                    # woken by every change of state; the caller's comm checked each second
-                    await asyncio.wait_for(dep.changed.wait(), min(left, 1.0))
+                    await asyncio.wait_for(dep.changed.wait(), left)
         finally:
             dep.waiting -= 1
 
@@ -388,7 +425,7 @@ class Deployments(SchedulerPlugin):
                                                         f"; min_replicas is {n}")))
         if n > len(active):
             new = [self._add_slot(dep) for _ in range(n - len(active))]
-            result = await self.wait(comm, name, timeout, slots=new, uid=dep.uid)
+            result = await self._wait(name, timeout, slots=new, uid=dep.uid)
             if result["status"] != "ok":
                 if result.get("late"):  # not failed, only late: they stay wanted
                     result["error"] += (
