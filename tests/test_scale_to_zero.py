@@ -154,3 +154,25 @@ async def test_scale_zero_is_refused_without_min_replicas_zero(c, s, *workers):
     await plain.shutdown()
     await assert_nothing_left(s, workers)
 
+
+
+@cluster(config=FAST)
+async def test_a_cancelled_call_stops_counting_in_the_load(c, s, *workers):
+    from dask_services.replicated import _handle
+
+    asked = _handle.WAKE_ASK_S
+    _handle.WAKE_ASK_S = 0.2  # how often a waiting call asks the scheduler again
+    try:
+        svc = await Adder.options(name="cancelled-wake", autoscaling={
+            **TO_ZERO, "initial_replicas": 0}).as_service(
+            1, setup_gate="held-setup", client=c)
+        dep = s.extensions[EXT].deployments[svc.name]
+        call = asyncio.ensure_future(svc.add.route(1))
+        await async_poll_for(lambda: dep.waiting == 1, timeout=20)
+        call.cancel()
+        await async_poll_for(lambda: dep.waiting == 0, timeout=10)
+        GATES["held-setup"].set()
+        await svc.shutdown()
+    finally:
+        _handle.WAKE_ASK_S = asked
+    await assert_nothing_left(s, workers)
