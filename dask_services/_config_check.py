@@ -64,7 +64,8 @@ _WHAT = {
     "size": 'a size such as "64 MiB" (or bytes as a number)',
     "fraction": "a number greater than 0 and at most 1",
     "bool": "true or false",
-    "imports": 'a list of "module:attribute" strings',
+    "imports": 'a list of "module:attribute" strings (or one string of them separated by '
+               'commas)',
 }
 
 _MISSING = object()
@@ -81,14 +82,30 @@ def as_count(value: Any) -> int:
     return number
 
 
+def as_imports(value: Any) -> list[str]:
+    """``"module:attribute"`` strings given as a list, or as one string separated by
+    commas (as an environment variable gives them); ``TypeError`` or ``ValueError``
+    otherwise."""
+    if isinstance(value, str):
+        value = [part.strip() for part in value.split(",") if part.strip()]
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{value!r} is not a list")
+    for spec in value:
+        if not (isinstance(spec, str) and all(spec.partition(":"))):
+            raise ValueError(f"{spec!r} is not 'module:attribute'")
+    return list(value)
+
+
 def _problem(kind: str, least: float, value: Any) -> str | None:
     """What is wrong with ``value`` for a key of this kind, or None."""
     if kind == "bool":
         return None if isinstance(value, bool) else _WHAT[kind]
     if kind == "imports":
-        good = isinstance(value, (list, tuple)) and all(
-            isinstance(v, str) and all(v.partition(":")) for v in value)
-        return None if good else _WHAT[kind]
+        try:
+            as_imports(value)
+        except (TypeError, ValueError):
+            return _WHAT[kind]
+        return None
     if isinstance(value, bool):
         return _WHAT[kind]
     try:

@@ -18,7 +18,7 @@ from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from dask_services._config_check import check_key
+from dask_services._config_check import as_imports, check_key
 from dask_services.config import setting
 from dask_services.service import ServiceError
 
@@ -43,7 +43,7 @@ def scheduler_plugins() -> list[SchedulerPlugin]:
     seen = {plugin.name: "dask-services itself" for plugin in plugins}
     for origin, load in _declared_extensions():
         plugin = _as_plugin(origin, load)
-        name = getattr(plugin, "name", None)
+        name = plugin.name
         if name in seen:
             raise ExtensionError(
                 f"extension {origin} makes a scheduler plugin named {name!r}, as "
@@ -65,7 +65,7 @@ def _declared_extensions() -> list[tuple[str, Any]]:
         found.append((f"entry point {ep.name!r} = {ep.value!r} of {dist} (group "
                       f"{ENTRY_POINT_GROUP!r}; fix or uninstall that package)", ep.load))
     check_key("extensions")
-    for spec in setting("extensions"):
+    for spec in as_imports(setting("extensions")):
         found.append((f"{spec!r} in the dask_services.extensions config key",
                       lambda spec=spec: _import(spec)))
     return found
@@ -103,4 +103,16 @@ def _as_plugin(origin: str, load: Any) -> SchedulerPlugin:
             f"extension {origin} gave {type(plugin if plugin is not None else target)!r}"
             ", not a distributed SchedulerPlugin: point it at a SchedulerPlugin subclass, "
             "an instance of one, or a function returning one")
+    # Installed once per cluster, however many clients install: distributed names a
+    # plugin without a name anew each time, and starts one that is not idempotent again
+    # (its first never closed), so an extension is named after its class if need be and
+    # always installed idempotently.
+    try:
+        if not getattr(plugin, "name", None):
+            plugin.name = f"{type(plugin).__module__}.{type(plugin).__qualname__}"
+        plugin.idempotent = True
+    except AttributeError as e:  # __slots__ without them
+        raise ExtensionError(
+            f"extension {origin}: its scheduler plugin's `name` and `idempotent` cannot "
+            f"be set ({e}); give its class `name = ...` and `idempotent = True`") from e
     return plugin

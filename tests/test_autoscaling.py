@@ -214,7 +214,7 @@ async def test_replicas_whose_setup_failed_are_scaled_down_when_the_load_falls(
 async def test_no_upscale_while_a_replica_is_unhealthy(c, s, a, b):
     svc, dep, flag, _ = await _upscaled_into_failing_setups(
         c, s, 2, upscale_delay="0s", downscale_delay="600s")
-    dep.autoscaling.observe = lambda *args: Decision(2, 3, "more load")  # as under load
+    dep.autoscaling.observe = lambda *args, **kwargs: Decision(2, 3, "more load")  # as under load
     s.extensions[EXT]._autoscale_all()
     assert len(dep.active()) == 2  # more replicas of a failing setup would not help
     os.remove(flag)

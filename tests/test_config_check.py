@@ -40,7 +40,7 @@ BAD = {"count": ["x", -1, 2.5, True, "3 things", float("inf"), [], 2**63],
        "size": ["lots", -5, True, float("inf"), "1e400", [], {}],
        "fraction": [0, 1.5, "half", -0.1, True],
        "bool": ["yes", 1, None],
-       "imports": ["module:Plugin", ["no_colon"], [":Plugin"], ["module:"], [3], None,
+       "imports": ["module", "a:b, c", ["no_colon"], [":Plugin"], ["module:"], [3], None,
                    {"a": "b"}]}
 
 

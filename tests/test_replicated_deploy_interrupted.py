@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 from distributed import Client
+from distributed.comm import CommClosedError
 from distributed.utils_test import async_poll_for
 from replicated_services import GATES, Adder
 from test_replicated import assert_nothing_left, cluster, hosted
@@ -38,7 +39,7 @@ async def test_an_as_service_whose_client_closes_is_shut_down(c, s, *workers):
         setup_gate="closed-meanwhile", client=other))
     await async_poll_for(lambda: "closed-meanwhile-reached" in GATES, timeout=20)
     await other.close()
-    with pytest.raises(Exception):  # noqa: B017 (the closed client's comm error)
+    with pytest.raises(CommClosedError):  # its connection to the scheduler closed
         await deploying
     # the client could not send the shutdown: the scheduler saw it leave
     await assert_nothing_left(s, workers)

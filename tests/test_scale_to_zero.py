@@ -41,8 +41,17 @@ def test_scales_to_zero_after_the_downscale_delay_and_up_from_it_at_once():
     assert p.observe(30, 1, 0).target == 0
     assert p.observe(31, 0, 0) is None  # idle at zero: stays
     decision = p.observe(32, 0, 3)  # calls wait: up now, not after upscale_delay
-    assert decision == Decision(0, 2, "3 calls waiting with no replica")  # target 2
+    assert decision == Decision(0, 2, "3 calls waiting with no healthy replica")
+    # more callers while the first replicas start: up again at once
+    assert p.observe(33, 2, 6, none_ready=True).target == 3
+    assert p.observe(34, 3, 6) is None  # one healthy: upscale_delay again
     assert policy(min_replicas=0, max_replicas=1).observe(0, 0, 5).target == 1
+    # calls made between samples, none under way at one: not idle, one replica stays
+    p = policy(min_replicas=0, downscale_delay="30s")
+    assert p.observe(0, 2, 0, called=True) is None
+    assert p.observe(30, 2, 0, called=True).target == 1
+    assert p.observe(100, 1, 0, called=True) is None
+    assert p.observe(101, 1, 0) is None and p.observe(131, 1, 0).target == 0
     # a floor set by svc.scale(n) keeps replicas; scale(0) lifts it
     assert policy(min_replicas=0, downscale_delay=0).observe(0, 2, 0, floor=2) is None
 
@@ -63,15 +72,15 @@ async def test_an_idle_service_scales_to_zero_and_a_call_brings_a_replica_back(
     events = [e for _, e in await c.get_events("dask_services")
               if e["action"] == "replicas-autoscaled"]
     assert [(e["from"], e["to"]) for e in events][-2:] == [(1, 0), (0, 1)], events
-    assert events[-1]["reason"] == "1 calls waiting with no replica"
-    assert dep.waiting == 0
+    assert events[-1]["reason"] == "1 calls waiting with no healthy replica"
+    assert dep.callers_waiting == 0
     # back to zero, then many callers at once, a fan-out and a stream among them
     await async_poll_for(lambda: not dep.active(), timeout=20)
     results = await asyncio.gather(*(svc.add.route(i) for i in range(20)),
                                    svc.add.fanout(100))
     assert list(results[:20]) == [i + 5 for i in range(20)]
     assert results[20] and set(results[20]) == {105}
-    assert dep.waiting == 0
+    assert dep.callers_waiting == 0
     # a task on a worker calling through the handle wakes it too
     await async_poll_for(lambda: not dep.active(), timeout=20)
     assert await c.submit(call_from_task, svc, 1) == 6
@@ -92,11 +101,14 @@ async def test_calls_wait_for_a_slow_setup_however_few_retries_are_allowed(
         calls = [asyncio.ensure_future(svc.add.route(i)) for i in range(5)]
         # the replica woken is in its setup, the callers wait for it
         await async_poll_for(lambda: "wake-setup-reached" in GATES, timeout=20)
-        await async_poll_for(lambda: dep.waiting == 5, timeout=20)
+        await async_poll_for(lambda: dep.callers_waiting == 5, timeout=20)
         assert not any(call.done() for call in calls)
+        # the five waiting asked for max_replicas (2) at once, not one replica and then
+        # another after upscale_delay (60 s)
+        await async_poll_for(lambda: len(dep.active()) == 2, timeout=20)
         GATES["wake-setup"].set()
         assert await asyncio.gather(*calls) == [1, 2, 3, 4, 5]
-        assert dep.waiting == 0
+        assert dep.callers_waiting == 0
         await svc.shutdown()
     await assert_nothing_left(s, workers)
 
@@ -114,7 +126,7 @@ async def test_a_setup_failing_on_waking_fails_the_waiting_calls_with_its_error(
         with pytest.raises(FileExistsError, match="setup refused"):
             await svc.add.route(1)
         dep = s.extensions[EXT].deployments[svc.name]
-        assert dep.waiting == 0
+        assert dep.callers_waiting == 0
         # the failed replica is scaled away once idle; the next call tries again
         await async_poll_for(lambda: not dep.active(), timeout=20)
         os.remove(flag)
@@ -149,7 +161,7 @@ async def test_scale_zero_is_refused_without_min_replicas_zero(c, s, *workers):
     with pytest.raises(ValueError, match=r"n >= 1, got 0"):
         await plain.scale(0)
     # a service that does not scale to zero and has no healthy replica fails as before
-    assert not s.extensions[EXT].deployments[plain.name].wakes()
+    assert not s.extensions[EXT].deployments[plain.name].scales_to_zero()
     await svc.shutdown()
     await plain.shutdown()
     await assert_nothing_left(s, workers)
@@ -168,11 +180,35 @@ async def test_a_cancelled_call_stops_counting_in_the_load(c, s, *workers):
             1, setup_gate="held-setup", client=c)
         dep = s.extensions[EXT].deployments[svc.name]
         call = asyncio.ensure_future(svc.add.route(1))
-        await async_poll_for(lambda: dep.waiting == 1, timeout=20)
+        await async_poll_for(lambda: dep.callers_waiting == 1, timeout=20)
         call.cancel()
-        await async_poll_for(lambda: dep.waiting == 0, timeout=10)
+        await async_poll_for(lambda: dep.callers_waiting == 0, timeout=10)
         GATES["held-setup"].set()
         await svc.shutdown()
     finally:
         _handle.WAKE_ASK_S = asked
+    await assert_nothing_left(s, workers)
+
+
+@cluster(config=FAST)
+async def test_a_service_in_steady_use_of_short_calls_keeps_a_replica(c, s, *workers):
+    svc = await Adder.options(name="steady", autoscaling=TO_ZERO).as_service(client=c)
+    ext = s.extensions[EXT]
+    dep = ext.deployments[svc.name]
+    (rid, worker), = ext.placed().items()
+    reports = []
+    # calls one after another (none under way at most samples) over four heartbeats of
+    # the replica's worker, each longer than downscale_delay (100 ms)
+    while len(reports) < 5:
+        assert await svc.add.route(1) == 1
+        when = ext.reports.updated.get(worker)
+        if when is not None and when not in reports:
+            reports.append(when)
+    assert [str(m.id) for m in dep.active().values()] == [rid]
+    events = [e for _, e in await c.get_events("dask_services")
+              if e["action"] == "replicas-autoscaled"]
+    assert not events, events
+    # idle now: to zero
+    await async_poll_for(lambda: not dep.active(), timeout=20)
+    await svc.shutdown()
     await assert_nothing_left(s, workers)

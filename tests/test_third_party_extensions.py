@@ -9,6 +9,7 @@ import sys
 
 import dask
 import pytest
+from distributed import Client
 from distributed.utils_test import gen_cluster
 
 import dask_services
@@ -66,6 +67,14 @@ class Clashing(SchedulerPlugin):
     name = "dask_services"
 
 
+class Unnamed(SchedulerPlugin):
+    pass
+
+
+class AlsoUnnamed(SchedulerPlugin):
+    pass
+
+
 def failing():
     raise RuntimeError("no licence server")
 '''
@@ -107,6 +116,23 @@ def test_an_entry_point_adds_its_plugin_after_the_built_in_ones(extension_module
     assert names(scheduler_plugins()) == [*BUILT_IN, "run_watcher"]
 
 
+def test_the_config_key_may_be_one_string_as_an_environment_variable_gives_it(
+        extension_module):
+    with dask.config.set({"dask_services.extensions":
+                          "run_watcher_ext:RunWatcher, run_watcher_ext:Unnamed"}):
+        assert names(scheduler_plugins()) == [*BUILT_IN, "run_watcher",
+                                              "run_watcher_ext.Unnamed"]
+
+
+def test_extensions_are_named_after_their_class_and_installed_idempotently(
+        extension_module):
+    with dask.config.set({"dask_services.extensions": [
+            "run_watcher_ext:Unnamed", "run_watcher_ext:AlsoUnnamed"]}):
+        plugins = scheduler_plugins()[len(BUILT_IN):]
+    assert names(plugins) == ["run_watcher_ext.Unnamed", "run_watcher_ext.AlsoUnnamed"]
+    assert all(p.idempotent for p in plugins)
+
+
 @pytest.mark.parametrize("spec", ["run_watcher_ext:RunWatcher",
                                   "run_watcher_ext:make_watcher"])
 def test_the_config_key_adds_a_plugin_class_or_factory(extension_module, spec):
@@ -131,6 +157,12 @@ def test_an_installed_extension_watches_runs_and_reaches_the_workers(extension_m
             actions = s.extensions["run_watcher"].watcher.actions
             assert ("AllReduce", "started") in actions, actions
             assert ("AllReduce", "finished") in actions, actions
+            # every client installs; the extension starts once
+            async with Client(s.address, asynchronous=True) as other:
+                await dask_services.install_async(other)
+            watchers = [o for o in s.extensions["dask_services"].observers
+                        if type(o).__name__ == "Watcher"]
+            assert watchers == [s.extensions["run_watcher"].watcher]
             s.validate_state()
         finally:
             _installed.discard(c)
@@ -170,7 +202,7 @@ def test_two_extensions_of_one_name_are_refused(extension_module):
             scheduler_plugins()
 
 
-@pytest.mark.parametrize("value", ["run_watcher_ext:RunWatcher", ["no_colon"], [3],
+@pytest.mark.parametrize("value", ["run_watcher_ext", "a:b, no_colon", ["no_colon"], [3],
                                    [":Plugin"], None])
 def test_a_config_value_not_a_list_of_imports_is_refused(value):
     with dask.config.set({"dask_services.extensions": value}):

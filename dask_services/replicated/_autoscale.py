@@ -15,9 +15,11 @@ into decisions:
   below for ``downscale_delay``, to scale down to it; a count outside the bounds is
   corrected at once;
 * after a decision the delays start again, so each decision sees the effect of the last;
-* with ``min_replicas: 0`` the service scales to zero replicas once idle for
-  ``downscale_delay``; a call made then waits (``ongoing`` counts the callers waiting
-  for a replica) and the policy scales up from zero at once, without ``upscale_delay``.
+* with ``min_replicas: 0`` the service scales to zero replicas once no call was made
+  for ``downscale_delay`` (``called``: the replicas' call counts grew since the last
+  sample); a call made then waits (``ongoing`` counts the callers waiting for a replica)
+  and, while no replica is healthy, the policy scales up to what the waiting calls need at
+  once, without ``upscale_delay``.
 
 Nothing here does I/O or reads a clock: ``observe`` takes the time.
 """
@@ -137,10 +139,13 @@ class AutoscalePolicy:
         want = math.ceil(max(ongoing, 0) / self.config.target_ongoing_requests)
         return min(max(want, low), high)
 
-    def observe(self, now: float, replicas: int, ongoing: float,
-                floor: int = 0) -> Decision | None:
+    def observe(self, now: float, replicas: int, ongoing: float, floor: int = 0, *,
+                called: bool = False, none_ready: bool = False) -> Decision | None:
         """One load sample at time ``now``: ``ongoing`` calls running or queued on
-        ``replicas`` replicas.  Returns a decision, or None to stay."""
+        ``replicas`` replicas (and callers waiting for one).  ``called``: calls were made
+        since the last sample, though none may be under way at the instant it was taken
+        (a service in steady use of short calls is not idle: it keeps one replica);
+        ``none_ready``: no replica is healthy yet.  Returns a decision, or None to stay."""
         low, high = self.bounds(floor)
         if replicas < low or replicas > high:
             self.above_since = self.below_since = None
@@ -148,11 +153,16 @@ class AutoscalePolicy:
             return Decision(replicas, target, f"{replicas} replicas outside the bounds "
                                               f"[{low}, {high}]")
         want = self.desired(ongoing, floor)
+        if called and want == 0:  # in use, though nothing was under way: not idle
+            want = 1
         average = ongoing / replicas if replicas else math.inf
         target = self.config.target_ongoing_requests
-        if replicas == 0 and want > 0:  # scaled to zero, and calls wait: no delay
+        if want > replicas and (replicas == 0 or none_ready) and ongoing > 0:
+            # calls wait and no replica serves them (scaled to zero, or waking from it):
+            # up now, to what they need, without upscale_delay
             self.above_since = self.below_since = None
-            return Decision(0, want, f"{ongoing:g} calls waiting with no replica")
+            return Decision(replicas, want,
+                            f"{ongoing:g} calls waiting with no healthy replica")
         if want > replicas:
             self.below_since = None
             if self.above_since is None:

@@ -79,7 +79,7 @@ def _setup_blob(base: type, args: tuple, kwargs: dict, shipped: dict) -> bytes:
 _abandoned: set[asyncio.Future] = set()  # shutdowns of interrupted deployments
 
 
-def _forget(task: asyncio.Future) -> None:
+def _shutdown_sent(task: asyncio.Future) -> None:
     _abandoned.discard(task)
     if not task.cancelled():
         task.exception()  # retrieved: a shutdown that could not be sent is not logged
@@ -97,42 +97,49 @@ async def _deploy(client: Any, handle: ReplicatedService, blob: bytes,
                                                 "the setup arguments of as_service()")
         blob = _setup_blob(handle.service_class, args, kwargs, shipped)
     scheduler = client.scheduler
-    resp = await scheduler.replicated_deploy(
-        name=handle.name, blob=blob, replicas=options.replicas,
-        max_concurrency=options.max_concurrency, max_queued=options.max_queued,
-        workers=list(options.workers) if options.workers else None,
-        resources=dict(options.resources) if options.resources else None,
-        cls=handle.service_class.__name__,
-        **({"procs_per_replica": options.procs_per_replica}
-           if options.procs_per_replica != 1 else {}),
-        **({"autoscaling": dict(options.autoscaling)} if options.autoscaling else {}),
-        **({"max_replicas_per_worker": options.max_replicas_per_worker}
-           if options.max_replicas_per_worker is not None else {}),
-        client=client.id,
-    )
-    if resp["status"] != "ok":
-        raise DeploymentError(resp["error"])
-    handle._uid = resp["uid"]
+    handle._uid = uuid.uuid4().hex  # made here: an interrupted deploy can be undone
     try:
+        resp = await scheduler.replicated_deploy(
+            name=handle.name, blob=blob, replicas=options.replicas,
+            max_concurrency=options.max_concurrency, max_queued=options.max_queued,
+            workers=list(options.workers) if options.workers else None,
+            resources=dict(options.resources) if options.resources else None,
+            cls=handle.service_class.__name__,
+            **({"procs_per_replica": options.procs_per_replica}
+               if options.procs_per_replica != 1 else {}),
+            **({"autoscaling": dict(options.autoscaling)} if options.autoscaling else {}),
+            **({"max_replicas_per_worker": options.max_replicas_per_worker}
+               if options.max_replicas_per_worker is not None else {}),
+            client=client.id, uid=handle._uid,
+        )
+        if resp["status"] != "ok":  # nothing was deployed (the name is taken)
+            raise DeploymentError(resp["error"])
         result = await scheduler.replicated_wait(
             name=handle.name, uid=handle._uid, timeout=config_seconds("deploy-timeout"),
             deploying=True)
+        if result["status"] != "ok":
+            await scheduler.replicated_shutdown(name=handle.name, uid=handle._uid,
+                                                timeout=0)
+            if result.get("exception"):
+                raise loads_exception(result["exception"])
+            if result.get("shutdown"):
+                raise ServiceShutdown(result["error"])
+            raise DeploymentError(f"deploying {handle.name} failed: {result['error']}")
+        await handle._refresh()
     except BaseException:
-        # interrupted (cancelled, timed out by the caller, the client closing): no one
-        # holds a handle, so the deployment goes (the scheduler also shuts it down when
-        # this client leaves first)
-        # (not awaited: the interruption is not delayed by the replicas' stops)
-        shutdown = asyncio.ensure_future(scheduler.replicated_shutdown(
-            name=handle.name, uid=handle._uid, timeout=0))
-        _abandoned.add(shutdown)
-        shutdown.add_done_callback(_forget)
+        # failed or interrupted (cancelled, timed out by the caller, the client closing)
+        # with the deployment perhaps made: no one holds a handle, so it goes.  The uid is
+        # this call's own, so nothing else is touched (a deployment already gone, or
+        # never made, is a no-op).  Not awaited: an interruption is not delayed by the
+        # replicas' stops.  (The scheduler also shuts it down should this client leave
+        # before it could send this.)
+        _send_shutdown(scheduler, handle.name, handle._uid)
         raise
-    if result["status"] != "ok":
-        await scheduler.replicated_shutdown(name=handle.name, uid=handle._uid, timeout=0)
-        if result.get("exception"):
-            raise loads_exception(result["exception"])
-        if result.get("shutdown"):
-            raise ServiceShutdown(result["error"])
-        raise DeploymentError(f"deploying {handle.name} failed: {result['error']}")
-    await handle._refresh()
     return handle
+
+
+def _send_shutdown(scheduler: Any, name: str, uid: str) -> None:
+    shutdown = asyncio.ensure_future(scheduler.replicated_shutdown(name=name, uid=uid,
+                                                                   timeout=0))
+    _abandoned.add(shutdown)
+    shutdown.add_done_callback(_shutdown_sent)

@@ -47,6 +47,14 @@ from dask_services.replicated._watch import ReplacementWatch
 from dask_services.replicated._wire import pack, unpack
 from dask_services.service import ServiceId
 
+
+def _bad_scale(n: Any) -> ValueError:
+    return ValueError(
+        f"scale(n) needs an integer n >= 1, got {n!r}; to stop the service call "
+        "svc.shutdown() (scale(0) lifts the floor of a service autoscaled with "
+        "min_replicas: 0)")
+
+
 # a call waiting for a service scaled to zero asks the scheduler again this often, so that
 # a caller that went away stops counting in the autoscaler's load within that time
 WAKE_ASK_S = 2.0
@@ -439,7 +447,7 @@ class ReplicatedService:
         self._own_session: Session | None = None
         self._table: list[_Replica] = []
         self._table_time = -1.0
-        self._wakes = False  # the service scales to zero and back (from the table)
+        self._scales_to_zero = False  # and back, on a call (from the table)
         self._min_replicas: int | None = None  # its autoscaling's (from the table)
         self._stale_at = 0.0  # monotonic time after which the table is refreshed
         self._refreshing: asyncio.Future | None = None
@@ -522,7 +530,7 @@ class ReplicatedService:
             raise ServiceShutdown(f"service {self.name} was shut down (or never deployed)")
         self._table = [_Replica(ServiceId(r["id"]), r["worker"], r["state"])
                        for r in info["replicas"]]
-        self._wakes = bool(info.get("wakes"))
+        self._scales_to_zero = bool(info.get("scales_to_zero"))
         self._min_replicas = info.get("min_replicas")
         # Loads replicas reported in their answers are forgotten as the table ages: a
         # replica reported busy and then no longer chosen would never report again.
@@ -548,7 +556,7 @@ class ReplicatedService:
         load) and refresh the table; False if it does not scale to zero.  Raises what
         the replicas' setup raised, or ``ServiceUnavailable`` after
         ``dask_services.replicated.deploy-timeout``."""
-        if not self._wakes:
+        if not self._scales_to_zero:
             return False
         timeout = config_seconds("deploy-timeout")
         deadline = time.monotonic() + timeout
@@ -896,8 +904,7 @@ class ReplicatedService:
         With autoscaling ``n`` is a floor it never goes below; ``scale(0)`` (for a service
         whose autoscaling has ``min_replicas: 0``) lifts the floor and scales to zero."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"scale(n) needs an integer n >= 1, got {n!r}; to stop the "
-                             "service call svc.shutdown()")
+            raise _bad_scale(n)
         if n == 0 and self._table_time >= 0:  # min_replicas known (it never changes)
             self._check_scale_to_zero()
         timeout = config_seconds("deploy-timeout") if timeout is None else timeout
@@ -905,10 +912,7 @@ class ReplicatedService:
 
     def _check_scale_to_zero(self) -> None:
         if self._min_replicas != 0:
-            raise ValueError(
-                "scale(n) needs an integer n >= 1, got 0; to stop the service call "
-                "svc.shutdown() (scale(0) is for a service autoscaled with "
-                "min_replicas: 0)")
+            raise _bad_scale(0)
 
     async def _scale(self, n: int, timeout: float) -> None:
         if n == 0 and self._table_time < 0:  # a handle that never fetched the table

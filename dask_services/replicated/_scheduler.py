@@ -66,7 +66,11 @@ class Deployment:
     autoscaling: AutoscalePolicy | None = None
     floor: int = 0  # the last svc.scale(n): autoscaling never goes below it
     last_decision: str = ""  # the last autoscaling decision, with its reason
-    waiting: int = 0  # callers waiting for a replica of a service scaled to zero (``wake``)
+    callers_waiting: int = 0  # calls waiting for a replica of a service at zero (``wake``)
+    # each replica's call count, the time of the report it came with, and whether it grew
+    # over the report before (``_called``: calls made between samples keep a service from
+    # scaling to zero, though none is under way when a sample is taken)
+    calls_seen: dict[str, tuple[float, float | None, bool]] = field(default_factory=dict)
     deploying_client: str | None = None  # the client whose as_service() still waits
     # this deployment, apart from any other deployed under the same name before or after:
     # a handle carries it, so that a handle of a shut-down service never reaches another
@@ -90,7 +94,7 @@ class Deployment:
         self.changed.set()
         self.changed = asyncio.Event()
 
-    def wakes(self) -> bool:
+    def scales_to_zero(self) -> bool:
         """Whether the service scales to zero replicas and back: its autoscaling allows
         none (``min_replicas: 0``, no ``svc.scale(n)`` floor)."""
         return self.autoscaling is not None and self.autoscaling.bounds(self.floor)[0] == 0
@@ -130,7 +134,7 @@ class Deployments(SchedulerPlugin):
         self._stops_under_way: collections.Counter[tuple[str, str]] = collections.Counter()
         self._freed_pending = False  # a "capacity freed" broadcast is due this loop turn
         # shutdowns of deployments whose deploying client left (``remove_client``)
-        self._orphan_shutdowns: set[asyncio.Task] = set()
+        self._abandoned_shutdowns: set[asyncio.Task] = set()
         # resources that instances being stopped (draining their calls) still hold
         self._held_by_stops: dict[tuple[str, str], dict[str, float]] = {}
 
@@ -164,6 +168,7 @@ class Deployments(SchedulerPlugin):
             self._autoscaler.stop()
         tasks = [task for dep in self.deployments.values() for task in dep.tasks]
         tasks += self._orphan_stops.values()
+        tasks += self._abandoned_shutdowns
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -190,8 +195,8 @@ class Deployments(SchedulerPlugin):
                 logger.info("replicated service %s: shut down, its deploying client %s "
                             "left before it was deployed", dep.name, client)
                 task = asyncio.ensure_future(self.shutdown(None, dep.name, 0, uid=dep.uid))
-                self._orphan_shutdowns.add(task)
-                task.add_done_callback(self._orphan_shutdowns.discard)
+                self._abandoned_shutdowns.add(task)
+                task.add_done_callback(self._abandoned_shutdowns.discard)
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
         """A worker joined: replicas waiting for one are launched, and replicas crowded
@@ -224,11 +229,13 @@ class Deployments(SchedulerPlugin):
                      resources: dict | None, cls: str = "", procs_per_replica: int = 1,
                      autoscaling: dict | None = None,
                      max_replicas_per_worker: int | None = None,
-                     client: str | None = None) -> dict:
+                     client: str | None = None, uid: str | None = None) -> dict:
         """Create a deployment of ``replicas`` replicas of ``procs_per_replica`` ranks and
         launch them (does not wait); ``autoscaling``: see ``_autoscale.py``.  ``client``:
         the id of the client deploying it, which waits (``wait(deploying=True)``); should
-        it leave first, the deployment is shut down (``remove_client``)."""
+        it leave first, the deployment is shut down (``remove_client``).  ``uid``: the
+        deployment's, made by that client, so that it can shut the deployment down even
+        when it was interrupted before this answered."""
         if name in self.deployments:
             return {"status": "error", "error": f"a service named {name!r} is already "
                                                 "deployed; pick another options(name=...)"}
@@ -240,7 +247,8 @@ class Deployments(SchedulerPlugin):
                          max_queued=max_queued, workers=tuple(workers) if workers else None,
                          resources=resources or None, cls=cls,
                          procs_per_replica=procs_per_replica, autoscaling=policy,
-                         max_replicas_per_worker=max_replicas_per_worker)
+                         max_replicas_per_worker=max_replicas_per_worker,
+                         **({"uid": uid} if uid else {}))
         # slots go on from those of earlier deployments of the name: a replica id is
         # never reused, so nothing meant for one reaches another
         dep.next_slot = self._slots_made.get(name, self._dropped_slots)
@@ -310,7 +318,7 @@ class Deployments(SchedulerPlugin):
         dep = self._deployment(name, uid)
         if dep is None:
             return None
-        return {"stopping": dep.stopping, "wakes": dep.wakes(),
+        return {"stopping": dep.stopping, "scales_to_zero": dep.scales_to_zero(),
                 "min_replicas": (dep.autoscaling.config.min_replicas
                                  if dep.autoscaling is not None else None), "replicas": [
             {"id": str(m.id), "worker": m.worker, "state": m.state.value}
@@ -330,27 +338,30 @@ class Deployments(SchedulerPlugin):
         if dep is None or dep.stopping:
             return {"status": "error", "shutdown": True,
                     "error": f"service {name} was shut down (or never deployed)"}
-        if not dep.wakes():
+        if not dep.scales_to_zero():
             return {"status": "none"}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        dep.waiting += 1
+        dep.callers_waiting += 1
         try:
             while True:
                 if dep.stopping:
                     return {"status": "error", "shutdown": True,
                             "error": f"service {name} was shut down while a call waited "
                                      "for a replica"}
-                if not dep.active():  # at zero (again): up at once
-                    self._autoscale(dep, loop.time())
                 active = dep.active()
                 if any(m.state is ReplicaState.HEALTHY for m in active.values()):
                     return {"status": "ok"}
                 failed = [s for s, m in active.items() if m.state is ReplicaState.UNHEALTHY]
                 if active and len(failed) == len(active):
+                    # every replica's setup failed: the waiting calls fail with its error,
+                    # and the replicas go, so that the next call tries a fresh setup
                     m = active[failed[0]]
+                    self._spawn(dep, self._scale_down(dep, 0))
                     return {"status": "error", "error": m.last_error,
                             "exception": dep.errors.get(failed[0])}
+                # none healthy: the waiting calls (this one added) decide at once
+                self._autoscale(dep, loop.time())
                 left = deadline - loop.time()
                 if left <= 0:
                     return {"status": "pending", "why": "; ".join(
@@ -358,7 +369,7 @@ class Deployments(SchedulerPlugin):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(dep.changed.wait(), left)
         finally:
-            dep.waiting -= 1
+            dep.callers_waiting -= 1
 
     async def replicas(self, comm: Any, name: str, uid: str | None = None
                        ) -> list[dict] | None:
@@ -524,7 +535,31 @@ class Deployments(SchedulerPlugin):
     def ongoing(self, dep: Deployment) -> int:
         """Calls running or queued on the deployment's healthy replicas, as of their
         workers' last heartbeats, and calls waiting for a replica (``wake``)."""
-        return sum(self._busy(m) for m in dep.slots.values()) + dep.waiting
+        return sum(self._busy(m) for m in dep.slots.values()) + dep.callers_waiting
+
+    def _called(self, dep: Deployment) -> bool:
+        """Whether calls were made on ``dep``'s replicas lately: the latest report of a
+        healthy replica (its worker's heartbeat) counted more calls than the one before
+        it; between reports the verdict of the last one stands."""
+        seen: dict[str, tuple[float, float | None, bool]] = {}
+        for m in dep.slots.values():
+            rid = str(m.id)
+            calls = self.reports.get(rid)["calls"]
+            if m.state is not ReplicaState.HEALTHY or calls != calls:  # NaN: no report
+                continue
+            reported = self.reports.updated.get(m.worker or "")
+            before = dep.calls_seen.get(rid)
+            if rid not in self.reports.figures:  # not reported yet: not known idle
+                grew = True
+            elif before is None:
+                grew = calls > 0
+            elif reported != before[1]:
+                grew = calls > before[0]
+            else:
+                grew = before[2]
+            seen[rid] = (calls, reported, grew)
+        dep.calls_seen = seen
+        return any(grew for _, _, grew in seen.values())
 
     def _busy(self, m: lc.ReplicaMachine) -> int:
         """Calls running or queued on a healthy replica, as of its worker's last
@@ -544,7 +579,9 @@ class Deployments(SchedulerPlugin):
         if dep.autoscaling is None or dep.stopping:
             return
         active = dep.active()
-        decision = dep.autoscaling.observe(now, len(active), self.ongoing(dep), dep.floor)
+        decision = dep.autoscaling.observe(
+            now, len(active), self.ongoing(dep), dep.floor, called=self._called(dep),
+            none_ready=not any(m.state is ReplicaState.HEALTHY for m in active.values()))
         if decision is None:
             return
         if decision.target > decision.current and any(
