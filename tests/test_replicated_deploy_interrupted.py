@@ -73,3 +73,29 @@ async def test_slot_counts_are_kept_for_a_bounded_number_of_names(c, s, *workers
     finally:
         _scheduler.NAMES_KEPT = kept
     await assert_nothing_left(s, workers)
+
+
+@cluster()
+async def test_an_as_service_cancelled_once_its_replicas_are_healthy_is_shut_down(
+        c, s, *workers):
+    from dask_services.replicated._handle import ReplicatedService
+
+    original = ReplicatedService._refresh
+    reached = asyncio.Event()
+
+    async def held(self):  # the handle's first table fetch, after the wait ended well
+        reached.set()
+        await asyncio.Event().wait()
+
+    ReplicatedService._refresh = held
+    try:
+        deploying = asyncio.ensure_future(
+            Adder.options(name="late-cancel").as_service(client=c))
+        await reached.wait()
+        assert s.extensions[EXT].deployments["late-cancel"].deploying_client is None
+        deploying.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await deploying
+    finally:
+        ReplicatedService._refresh = original
+    await assert_nothing_left(s, workers)
