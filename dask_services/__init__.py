@@ -95,8 +95,15 @@ __all__ = [
 
 def dask_setup(scheduler) -> None:  # type: ignore[no-untyped-def]
     """``dask scheduler --preload dask_services`` installs the scheduler plugins (the
-    service-task core and the extensions next to it, ``_plugins.py``)."""
+    service-task core and the extensions next to it, ``_plugins.py``), then those of
+    other packages."""
     from dask_services._plugins import scheduler_plugins
 
-    for plugin in scheduler_plugins():
+    plugins = scheduler_plugins(extensions=False)
+    for plugin in plugins:
+        scheduler.add_plugin(plugin, idempotent=True)
+    # Extensions of other packages after them: distributed logs a preload that raises
+    # and starts the scheduler anyway, so a broken extension (its ExtensionError in the
+    # scheduler's log) leaves dask-services itself installed.
+    for plugin in scheduler_plugins()[len(plugins):]:
         scheduler.add_plugin(plugin, idempotent=True)

@@ -110,12 +110,17 @@ def _installing(send: Callable) -> Callable:
         from dask_services.client import _installed, install
 
         if _made and client not in _installed and client not in _holding:
+            from dask_services._plugins import ExtensionError, scheduler_plugins
+
             try:  # every graph of the process comes here: nothing may fail its sending
                 if runs_service_tasks(expr):
                     if client.asynchronous:
+                        scheduler_plugins()  # a broken extension raises now, not later
                         _install_then_send_held(client)
                     else:
                         install(client)
+            except ExtensionError:
+                raise  # the user's own configuration, named: the computation fails here
             except Exception:  # noqa: BLE001 - the worker's error says what to do
                 logger.debug("installing dask_services on %s failed", client, exc_info=True)
         return send(client, expr, *args, **kwargs)

@@ -25,21 +25,24 @@ from dask_services.service import ServiceError
 ENTRY_POINT_GROUP = "dask_services.extensions"
 
 
-class ExtensionError(ServiceError):
+class ExtensionError(ServiceError, ValueError):
     """An extension named by an entry point or by the ``dask_services.extensions`` config
-    key could not be loaded, or is not a scheduler plugin."""
+    key could not be loaded, or is not a scheduler plugin (or the key's value is not a
+    list of ``"module:attribute"``)."""
 
 
-def scheduler_plugins() -> list[SchedulerPlugin]:
+def scheduler_plugins(extensions: bool = True) -> list[SchedulerPlugin]:
     """New objects of every scheduler plugin of dask-services, core first, extensions of
-    other packages last.  Raises :class:`ExtensionError` naming an extension that cannot
-    be loaded."""
+    other packages last (``extensions=False``: dask-services' own only).  Raises
+    :class:`ExtensionError` naming an extension that cannot be loaded."""
     from dask_services._observe import ServiceDiagnostics
     from dask_services.replicated._scheduler import Deployments
     from dask_services.scheduler import ServiceSchedulerPlugin
 
     plugins: list[SchedulerPlugin] = [
         ServiceSchedulerPlugin(), Deployments(), ServiceDiagnostics()]
+    if not extensions:
+        return plugins
     seen = {plugin.name: "dask-services itself" for plugin in plugins}
     for origin, load in _declared_extensions():
         plugin = _as_plugin(origin, load)
@@ -64,7 +67,10 @@ def _declared_extensions() -> list[tuple[str, Any]]:
         dist = getattr(ep.dist, "name", None) or "an installed distribution"
         found.append((f"entry point {ep.name!r} = {ep.value!r} of {dist} (group "
                       f"{ENTRY_POINT_GROUP!r}; fix or uninstall that package)", ep.load))
-    check_key("extensions")
+    try:
+        check_key("extensions")
+    except ValueError as e:
+        raise ExtensionError(str(e)) from None
     for spec in as_imports(setting("extensions")):
         found.append((f"{spec!r} in the dask_services.extensions config key",
                       lambda spec=spec: _import(spec)))

@@ -234,8 +234,12 @@ def _maybe_install_default_client() -> None:
         return
     if client.asynchronous or client in _installed:
         return
+    from dask_services._plugins import ExtensionError
+
     try:
         install(client)
+    except ExtensionError:
+        raise  # the user's own configuration, named: fail where the graph is built
     except Exception:  # pragma: no cover - best effort; the worker raises a clear error
         pass
 

@@ -21,9 +21,13 @@ class Adder(dask_services.Service):
     service_options = {"max_concurrency": 4}
 
     async def setup(self, offset: int = 0, fail_if_exists: str | None = None,
-                    delays: dict | None = None, setup_gate: str | None = None) -> None:
+                    delays: dict | None = None, setup_gate: str | None = None,
+                    setup_gates: str | None = None) -> None:
         if fail_if_exists is not None and os.path.exists(fail_if_exists):
             raise FileExistsError(f"setup refused: {fail_if_exists} exists")
+        if setup_gates is not None:  # the n-th setup to start waits for its own gate
+            n = STARTS[setup_gates] = STARTS.get(setup_gates, 0) + 1
+            await GATES.setdefault(f"{setup_gates}-{n}", asyncio.Event()).wait()
         if setup_gate is not None:  # reached: GATES[setup_gate + "-reached"] is set
             GATES.setdefault(setup_gate + "-reached", asyncio.Event()).set()
             await GATES.setdefault(setup_gate, asyncio.Event()).wait()

@@ -4,6 +4,7 @@ back up when a call comes: the pure policy, then on clusters."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import tempfile
 
@@ -13,7 +14,7 @@ from distributed.utils_test import async_poll_for
 from replicated_batch_stream_services import Streamer
 from replicated_services import GATES, Adder
 from test_autoscaling import FAST, policy
-from test_replicated import assert_nothing_left, call_from_task, cluster
+from test_replicated import assert_nothing_left, call_from_task, cluster, until_equal
 
 from dask_services.replicated._autoscale import AutoscalingConfig, Decision
 
@@ -210,5 +211,53 @@ async def test_a_service_in_steady_use_of_short_calls_keeps_a_replica(c, s, *wor
     assert not events, events
     # idle now: to zero
     await async_poll_for(lambda: not dep.active(), timeout=20)
+    await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
+@cluster(config=FAST)
+async def test_a_burst_at_zero_is_spread_over_the_replicas_it_asked_for(c, s, *workers):
+    """The callers let go when the first replica turns healthy send their calls to it;
+    the other replicas the burst asked for turn healthy before those calls land (the
+    spreading passes they cause find nothing queued yet): once landed, they are spread."""
+    from dask_services.replicated._handle import ReplicatedService
+
+    svc = await Adder.options(name="burst-zero", max_concurrency=1, autoscaling={
+        **TO_ZERO, "max_replicas": 3, "initial_replicas": 0, "downscale_delay": "60s"}
+    ).as_service(0, setup_gates="burst-setup", client=c)
+    dep = s.extensions[EXT].deployments[svc.name]
+    send = ReplicatedService._send
+    landing = asyncio.Event()
+
+    async def held_send(self, target, msg):  # the calls' way to the replica, held
+        if msg.get("method") == "wait_then_whoami":
+            await landing.wait()
+        return await send(self, target, msg)
+
+    ReplicatedService._send = held_send
+    try:
+        burst = [asyncio.ensure_future(svc.wait_then_whoami.route("burst-calls"))
+                 for _ in range(12)]
+        await async_poll_for(lambda: dep.callers_waiting == 12 and len(dep.active()) == 3,
+                             timeout=20)
+        GATES.setdefault("burst-setup-1", asyncio.Event()).set()  # one healthy
+        await async_poll_for(lambda: dep.callers_waiting == 0, timeout=20)  # let go
+        for n in (2, 3):
+            GATES.setdefault(f"burst-setup-{n}", asyncio.Event()).set()
+        await async_poll_for(lambda: all(m.state.value == "healthy"
+                                         for m in dep.active().values()), timeout=20)
+        await async_poll_for(lambda: dep.rebalancing is not None
+                             and dep.rebalancing.done(), timeout=20)
+        landing.set()  # the calls land, all on the first replica
+
+        async def spread() -> list[int]:
+            return sorted(r["in_flight"] + r["queued"] for r in await svc.replicas())
+
+        await until_equal(spread, [4, 4, 4])
+    finally:
+        ReplicatedService._send = send
+    GATES["burst-calls"].set()
+    served = await asyncio.gather(*burst)
+    assert sorted(collections.Counter(served).values()) == [4, 4, 4]
     await svc.shutdown()
     await assert_nothing_left(s, workers)

@@ -223,3 +223,43 @@ def test_the_preload_hook_installs_the_extensions(extension_module):
 
     run()
 
+
+
+def test_a_broken_extension_fails_the_automatic_install_with_its_name():
+    from distributed import LocalCluster
+
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        with dask.config.set({"dask_services.extensions": ["no_such_package_here:Plugin"]}):
+            # where the graph is built (the default client installs then)
+            with pytest.raises(ExtensionError, match="no_such_package_here:Plugin"):
+                dask_services.service_task(AllReduce, [dask.delayed(1)], outputs=1)
+        with dask.config.set({"dask_services.extensions": []}):
+            outputs = dask_services.service_task(AllReduce, [dask.delayed(1)], outputs=1)
+        _installed.discard(client)  # built without installing: compute() installs
+        with dask.config.set({"dask_services.extensions": ["no_such_package_here:Plugin"]}):
+            with pytest.raises(ExtensionError, match="no_such_package_here:Plugin"):
+                client.compute(outputs[0]).result()
+
+
+def test_a_broken_extension_fails_an_asynchronous_clients_computation_early():
+    @gen_cluster(client=True)
+    async def run(c, s, a, b):
+        outputs = dask_services.service_task(AllReduce, [dask.delayed(1)], outputs=1)
+        with dask.config.set({"dask_services.extensions": ["no_such_package_here:Plugin"]}):
+            with pytest.raises(ExtensionError, match="no_such_package_here:Plugin"):
+                c.compute(outputs[0])
+        _installed.discard(c)
+
+    run()
+
+
+def test_the_preload_hook_installs_dask_services_despite_a_broken_extension():
+    @gen_cluster(client=True, scheduler_kwargs={"preload": ["dask_services"]},
+                 config={"dask_services.extensions": ["no_such_package_here:Plugin"]})
+    async def run(c, s, a, b):
+        # distributed logs the preload's ExtensionError and starts the scheduler anyway
+        assert {"dask_services", "dask_services_replicated",
+                "dask_services_diagnostics"} <= set(s.extensions)
+
+    run()

@@ -577,13 +577,15 @@ class ReplicatedService:
     def _learn(self, replicas: list) -> None:
         """The healthy replicas the scheduler told of with a call given back (``[id,
         worker, load]``, the load each is to have once the calls given back are sent on):
-        those the cached table lacks are added, and the loads taken as reported, so that
+        those the cached table lacks are added, those it has in another state (starting
+        when it was fetched) taken as healthy, and the loads taken as reported, so that
         the call goes to the replicas with less to do without a round trip for the table,
         though this caller has sent them nothing yet."""
-        known = {r.id for r in self._table}
-        self._table = self._table + [
-            _Replica(ServiceId(rid), worker, "healthy")
-            for rid, worker, _ in replicas if ServiceId(rid) not in known]
+        told = {ServiceId(rid): worker for rid, worker, _ in replicas}
+        # those the cached table has in another state (still starting when it was
+        # fetched) are healthy now, as the scheduler says
+        self._table = [r for r in self._table if r.id not in told] + [
+            _Replica(rid, worker, "healthy") for rid, worker in told.items()]
         for rid, _, load in replicas:
             self._reported[ServiceId(rid)] = int(load)
 

@@ -72,6 +72,9 @@ class Deployment:
     # scaling to zero, though none is under way when a sample is taken)
     calls_seen: dict[str, tuple[float, float | None, bool]] = field(default_factory=dict)
     deploying_client: str | None = None  # the client whose as_service() still waits
+    # callers a wake let go whose calls may still be on their way (``_spread_woken``)
+    woken_released: int = 0
+    woken_spread: asyncio.Task | None = None
     # this deployment, apart from any other deployed under the same name before or after:
     # a handle carries it, so that a handle of a shut-down service never reaches another
     uid: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -351,6 +354,7 @@ class Deployments(SchedulerPlugin):
                                      "for a replica"}
                 active = dep.active()
                 if any(m.state is ReplicaState.HEALTHY for m in active.values()):
+                    self._spread_woken(dep)
                     return {"status": "ok"}
                 failed = [s for s, m in active.items() if m.state is ReplicaState.UNHEALTHY]
                 if active and len(failed) == len(active):
@@ -840,6 +844,31 @@ class Deployments(SchedulerPlugin):
             dep.rebalance_again = True
             return
         dep.rebalancing = self._spawn(dep, self._rebalance(dep))
+
+    def _spread_woken(self, dep: Deployment) -> None:
+        """A caller waiting for a replica of ``dep`` was let go.  The callers let go
+        together send their calls to the first replica healthy; the others a burst asked
+        for may turn healthy before those calls land there, when their passes found
+        nothing to spread.  So once the calls have landed (the healthy replicas' running
+        and queued calls add up to the callers let go, or after 2 s), a pass spreads
+        them."""
+        dep.woken_released += 1
+        if dep.woken_spread is None or dep.woken_spread.done():
+            dep.woken_spread = self._spawn(dep, self._spread_woken_once_landed(dep))
+
+    async def _spread_woken_once_landed(self, dep: Deployment) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 2.0
+        try:
+            while not dep.stopping and loop.time() < deadline:
+                await asyncio.sleep(0.05)  # the callers let go send their calls
+                _, loads, _ = await self._loads(dep)
+                if sum(a + b for a, b in loads.values()) >= dep.woken_released:
+                    break
+        finally:
+            dep.woken_released = 0
+        if not dep.stopping:
+            self._rebalance_soon(dep)
 
     async def _rebalance(self, dep: Deployment) -> None:
         try:
