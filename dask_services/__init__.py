@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dask_services import (
     _auto_install,
+    _lazy_dataframe,
     array,  # noqa: F401  (registers the "service" rechunk method)
-    dataframe,  # noqa: F401  (registers the "service" shuffle method)
 )
 from dask_services import config as _config  # noqa: F401  (registers config defaults)
 from dask_services._buffers import Buffers, IncomingBuffers
@@ -51,6 +51,17 @@ from dask_services.service import (
 )
 
 _auto_install.install()  # clients sending service tasks install dask_services
+# the "service" shuffle method: registered now if dask.dataframe is imported, else as soon
+# as it is (pandas and pyarrow are not imported for it)
+_lazy_dataframe.install()
+
+
+def __getattr__(name: str):  # type: ignore[no-untyped-def]
+    if name == "dataframe":  # ``dask_services.dataframe.shuffle`` without an import
+        import dask_services.dataframe
+
+        return dask_services.dataframe
+    raise AttributeError(f"module 'dask_services' has no attribute {name!r}")
 
 __version__ = "0.1.0"
 
