@@ -108,13 +108,13 @@ def dask_setup(scheduler) -> None:  # type: ignore[no-untyped-def]
     """``dask scheduler --preload dask_services`` installs the scheduler plugins (the
     service-task core and the extensions next to it, ``_plugins.py``), then those of
     other packages."""
-    from dask_services._plugins import scheduler_plugins
+    from dask_services._plugins import extension_plugins, own_plugins
 
-    plugins = scheduler_plugins(extensions=False)
-    for plugin in plugins:
+    own = own_plugins()
+    for plugin in own:
         scheduler.add_plugin(plugin, idempotent=True)
     # Extensions of other packages after them: distributed logs a preload that raises
     # and starts the scheduler anyway, so a broken extension (its ExtensionError in the
     # scheduler's log) leaves dask-services itself installed.
-    for plugin in scheduler_plugins()[len(plugins):]:
+    for plugin in extension_plugins(own):
         scheduler.add_plugin(plugin, idempotent=True)

@@ -110,12 +110,12 @@ def _installing(send: Callable) -> Callable:
         from dask_services.client import _installed, install
 
         if _made and client not in _installed and client not in _holding:
-            from dask_services._plugins import ExtensionError, scheduler_plugins
+            from dask_services._plugins import ExtensionError, extension_plugins
 
             try:  # every graph of the process comes here: nothing may fail its sending
                 if runs_service_tasks(expr):
                     if client.asynchronous:
-                        scheduler_plugins()  # a broken extension raises now, not later
+                        extension_plugins()  # a broken extension raises now, not later
                         _install_then_send_held(client)
                     else:
                         install(client)

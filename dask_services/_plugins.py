@@ -31,19 +31,28 @@ class ExtensionError(ServiceError, ValueError):
     list of ``"module:attribute"``)."""
 
 
-def scheduler_plugins(extensions: bool = True) -> list[SchedulerPlugin]:
+def scheduler_plugins() -> list[SchedulerPlugin]:
     """New objects of every scheduler plugin of dask-services, core first, extensions of
-    other packages last (``extensions=False``: dask-services' own only).  Raises
-    :class:`ExtensionError` naming an extension that cannot be loaded."""
+    other packages last.  Raises :class:`ExtensionError` naming an extension that cannot
+    be loaded."""
+    own = own_plugins()
+    return own + extension_plugins(own)
+
+
+def own_plugins() -> list[SchedulerPlugin]:
+    """New objects of dask-services' own scheduler plugins, core first."""
     from dask_services._observe import ServiceDiagnostics
     from dask_services.replicated._scheduler import Deployments
     from dask_services.scheduler import ServiceSchedulerPlugin
 
-    plugins: list[SchedulerPlugin] = [
-        ServiceSchedulerPlugin(), Deployments(), ServiceDiagnostics()]
-    if not extensions:
-        return plugins
-    seen = {plugin.name: "dask-services itself" for plugin in plugins}
+    return [ServiceSchedulerPlugin(), Deployments(), ServiceDiagnostics()]
+
+
+def extension_plugins(own: list[SchedulerPlugin] | None = None) -> list[SchedulerPlugin]:
+    """New objects of the scheduler plugins of other packages' extensions (entry points,
+    then the config key's), checked against each other and ``own``."""
+    plugins: list[SchedulerPlugin] = []
+    seen = {plugin.name: "dask-services itself" for plugin in own or own_plugins()}
     for origin, load in _declared_extensions():
         plugin = _as_plugin(origin, load)
         name = plugin.name
@@ -78,11 +87,9 @@ def _declared_extensions() -> list[tuple[str, Any]]:
 
 
 def _import(spec: str) -> Any:
-    module, _, attribute = spec.partition(":")
-    target: Any = importlib.import_module(module)
-    for part in attribute.split("."):
-        target = getattr(target, part)
-    return target
+    """What ``"module:attribute"`` names, loaded as an entry point of that value is."""
+    return importlib.metadata.EntryPoint(name=spec, value=spec,
+                                         group=ENTRY_POINT_GROUP).load()
 
 
 def _as_plugin(origin: str, load: Any) -> SchedulerPlugin:

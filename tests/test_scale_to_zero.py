@@ -16,6 +16,7 @@ from replicated_services import GATES, Adder
 from test_autoscaling import FAST, policy
 from test_replicated import assert_nothing_left, call_from_task, cluster, until_equal
 
+from dask_services._messages import loads_exception
 from dask_services.replicated._autoscale import AutoscalingConfig, Decision
 
 pytestmark = pytest.mark.timeout(60)
@@ -163,6 +164,11 @@ async def test_scale_zero_is_refused_without_min_replicas_zero(c, s, *workers):
         await plain.scale(0)
     # a service that does not scale to zero and has no healthy replica fails as before
     assert not s.extensions[EXT].deployments[plain.name].scales_to_zero()
+    # the scheduler refuses it too, whoever asks (the handle refuses first)
+    answer = await c.scheduler.replicated_scale(name=plain.name, n=0, timeout=5,
+                                                uid=plain._uid)
+    assert isinstance(loads_exception(answer["exception"]), ValueError)
+    assert len(s.extensions[EXT].deployments[plain.name].active()) == 1
     await svc.shutdown()
     await plain.shutdown()
     await assert_nothing_left(s, workers)

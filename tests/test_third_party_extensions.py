@@ -5,12 +5,13 @@ install after dask-services' own."""
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import dask
 import pytest
 from distributed import Client
-from distributed.utils_test import gen_cluster
+from distributed.utils_test import captured_logger, gen_cluster
 
 import dask_services
 from dask_services import ExtensionError
@@ -262,4 +263,7 @@ def test_the_preload_hook_installs_dask_services_despite_a_broken_extension():
         assert {"dask_services", "dask_services_replicated",
                 "dask_services_diagnostics"} <= set(s.extensions)
 
-    run()
+    with captured_logger("distributed.preloading", level=logging.ERROR) as log:
+        run()
+    assert "ExtensionError" in log.getvalue()
+    assert "no_such_package_here:Plugin" in log.getvalue()

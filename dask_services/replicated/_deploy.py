@@ -15,6 +15,7 @@ from dask_services.replicated._errors import DeploymentError, ServiceShutdown
 from dask_services.replicated._handle import (
     ClientTransport,
     ReplicatedService,
+    _consume,
     check_names,
 )
 from dask_services.replicated._options import ReplicaOptions, config_seconds, unconfigured
@@ -79,12 +80,6 @@ def _setup_blob(base: type, args: tuple, kwargs: dict, shipped: dict) -> bytes:
 _abandoned: set[asyncio.Future] = set()  # shutdowns of interrupted deployments
 
 
-def _shutdown_sent(task: asyncio.Future) -> None:
-    _abandoned.discard(task)
-    if not task.cancelled():
-        task.exception()  # retrieved: a shutdown that could not be sent is not logged
-
-
 async def _deploy(client: Any, handle: ReplicatedService, blob: bytes,
                   options: ReplicaOptions, setup: tuple | None = None) -> ReplicatedService:
     if client.asynchronous:
@@ -98,6 +93,7 @@ async def _deploy(client: Any, handle: ReplicatedService, blob: bytes,
         blob = _setup_blob(handle.service_class, args, kwargs, shipped)
     scheduler = client.scheduler
     handle._uid = uuid.uuid4().hex  # made here: an interrupted deploy can be undone
+    left = True  # a deployment may be left on the scheduler should this stop now
     try:
         resp = await scheduler.replicated_deploy(
             name=handle.name, blob=blob, replicas=options.replicas,
@@ -113,6 +109,7 @@ async def _deploy(client: Any, handle: ReplicatedService, blob: bytes,
             client=client.id, uid=handle._uid,
         )
         if resp["status"] != "ok":  # nothing was deployed (the name is taken)
+            left = False
             raise DeploymentError(resp["error"])
         result = await scheduler.replicated_wait(
             name=handle.name, uid=handle._uid, timeout=config_seconds("deploy-timeout"),
@@ -120,6 +117,7 @@ async def _deploy(client: Any, handle: ReplicatedService, blob: bytes,
         if result["status"] != "ok":
             await scheduler.replicated_shutdown(name=handle.name, uid=handle._uid,
                                                 timeout=0)
+            left = False
             if result.get("exception"):
                 raise loads_exception(result["exception"])
             if result.get("shutdown"):
@@ -127,13 +125,14 @@ async def _deploy(client: Any, handle: ReplicatedService, blob: bytes,
             raise DeploymentError(f"deploying {handle.name} failed: {result['error']}")
         await handle._refresh()
     except BaseException:
-        # failed or interrupted (cancelled, timed out by the caller, the client closing)
-        # with the deployment perhaps made: no one holds a handle, so it goes.  The uid is
-        # this call's own, so nothing else is touched (a deployment already gone, or
-        # never made, is a no-op).  Not awaited: an interruption is not delayed by the
-        # replicas' stops.  (The scheduler also shuts it down should this client leave
-        # before it could send this.)
-        _send_shutdown(scheduler, handle.name, handle._uid)
+        if left:
+            # interrupted (cancelled, timed out by the caller, the client closing) with
+            # the deployment perhaps made: no one holds a handle, so it goes.  The uid is
+            # this call's own, so nothing else is touched (a deployment never made is a
+            # no-op).  Not awaited: an interruption is not delayed by the replicas'
+            # stops.  (The scheduler also shuts it down should this client leave before
+            # it could send this.)
+            _send_shutdown(scheduler, handle.name, handle._uid)
         raise
     return handle
 
@@ -142,4 +141,5 @@ def _send_shutdown(scheduler: Any, name: str, uid: str) -> None:
     shutdown = asyncio.ensure_future(scheduler.replicated_shutdown(name=name, uid=uid,
                                                                    timeout=0))
     _abandoned.add(shutdown)
-    shutdown.add_done_callback(_shutdown_sent)
+    shutdown.add_done_callback(_abandoned.discard)
+    shutdown.add_done_callback(_consume)  # a shutdown that could not be sent: not logged

@@ -27,6 +27,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 from tornado.ioloop import PeriodicCallback
 
+from dask_services._messages import dumps_exception
 from dask_services._run_state import new_stimulus_id
 from dask_services.config import setting
 from dask_services.replicated import _adaptive
@@ -431,6 +432,10 @@ class Deployments(SchedulerPlugin):
         dep = self._deployment(name, uid)
         if dep is None or dep.stopping:
             return None  # type: ignore[return-value]
+        if n < 1 and (dep.autoscaling is None or dep.autoscaling.config.min_replicas > 0):
+            return {"status": "error", "exception": dumps_exception(ValueError(
+                f"scale({n}) of {name}: n must be at least 1 (0 only for a service "
+                "autoscaled with min_replicas: 0); to stop it call svc.shutdown()"))}
         active = dep.active()
         if dep.autoscaling is not None:
             dep.floor = n  # a manual floor: autoscaling adds above it, never goes below
@@ -510,6 +515,7 @@ class Deployments(SchedulerPlugin):
             # a gang's ranks are placed together, on the workers with the fewest: moving
             # one can crowd another worker, and every move restarts the whole gang
             return
+        eligible = {ws.address for ws in self._eligible(dep)}
         while True:
             held: dict[str, int] = collections.Counter()
             movable: dict[str, list[int]] = {}
@@ -518,7 +524,6 @@ class Deployments(SchedulerPlugin):
                     held[m.worker] += 1
                     if m.state is ReplicaState.HEALTHY and s not in dep.moves:
                         movable.setdefault(m.worker, []).append(s)
-            eligible = {ws.address for ws in self._eligible(dep)}
             move = spread_move(held, eligible, movable)
             if move is None:
                 return
@@ -584,7 +589,8 @@ class Deployments(SchedulerPlugin):
             return
         active = dep.active()
         decision = dep.autoscaling.observe(
-            now, len(active), self.ongoing(dep), dep.floor, called=self._called(dep),
+            now, len(active), self.ongoing(dep), dep.floor,
+            called=dep.scales_to_zero() and self._called(dep),  # matters only there
             none_ready=not any(m.state is ReplicaState.HEALTHY for m in active.values()))
         if decision is None:
             return
