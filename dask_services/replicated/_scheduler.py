@@ -515,7 +515,6 @@ class Deployments(SchedulerPlugin):
             # a gang's ranks are placed together, on the workers with the fewest: moving
             # one can crowd another worker, and every move restarts the whole gang
             return
-        eligible = {ws.address for ws in self._eligible(dep)}
         while True:
             held: dict[str, int] = collections.Counter()
             movable: dict[str, list[int]] = {}
@@ -524,6 +523,9 @@ class Deployments(SchedulerPlugin):
                     held[m.worker] += 1
                     if m.state is ReplicaState.HEALTHY and s not in dep.moves:
                         movable.setdefault(m.worker, []).append(s)
+            # read again after each move: a worker the last move filled may be full
+            # (max_replicas_per_worker, resources)
+            eligible = {ws.address for ws in self._eligible(dep)}
             move = spread_move(held, eligible, movable)
             if move is None:
                 return
