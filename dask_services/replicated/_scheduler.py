@@ -76,6 +76,8 @@ class Deployment:
     # callers a wake let go whose calls may still be on their way (``_spread_woken``)
     woken_released: int = 0
     woken_spread: asyncio.Task | None = None
+    # stopping replicas whose setup failed on waking (``wake``)
+    failed_removal: asyncio.Task | None = None
     # this deployment, apart from any other deployed under the same name before or after:
     # a handle carries it, so that a handle of a shut-down service never reaches another
     uid: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -362,7 +364,9 @@ class Deployments(SchedulerPlugin):
                     # every replica's setup failed: the waiting calls fail with its error,
                     # and the replicas go, so that the next call tries a fresh setup
                     m = active[failed[0]]
-                    self._spawn(dep, self._scale_down(dep, 0))
+                    if dep.failed_removal is None or dep.failed_removal.done():
+                        # once for all the callers that wait and see them fail
+                        dep.failed_removal = self._spawn(dep, self._scale_down(dep, 0))
                     return {"status": "error", "error": m.last_error,
                             "exception": dep.errors.get(failed[0])}
                 # none healthy: the waiting calls (this one added) decide at once
