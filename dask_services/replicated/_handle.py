@@ -17,6 +17,7 @@ import concurrent.futures
 import contextlib
 import contextvars
 import inspect
+import math
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterator, Mapping
@@ -55,9 +56,12 @@ def _bad_scale(n: Any) -> ValueError:
         "min_replicas: 0)")
 
 
-# a call waiting for a service scaled to zero asks the scheduler again this often, so that
-# a caller that went away stops counting in the autoscaler's load within that time
+# the calls waiting for a service scaled to zero ask the scheduler again this often, so
+# that callers that went away stop counting in the autoscaler's load within that time
 WAKE_ASK_S = 2.0
+# ... and at once when more calls join, but not more often than this (calls made one by
+# one, from tasks starting in turn, are counted together)
+WAKE_JOIN_S = 0.05
 
 _session: contextvars.ContextVar[Session | None] = contextvars.ContextVar(
     "dask_services_replicated_session", default=None)
@@ -459,6 +463,13 @@ class ReplicatedService:
         # calls to one replica made in the same turn of the event loop, sent as one message
         self._outbox: dict[ServiceId, list[tuple[dict, asyncio.Future]]] = {}
         self._watch_every: float | None = None  # seconds between ReplacementWatch checks
+        # calls waiting for a replica of the service at zero (``_wake``): how many, the
+        # one task asking the scheduler for all of them, and what it last said
+        self._wake_callers = 0
+        self._waking: asyncio.Future | None = None
+        self._wake_joined: asyncio.Event | None = None
+        self._wake_why = ""
+        self._asker = uuid.uuid4().hex  # this handle, to the scheduler's count of waiters
 
     # -------------------------------------------------------- plumbing
 
@@ -555,24 +566,81 @@ class ReplicatedService:
         wait until it has one (scaled up from zero at once, the caller counted in its
         load) and refresh the table; False if it does not scale to zero.  Raises what
         the replicas' setup raised, or ``ServiceUnavailable`` after
-        ``dask_services.replicated.deploy-timeout``."""
+        ``dask_services.replicated.deploy-timeout``.
+
+        The calls waiting on this handle ask the scheduler together (``_ask_awake``):
+        one long poll saying how many wait, instead of one per call (a burst of
+        thousands of calls at zero opened a connection to the scheduler each)."""
         if not self._scales_to_zero:
             return False
         timeout = config_seconds("deploy-timeout")
-        deadline = time.monotonic() + timeout
-        while True:
-            left = max(0.0, deadline - time.monotonic())
-            result = await self._management("replicated_wake",
-                                            timeout=min(WAKE_ASK_S, left))
-            if result.get("status") != "pending":
-                break
-            if time.monotonic() >= deadline:
-                raise ServiceUnavailable(
-                    f"no replica of {self.name} healthy {timeout:g} s after a call found "
-                    "it scaled to zero (dask_services.replicated.deploy-timeout): "
-                    f"{result.get('why')}")
-        await self._refresh()
-        return result.get("status") == "ok"
+        self._wake_callers += 1
+        if self._wake_joined is None:
+            self._wake_joined = asyncio.Event()
+        self._wake_joined.set()
+        try:
+            if self._waking is None or self._waking.done():
+                self._waking = asyncio.ensure_future(self._ask_awake())
+                self._waking.add_done_callback(_consume)
+            waking = self._waking
+            # not cancelled with this caller: the others still wait on it
+            await asyncio.wait({waking}, timeout=timeout)
+        finally:
+            self._wake_callers -= 1
+        if not waking.done():
+            raise ServiceUnavailable(
+                f"no replica of {self.name} healthy {timeout:g} s after a call found it "
+                "scaled to zero (dask_services.replicated.deploy-timeout): "
+                f"{self._wake_why}")
+        return waking.result()
+
+    async def _ask_awake(self) -> bool:
+        """Ask the scheduler, for the calls waiting in ``_wake``, until a replica is
+        healthy (True; the table refreshed) or the service does not scale to zero
+        (False); raise what the scheduler answers with an error.  Each ask is a long poll
+        of ``WAKE_ASK_S`` counting the callers waiting when it was sent; when more join,
+        a new ask with the new count takes the place of the last (the scheduler counts
+        the newest of each handle).  Stops once no caller waits."""
+        assert self._wake_joined is not None
+        loop = asyncio.get_running_loop()
+        asks: set[asyncio.Future] = set()
+        newest: asyncio.Future | None = None
+        sent, sent_at = 0, -math.inf
+        try:
+            while self._wake_callers > 0:
+                joined = self._wake_callers > sent
+                if newest is None or (joined and loop.time() >= sent_at + WAKE_JOIN_S):
+                    sent, sent_at = self._wake_callers, loop.time()
+                    newest = asyncio.ensure_future(self._management(
+                        "replicated_wake", timeout=WAKE_ASK_S, callers=sent,
+                        asker=self._asker))
+                    asks.add(newest)
+                    joined = False
+                self._wake_joined.clear()
+                if joined:  # more callers than the newest ask counts: ask again soon
+                    pause = asyncio.ensure_future(
+                        asyncio.sleep(sent_at + WAKE_JOIN_S - loop.time()))
+                else:  # ... once more join (or a caller leaves: the count is checked)
+                    pause = asyncio.ensure_future(self._wake_joined.wait())
+                try:
+                    done, _ = await asyncio.wait(asks | {pause},
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    pause.cancel()
+                for ask in done - {pause}:
+                    asks.discard(ask)
+                    result = ask.result()
+                    if result.get("status") != "pending":
+                        await self._refresh()
+                        return result.get("status") == "ok"
+                    self._wake_why = result.get("why") or self._wake_why
+                    if ask is newest:
+                        newest = None  # timed out: asked again while callers wait
+            return False
+        finally:
+            for ask in asks:
+                ask.cancel()
+                ask.add_done_callback(_consume)
 
     def _learn(self, replicas: list) -> None:
         """The healthy replicas the scheduler told of with a call given back (``[id,

@@ -67,7 +67,10 @@ class Deployment:
     autoscaling: AutoscalePolicy | None = None
     floor: int = 0  # the last svc.scale(n): autoscaling never goes below it
     last_decision: str = ""  # the last autoscaling decision, with its reason
-    callers_waiting: int = 0  # calls waiting for a replica of a service at zero (``wake``)
+    # calls waiting for a replica of a service at zero (``wake``), by the handle asking
+    # for them: (the number of its newest ask, how many calls that ask counts)
+    waiting: dict[object, tuple[int, int]] = field(default_factory=dict)
+    asks: int = 0  # asks made (each ask's number)
     # each replica's call count, the time of the report it came with, and whether it grew
     # over the report before (``_called``: calls made between samples keep a service from
     # scaling to zero, though none is under way when a sample is taken)
@@ -94,6 +97,12 @@ class Deployment:
     moved_landed_by: int = 0
     moves: dict[int, int] = field(default_factory=dict)  # new slot -> slot it replaces
     spread_pending: bool = False  # a spreading check is due (``_spread_soon``)
+
+    @property
+    def callers_waiting(self) -> int:
+        """Calls waiting for a replica of a service at zero, as the handles asking for
+        them counted them."""
+        return sum(n for _, n in self.waiting.values())
 
     def notify(self) -> None:
         """Wake whoever waits for a change of state."""
@@ -332,14 +341,16 @@ class Deployments(SchedulerPlugin):
         ]}
 
     async def wake(self, comm: Any, name: str, timeout: float,
-                   uid: str | None = None) -> dict:
-        """Wait for a healthy replica of a service that scales to zero, for a call that
-        found none: the caller counts in the autoscaler's load while it waits, and a
-        service at zero replicas is scaled up at once.  ``{"status": "none"}`` for a
-        service that does not scale to zero (the caller retries as for any other); an
+                   uid: str | None = None, callers: int = 1, asker: str | None = None
+                   ) -> dict:
+        """Wait for a healthy replica of a service that scales to zero, for ``callers``
+        calls that found none: they count in the autoscaler's load while they wait, and
+        a service at zero replicas is scaled up at once.  ``{"status": "none"}`` for a
+        service that does not scale to zero (the callers retry as for any other); an
         error once every replica's setup failed; ``{"status": "pending"}`` after
-        ``timeout`` (a few seconds: the caller asks again while it still waits, so a
-        caller that went away stops counting in the load within that time)."""
+        ``timeout`` (a few seconds: the handle asks again while calls still wait, so
+        calls that went away stop counting in the load within that time).  A handle's
+        newer ask (``asker``) replaces its count of waiting calls."""
         dep = self._deployment(name, uid)
         if dep is None or dep.stopping:
             return {"status": "error", "shutdown": True,
@@ -348,7 +359,10 @@ class Deployments(SchedulerPlugin):
             return {"status": "none"}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        dep.callers_waiting += 1
+        dep.asks += 1
+        ask = dep.asks
+        key = object() if asker is None else asker
+        dep.waiting[key] = (ask, max(1, int(callers)))
         try:
             while True:
                 if dep.stopping:
@@ -357,7 +371,8 @@ class Deployments(SchedulerPlugin):
                                      "for a replica"}
                 active = dep.active()
                 if any(m.state is ReplicaState.HEALTHY for m in active.values()):
-                    self._spread_woken(dep)
+                    if dep.waiting.get(key, (None,))[0] == ask:  # not replaced
+                        self._spread_woken(dep, dep.waiting[key][1])
                     return {"status": "ok"}
                 failed = [s for s, m in active.items() if m.state is ReplicaState.UNHEALTHY]
                 if active and len(failed) == len(active):
@@ -378,7 +393,8 @@ class Deployments(SchedulerPlugin):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(dep.changed.wait(), left)
         finally:
-            dep.callers_waiting -= 1
+            if dep.waiting.get(key, (None,))[0] == ask:
+                del dep.waiting[key]
 
     async def replicas(self, comm: Any, name: str, uid: str | None = None
                        ) -> list[dict] | None:
@@ -857,14 +873,14 @@ class Deployments(SchedulerPlugin):
             return
         dep.rebalancing = self._spawn(dep, self._rebalance(dep))
 
-    def _spread_woken(self, dep: Deployment) -> None:
-        """A caller waiting for a replica of ``dep`` was let go.  The callers let go
+    def _spread_woken(self, dep: Deployment, callers: int) -> None:
+        """``callers`` waiting for a replica of ``dep`` were let go.  The callers let go
         together send their calls to the first replica healthy; the others a burst asked
         for may turn healthy before those calls land there, when their passes found
         nothing to spread.  So once the calls have landed (the healthy replicas' running
         and queued calls add up to the callers let go, or after 2 s), a pass spreads
         them."""
-        dep.woken_released += 1
+        dep.woken_released += callers
         if dep.woken_spread is None or dep.woken_spread.done():
             dep.woken_spread = self._spawn(dep, self._spread_woken_once_landed(dep))
 
