@@ -30,6 +30,7 @@ from distributed.core import send_recv
 from dask_services._lazy_arguments import lazy_arguments
 from dask_services._messages import loads_exception
 from dask_services.config import setting
+from dask_services.replicated import _shared_tables as shared_tables
 from dask_services.replicated._errors import (
     EndpointRefused,
     ServiceOverloaded,
@@ -76,6 +77,7 @@ class Transport(abc.ABC):
     loop: asyncio.AbstractEventLoop
     pool: Any  # distributed ConnectionPool
     scheduler: Any  # rpc to the scheduler
+    owner: Any  # the Client or Worker (handles through the same one share tables)
 
     def closed(self) -> bool:
         """Whether what this transport goes through was closed (a closed ``Client``)."""
@@ -113,6 +115,7 @@ class Transport(abc.ABC):
 
 def _connect(transport: Transport, owner: Any) -> None:
     """Loop, connection pool and scheduler rpc of a ``Client`` or a ``Worker``."""
+    transport.owner = owner
     transport.loop = owner.loop.asyncio_loop
     transport.pool = owner.rpc
     transport.scheduler = owner.scheduler
@@ -532,9 +535,25 @@ class ReplicatedService:
             self._refreshing = asyncio.ensure_future(self._fetch_table())
         await asyncio.shield(self._refreshing)
 
+    async def _load_table(self) -> None:
+        """The first table of a handle (unpickled in a task, most often): the one another
+        handle of the service through the same worker or client got less than
+        ``refresh-interval`` ago, else a fetch (``_shared_tables``)."""
+        transport = self._transport
+        recent = shared_tables.recent(transport.owner, self.name, self._uid,
+                                      config_seconds("refresh-interval"))
+        if recent is None:
+            await self._refresh()
+        else:
+            self._adopt(*recent)
+
     async def _fetch_table(self) -> None:
-        info = await self._transport.scheduler.replicated_table(name=self.name,
-                                                                uid=self._uid)
+        transport = self._transport
+        self._adopt(*await shared_tables.fetch(transport.owner, transport.scheduler,
+                                               self.name, self._uid))
+
+    def _adopt(self, info: dict | None, fetched: float) -> None:
+        """Take the scheduler's table ``info``, fetched at ``fetched`` (monotonic)."""
         if info is None:
             self._table = []
             self._table_time = time.monotonic()
@@ -547,8 +566,8 @@ class ReplicatedService:
         # replica reported busy and then no longer chosen would never report again.
         self._reported.clear()
         # when to refresh next (read here, not on every call: parsing it costs)
-        self._stale_at = time.monotonic() + config_seconds("refresh-interval")
-        self._table_time = time.monotonic()
+        self._stale_at = fetched + config_seconds("refresh-interval")
+        self._table_time = fetched
 
     def _maybe_refresh(self) -> None:
         """Refresh the table in the background once it is older than refresh-interval."""
@@ -705,7 +724,7 @@ class ReplicatedService:
     async def _call(self, method: str, args: tuple, kwargs: dict,
                     session: Session | None = None, pin: ServiceId | None = None) -> Any:
         if self._table_time < 0:
-            await self._refresh()
+            await self._load_table()
         else:
             self._maybe_refresh()
         try:

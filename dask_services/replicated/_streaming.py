@@ -413,7 +413,7 @@ class Stream:
         max_delay = config_seconds("retry-backoff-max")
         connect_timeout = config_seconds("connect-timeout")
         if h._table_time < 0:
-            await h._refresh()
+            await h._load_table()
         else:
             h._maybe_refresh()
         try:
