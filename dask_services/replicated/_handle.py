@@ -594,13 +594,13 @@ class ReplicatedService:
             return False
         timeout = config_seconds("deploy-timeout")
         self._wake_callers += 1
-        if self._wake_joined is None:
-            self._wake_joined = asyncio.Event()
-        self._wake_joined.set()
         try:
             if self._waking is None or self._waking.done():
-                self._waking = asyncio.ensure_future(self._ask_awake())
+                self._wake_joined = asyncio.Event()  # on this loop
+                self._waking = asyncio.ensure_future(self._ask_awake(self._wake_joined))
                 self._waking.add_done_callback(_consume)
+            elif self._wake_joined is not None:
+                self._wake_joined.set()
             waking = self._waking
             # not cancelled with this caller: the others still wait on it
             await asyncio.wait({waking}, timeout=timeout)
@@ -613,14 +613,14 @@ class ReplicatedService:
                 f"{self._wake_why}")
         return waking.result()
 
-    async def _ask_awake(self) -> bool:
+    async def _ask_awake(self, joined_event: asyncio.Event) -> bool:
         """Ask the scheduler, for the calls waiting in ``_wake``, until a replica is
         healthy (True; the table refreshed) or the service does not scale to zero
         (False); raise what the scheduler answers with an error.  Each ask is a long poll
         of ``WAKE_ASK_S`` counting the callers waiting when it was sent; when more join,
         a new ask with the new count takes the place of the last (the scheduler counts
-        the newest of each handle).  Stops once no caller waits."""
-        assert self._wake_joined is not None
+        the newest of each handle; ``joined_event`` is set as callers join).  Stops once
+        no caller waits."""
         loop = asyncio.get_running_loop()
         asks: set[asyncio.Future] = set()
         newest: asyncio.Future | None = None
@@ -635,12 +635,12 @@ class ReplicatedService:
                         asker=self._asker))
                     asks.add(newest)
                     joined = False
-                self._wake_joined.clear()
+                joined_event.clear()
                 if joined:  # more callers than the newest ask counts: ask again soon
                     pause = asyncio.ensure_future(
                         asyncio.sleep(sent_at + WAKE_JOIN_S - loop.time()))
                 else:  # ... once more join (or a caller leaves: the count is checked)
-                    pause = asyncio.ensure_future(self._wake_joined.wait())
+                    pause = asyncio.ensure_future(joined_event.wait())
                 try:
                     done, _ = await asyncio.wait(asks | {pause},
                                                  return_when=asyncio.FIRST_COMPLETED)
