@@ -96,8 +96,29 @@ async def test_tasks_calling_a_service_share_their_handles_table(c, s, *workers)
     assert 1 <= len(asked) <= len(workers) + 1, asked
     s.validate_state()
     await svc.shutdown()
-    # a handle unpickled after the shutdown is told so: the cached table is not taken
-    # for a service that is gone on the next fetch
+    # a handle unpickled after the shutdown (which may take the table cached before it)
+    # is told so by the replica's worker or the scheduler
     with pytest.raises(Exception, match="shut down"):
         await c.submit(call_from_task, svc, 1)
     await assert_nothing_left(s, workers)
+
+
+def test_a_handle_needing_the_table_now_does_not_join_an_older_fetch():
+    asyncio.run(_fresh())
+
+
+async def _fresh() -> None:
+    owner, scheduler = Owner(), Scheduler()
+    older = asyncio.ensure_future(shared_tables.fetch(owner, scheduler, "svc", None))
+    await asyncio.sleep(0)
+    # a call failed after that fetch was sent: the table it needs is one asked for now
+    newer = asyncio.ensure_future(shared_tables.fetch(owner, scheduler, "svc", None,
+                                                      sent_after=time.monotonic()))
+    for _ in range(3):  # turns of the loop: fetch() starts, then its request does
+        await asyncio.sleep(0)
+    assert scheduler.asked == 2
+    scheduler.release.set()
+    (_, older_sent), (_, newer_sent) = await asyncio.gather(older, newer)
+    assert older_sent < newer_sent
+    # the cache keeps the newer answer, whichever arrived last
+    assert shared_tables.recent(owner, "svc", None, max_age=60)[1] == newer_sent

@@ -17,6 +17,7 @@ from test_autoscaling import FAST, policy
 from test_replicated import assert_nothing_left, call_from_task, cluster, until_equal
 
 from dask_services._messages import loads_exception
+from dask_services.replicated import ServiceUnavailable
 from dask_services.replicated._autoscale import AutoscalingConfig, Decision
 
 pytestmark = pytest.mark.timeout(60)
@@ -328,4 +329,62 @@ async def test_waiting_calls_cancelled_one_by_one_stop_counting(c, s, *workers):
         await svc.shutdown()
     finally:
         _handle.WAKE_ASK_S = asked
+    await assert_nothing_left(s, workers)
+
+
+@cluster(config=FAST)
+async def test_a_handles_newer_ask_replaces_its_count_and_callers_are_let_go_once(
+        c, s, *workers):
+    """The scheduler keeps the count of a handle's newest ask: the ask it replaces is
+    answered at once, an older one arriving late is not counted, and the callers are
+    counted once as let go, however many of the handle's asks see the replica healthy."""
+    svc = await Adder.options(name="newest-ask", autoscaling={
+        **TO_ZERO, "initial_replicas": 0}).as_service(
+        1, setup_gate="newest-ask-setup", client=c)
+    ext = s.extensions[EXT]
+    dep = ext.deployments[svc.name]
+    released: list[int] = []
+    spread = ext._spread_woken
+
+    def counted(dep, callers):
+        released.append(callers)
+        spread(dep, callers)
+
+    ext._spread_woken = counted
+
+    def ask(seq: int, callers: int, timeout: float = 20):
+        return asyncio.ensure_future(c.scheduler.replicated_wake(
+            name=svc.name, uid=svc._uid, timeout=timeout, callers=callers,
+            asker="one-handle", seq=seq))
+
+    first = ask(1, 5)
+    await async_poll_for(lambda: dep.callers_waiting == 5, timeout=20)
+    second = ask(3, 8)
+    assert (await first)["status"] == "pending"  # replaced: answered at once
+    assert dep.callers_waiting == 8
+    assert (await ask(2, 3))["status"] == "pending"  # older, late: not counted
+    assert dep.callers_waiting == 8
+    GATES["newest-ask-setup"].set()
+    assert (await second)["status"] == "ok"
+    assert (await ask(4, 8))["status"] == "ok"  # the same callers, asking again
+    assert released == [8]
+    assert dep.callers_waiting == 0
+    await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
+@cluster(config=FAST)
+async def test_a_call_that_waits_past_deploy_timeout_says_what_the_replicas_wait_for(
+        c, s, *workers):
+    with dask.config.set({"dask_services.replicated.deploy-timeout": "500ms"}):
+        svc = await Adder.options(name="wake-timeout", autoscaling={
+            **TO_ZERO, "initial_replicas": 0}).as_service(
+            1, setup_gate="never-set-up", client=c)
+        # the deadline comes before the scheduler's first answer (every 2 s): the
+        # reason is asked for at the deadline
+        with pytest.raises(ServiceUnavailable,
+                           match=r"deploy-timeout\): .*setup\(\) still running on"):
+            await svc.add.route(1)
+        GATES["never-set-up"].set()
+        await svc.shutdown()
     await assert_nothing_left(s, workers)

@@ -466,12 +466,12 @@ class ReplicatedService:
         # calls to one replica made in the same turn of the event loop, sent as one message
         self._outbox: dict[ServiceId, list[tuple[dict, asyncio.Future]]] = {}
         self._watch_every: float | None = None  # seconds between ReplacementWatch checks
-        # calls waiting for a replica of the service at zero (``_wake``): how many, the
-        # one task asking the scheduler for all of them, and what it last said
+        # calls waiting for a replica of the service at zero (``_wake``): how many, and
+        # the one task asking the scheduler for all of them
         self._wake_callers = 0
         self._waking: asyncio.Future | None = None
         self._wake_joined: asyncio.Event | None = None
-        self._wake_why = ""
+        self._wake_asks = 0  # asks sent (each ask's number, newer ones replacing older)
         self._asker = uuid.uuid4().hex  # this handle, to the scheduler's count of waiters
 
     # -------------------------------------------------------- plumbing
@@ -531,8 +531,11 @@ class ReplicatedService:
     # -------------------------------------------------------- replica table
 
     async def _refresh(self) -> None:
-        if self._refreshing is None or self._refreshing.done():
-            self._refreshing = asyncio.ensure_future(self._fetch_table())
+        """The table as it is now: a fetch sent from here on (or this handle's own under
+        way, as a handle's calls share theirs)."""
+        if _idle(self._refreshing):
+            self._refreshing = asyncio.ensure_future(
+                self._fetch_table(sent_after=time.monotonic()))
         await asyncio.shield(self._refreshing)
 
     async def _load_table(self) -> None:
@@ -547,10 +550,10 @@ class ReplicatedService:
         else:
             self._adopt(*recent)
 
-    async def _fetch_table(self) -> None:
+    async def _fetch_table(self, sent_after: float = -math.inf) -> None:
         transport = self._transport
         self._adopt(*await shared_tables.fetch(transport.owner, transport.scheduler,
-                                               self.name, self._uid))
+                                               self.name, self._uid, sent_after))
 
     def _adopt(self, info: dict | None, fetched: float) -> None:
         """Take the scheduler's table ``info``, fetched at ``fetched`` (monotonic)."""
@@ -571,12 +574,13 @@ class ReplicatedService:
 
     def _maybe_refresh(self) -> None:
         """Refresh the table in the background once it is older than refresh-interval."""
-        stale = time.monotonic() > self._stale_at
-        if stale and (self._refreshing is None or self._refreshing.done()):
-            try:
-                asyncio.get_running_loop()
-            except RuntimeError:
-                return
+        if time.monotonic() <= self._stale_at:
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if _idle(self._refreshing):
             self._refreshing = asyncio.ensure_future(self._fetch_table())
             self._refreshing.add_done_callback(_consume)
 
@@ -595,7 +599,7 @@ class ReplicatedService:
         timeout = config_seconds("deploy-timeout")
         self._wake_callers += 1
         try:
-            if self._waking is None or self._waking.done():
+            if _idle(self._waking):
                 self._wake_joined = asyncio.Event()  # on this loop
                 self._waking = asyncio.ensure_future(self._ask_awake(self._wake_joined))
                 self._waking.add_done_callback(_consume)
@@ -606,12 +610,18 @@ class ReplicatedService:
             await asyncio.wait({waking}, timeout=timeout)
         finally:
             self._wake_callers -= 1
-        if not waking.done():
+        if waking.done():
+            return waking.result()
+        # this caller's deadline: one last ask of its own, answered at once, for the
+        # state now (healthy just in time, or what each replica waits for)
+        result = await self._management("replicated_wake", timeout=0)
+        if result.get("status") == "pending":
             raise ServiceUnavailable(
                 f"no replica of {self.name} healthy {timeout:g} s after a call found it "
                 "scaled to zero (dask_services.replicated.deploy-timeout): "
-                f"{self._wake_why}")
-        return waking.result()
+                f"{result.get('why')}")
+        await self._refresh()
+        return result.get("status") == "ok"
 
     async def _ask_awake(self, joined_event: asyncio.Event) -> bool:
         """Ask the scheduler, for the calls waiting in ``_wake``, until a replica is
@@ -630,16 +640,18 @@ class ReplicatedService:
                 joined = self._wake_callers > sent
                 if newest is None or (joined and loop.time() >= sent_at + WAKE_JOIN_S):
                     sent, sent_at = self._wake_callers, loop.time()
+                    self._wake_asks += 1
                     newest = asyncio.ensure_future(self._management(
                         "replicated_wake", timeout=WAKE_ASK_S, callers=sent,
-                        asker=self._asker))
+                        asker=self._asker, seq=self._wake_asks))
                     asks.add(newest)
                     joined = False
                 joined_event.clear()
                 if joined:  # more callers than the newest ask counts: ask again soon
                     pause = asyncio.ensure_future(
                         asyncio.sleep(sent_at + WAKE_JOIN_S - loop.time()))
-                else:  # ... once more join (or a caller leaves: the count is checked)
+                else:  # ... once more join (callers that leave stop counting at the
+                    # next ask, within WAKE_ASK_S)
                     pause = asyncio.ensure_future(joined_event.wait())
                 try:
                     done, _ = await asyncio.wait(asks | {pause},
@@ -648,11 +660,12 @@ class ReplicatedService:
                     pause.cancel()
                 for ask in done - {pause}:
                     asks.discard(ask)
+                    if ask is not newest and ask.exception() is not None:
+                        continue  # a replaced ask's failure: the newest answers for all
                     result = ask.result()
                     if result.get("status") != "pending":
                         await self._refresh()
                         return result.get("status") == "ok"
-                    self._wake_why = result.get("why") or self._wake_why
                     if ask is newest:
                         newest = None  # timed out: asked again while callers wait
             return False
@@ -1029,6 +1042,13 @@ class LostInFlight(OSError):
 def _consume(fut: asyncio.Future) -> None:
     if not fut.cancelled():
         fut.exception()
+
+
+def _idle(task: asyncio.Future | None) -> bool:
+    """Whether a handle's shared task (a refresh, a wake) must be started anew: none, or
+    done, or left on another event loop (one stopped without cancelling its tasks: the
+    handle now talks through another client)."""
+    return task is None or task.done() or task.get_loop() is not asyncio.get_running_loop()
 
 
 # What ``svc.<name>`` finds on the handle itself, which an endpoint may not be named.

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import uuid
 from collections.abc import Coroutine, Mapping
@@ -51,6 +50,25 @@ HANDLERS = ("replicated_deploy", "replicated_wait", "replicated_table", "replica
             "replicated_wake")
 
 
+@dataclass
+class WakeAsk:
+    """A handle's ask for a replica of a service at zero (``Deployments.wake``)."""
+
+    seq: int  # the handle's count of its asks: a newer one replaces an older one
+    callers: int  # calls waiting through the handle when it asked
+    superseded: asyncio.Event = field(default_factory=asyncio.Event)  # by a newer ask
+
+
+async def _first_set(events: tuple[asyncio.Event, ...], timeout: float) -> None:
+    """Wait until one of ``events`` is set, at most ``timeout`` seconds."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
+
 @dataclass(eq=False)
 class Deployment:
     """One deployed service: its options and its replica slots."""
@@ -67,10 +85,11 @@ class Deployment:
     autoscaling: AutoscalePolicy | None = None
     floor: int = 0  # the last svc.scale(n): autoscaling never goes below it
     last_decision: str = ""  # the last autoscaling decision, with its reason
-    # calls waiting for a replica of a service at zero (``wake``), by the handle asking
-    # for them: (the number of its newest ask, how many calls that ask counts)
-    waiting: dict[object, tuple[int, int]] = field(default_factory=dict)
-    asks: int = 0  # asks made (each ask's number)
+    # calls waiting for a replica of a service at zero (``wake``): the newest ask of each
+    # handle asking for them
+    waiting: dict[object, WakeAsk] = field(default_factory=dict)
+    # callers of each handle let go since the last spreading pass (``_spread_woken``)
+    woken_by: dict[object, int] = field(default_factory=dict)
     # each replica's call count, the time of the report it came with, and whether it grew
     # over the report before (``_called``: calls made between samples keep a service from
     # scaling to zero, though none is under way when a sample is taken)
@@ -102,7 +121,7 @@ class Deployment:
     def callers_waiting(self) -> int:
         """Calls waiting for a replica of a service at zero, as the handles asking for
         them counted them."""
-        return sum(n for _, n in self.waiting.values())
+        return sum(ask.callers for ask in self.waiting.values())
 
     def notify(self) -> None:
         """Wake whoever waits for a change of state."""
@@ -341,8 +360,8 @@ class Deployments(SchedulerPlugin):
         ]}
 
     async def wake(self, comm: Any, name: str, timeout: float,
-                   uid: str | None = None, callers: int = 1, asker: str | None = None
-                   ) -> dict:
+                   uid: str | None = None, callers: int = 1, asker: str | None = None,
+                   seq: int = 0) -> dict:
         """Wait for a healthy replica of a service that scales to zero, for ``callers``
         calls that found none: they count in the autoscaler's load while they wait, and
         a service at zero replicas is scaled up at once.  ``{"status": "none"}`` for a
@@ -350,7 +369,8 @@ class Deployments(SchedulerPlugin):
         error once every replica's setup failed; ``{"status": "pending"}`` after
         ``timeout`` (a few seconds: the handle asks again while calls still wait, so
         calls that went away stop counting in the load within that time).  A handle's
-        newer ask (``asker``) replaces its count of waiting calls."""
+        (``asker``) newer ask (``seq``) replaces its count of waiting calls, and the ask
+        it replaces is answered at once; an older one arriving late is not counted."""
         dep = self._deployment(name, uid)
         if dep is None or dep.stopping:
             return {"status": "error", "shutdown": True,
@@ -359,10 +379,15 @@ class Deployments(SchedulerPlugin):
             return {"status": "none"}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        dep.asks += 1
-        ask = dep.asks
         key = object() if asker is None else asker
-        dep.waiting[key] = (ask, max(1, int(callers)))
+        entry = WakeAsk(seq, max(1, int(callers)))
+        current = dep.waiting.get(key)
+        if current is not None and current.seq > seq:
+            entry.superseded.set()  # an older ask of the handle, arriving late
+        else:
+            if current is not None:
+                current.superseded.set()
+            dep.waiting[key] = entry
         try:
             while True:
                 if dep.stopping:
@@ -371,8 +396,13 @@ class Deployments(SchedulerPlugin):
                                      "for a replica"}
                 active = dep.active()
                 if any(m.state is ReplicaState.HEALTHY for m in active.values()):
-                    if dep.waiting.get(key, (None,))[0] == ask:  # not replaced
-                        self._spread_woken(dep, dep.waiting[key][1])
+                    if dep.waiting.get(key) is entry:
+                        # the callers let go, each once (a handle's earlier ask may have
+                        # let some go already)
+                        released = dep.woken_by.get(key, 0)
+                        if entry.callers > released:
+                            dep.woken_by[key] = entry.callers
+                            self._spread_woken(dep, entry.callers - released)
                     return {"status": "ok"}
                 failed = [s for s, m in active.items() if m.state is ReplicaState.UNHEALTHY]
                 if active and len(failed) == len(active):
@@ -384,16 +414,17 @@ class Deployments(SchedulerPlugin):
                         dep.failed_removal = self._spawn(dep, self._scale_down(dep, 0))
                     return {"status": "error", "error": m.last_error,
                             "exception": dep.errors.get(failed[0])}
-                # none healthy: the waiting calls (this one added) decide at once
-                self._autoscale(dep, loop.time())
                 left = deadline - loop.time()
-                if left <= 0:
+                if left <= 0 or entry.superseded.is_set():
+                    if not entry.superseded.is_set():
+                        self._autoscale(dep, loop.time())
                     return {"status": "pending", "why": "; ".join(
                         f"{m.id}: {_why_not_healthy(m)}" for m in active.values())}
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(dep.changed.wait(), left)
+                # none healthy: the waiting calls (these added) decide at once
+                self._autoscale(dep, loop.time())
+                await _first_set((dep.changed, entry.superseded), left)
         finally:
-            if dep.waiting.get(key, (None,))[0] == ask:
+            if dep.waiting.get(key) is entry:
                 del dep.waiting[key]
 
     async def replicas(self, comm: Any, name: str, uid: str | None = None
@@ -895,6 +926,7 @@ class Deployments(SchedulerPlugin):
                     break
         finally:
             dep.woken_released = 0
+            dep.woken_by.clear()
         if not dep.stopping:
             self._rebalance_soon(dep)
 

@@ -6,14 +6,17 @@ tasks calling a service were 1,000 ``replicated_table`` requests to the schedule
 handles that reach the scheduler through the same ``Worker`` or ``Client`` (their
 *owner*) share instead: a fetch under way for a service is joined rather than sent again,
 and a handle with no table yet takes the one another handle got less than
-``refresh-interval`` ago (as old as a busy handle's own table may be).  A table saying
-the service is gone is never taken from here: a handle sees that itself.
+``refresh-interval`` ago (as old as a busy handle's own table may be).  A handle that
+needs the table as it is now (a call failed, a replica was woken, a fan-out, a scale)
+joins only a fetch sent after it knew it needed one.  A table saying the service is gone
+is never taken from here: a handle sees that itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import time
 import weakref
 from dataclasses import dataclass
@@ -28,8 +31,9 @@ Key = tuple[str, "str | None"]  # service name, deployment uid
 @dataclass
 class _Entry:
     info: dict | None = None  # the scheduler's answer (None: no such service)
-    fetched: float = -1.0  # time.monotonic() of the answer
-    fetching: asyncio.Future | None = None  # the fetch under way
+    fetched: float = -1.0  # time.monotonic() when the request it answers was sent
+    fetching: asyncio.Future | None = None  # the fetch under way (the latest sent)
+    sent: float = -1.0  # ... sent then
 
 
 _BY_OWNER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -42,10 +46,11 @@ def _entries(owner: Any) -> collections.OrderedDict[Key, _Entry]:
     return entries
 
 
-async def fetch(owner: Any, scheduler: Any, name: str, uid: str | None
-                ) -> tuple[dict | None, float]:
+async def fetch(owner: Any, scheduler: Any, name: str, uid: str | None,
+                sent_after: float = -math.inf) -> tuple[dict | None, float]:
     """The table of service ``name`` (deployment ``uid``) as the scheduler gives it, and
-    when it was fetched; joins a fetch of it under way through ``owner``."""
+    when it was asked for; joins a fetch of it under way through ``owner`` if that was
+    sent at ``sent_after`` (``time.monotonic()``) or later."""
     entries = _entries(owner)
     key = (name, uid)
     entry = entries.get(key)
@@ -53,19 +58,22 @@ async def fetch(owner: Any, scheduler: Any, name: str, uid: str | None
         entry = entries[key] = _Entry()
         while len(entries) > KEPT:
             entries.popitem(last=False)
-    if entry.fetching is None or entry.fetching.done():
-        entry.fetching = asyncio.ensure_future(_fetch(entry, scheduler, name, uid))
+    if entry.fetching is None or entry.fetching.done() or entry.sent < sent_after:
+        entry.sent = time.monotonic()
+        entry.fetching = asyncio.ensure_future(
+            _fetch(entry, scheduler, name, uid, entry.sent))
         # retrieved here too: every handle awaiting it may have been cancelled
         entry.fetching.add_done_callback(lambda f: f.cancelled() or f.exception())
     entries.move_to_end(key)
     return await asyncio.shield(entry.fetching)
 
 
-async def _fetch(entry: _Entry, scheduler: Any, name: str, uid: str | None
+async def _fetch(entry: _Entry, scheduler: Any, name: str, uid: str | None, sent: float
                  ) -> tuple[dict | None, float]:
     info = await scheduler.replicated_table(name=name, uid=uid)
-    entry.info, entry.fetched = info, time.monotonic()
-    return info, entry.fetched
+    if sent >= entry.fetched:  # not an answer older than one already kept
+        entry.info, entry.fetched = info, sent
+    return info, sent
 
 
 def recent(owner: Any, name: str, uid: str | None, max_age: float
