@@ -122,3 +122,41 @@ async def _fresh() -> None:
     assert older_sent < newer_sent
     # the cache keeps the newer answer, whichever arrived last
     assert shared_tables.recent(owner, "svc", None, max_age=60)[1] == newer_sent
+
+
+class Transport:
+    """What a handle talks through, on a worker or a client (``_handle.Transport``)."""
+
+    def __init__(self, owner: Owner, scheduler: Scheduler) -> None:
+        self.owner, self.scheduler = owner, scheduler
+
+    def closed(self) -> bool:
+        return False
+
+
+def test_handles_starting_together_share_one_fetch_and_a_refresh_asks_anew():
+    asyncio.run(_handles_together())
+
+
+async def _handles_together() -> None:
+    from dask_services.replicated._handle import ReplicatedService
+
+    transport = Transport(Owner(), Scheduler())
+    handles = [ReplicatedService("svc", Adder, {}, transport=transport, uid="u")
+               for _ in range(4)]
+    # handles unpickled by tasks starting one after the other: the fetch the first
+    # sent is the others' too
+    loads = []
+    for h in handles[:3]:
+        loads.append(asyncio.ensure_future(h._load_table()))
+        for _ in range(3):  # turns of the loop: the load starts, then its request
+            await asyncio.sleep(0)
+    assert transport.scheduler.asked == 1
+    # a handle that needs the table as it is now does not take that one
+    refresh = asyncio.ensure_future(handles[3]._refresh())
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert transport.scheduler.asked == 2
+    transport.scheduler.release.set()
+    await asyncio.gather(*loads, refresh)
+    assert all(h._table_time > 0 for h in handles)

@@ -530,12 +530,13 @@ class ReplicatedService:
 
     # -------------------------------------------------------- replica table
 
-    async def _refresh(self) -> None:
+    async def _refresh(self, now: bool = True) -> None:
         """The table as it is now: a fetch sent from here on (or this handle's own under
-        way, as a handle's calls share theirs)."""
+        way, as a handle's calls share theirs); with ``now=False``, any fetch under way
+        through this handle's worker or client will do."""
         if _idle(self._refreshing):
             self._refreshing = asyncio.ensure_future(
-                self._fetch_table(sent_after=time.monotonic()))
+                self._fetch_table(sent_after=time.monotonic() if now else -math.inf))
         await asyncio.shield(self._refreshing)
 
     async def _load_table(self) -> None:
@@ -546,7 +547,7 @@ class ReplicatedService:
         recent = shared_tables.recent(transport.owner, self.name, self._uid,
                                       config_seconds("refresh-interval"))
         if recent is None:
-            await self._refresh()
+            await self._refresh(now=False)  # with the tasks starting beside it
         else:
             self._adopt(*recent)
 
