@@ -471,6 +471,7 @@ class ReplicatedService:
         self._wake_callers = 0
         self._waking: asyncio.Future | None = None
         self._wake_joined: asyncio.Event | None = None
+        self._last_ask: asyncio.Future | None = None  # at the calls' deadline (``_wake``)
         self._wake_asks = 0  # asks sent (each ask's number, newer ones replacing older)
         self._asker = uuid.uuid4().hex  # this handle, to the scheduler's count of waiters
 
@@ -613,9 +614,14 @@ class ReplicatedService:
             self._wake_callers -= 1
         if waking.done():
             return waking.result()
-        # this caller's deadline: one last ask of its own, answered at once, for the
-        # state now (healthy just in time, or what each replica waits for)
-        result = await self._management("replicated_wake", timeout=0)
+        # this caller's deadline: one last ask, answered at once, for the state now
+        # (healthy just in time, or what each replica waits for), shared by the calls
+        # whose deadlines come together (a burst's all do)
+        if _idle(self._last_ask):
+            self._last_ask = asyncio.ensure_future(
+                self._management("replicated_wake", timeout=0))
+            self._last_ask.add_done_callback(_consume)
+        result = await asyncio.shield(self._last_ask)
         if result.get("status") == "pending":
             raise ServiceUnavailable(
                 f"no replica of {self.name} healthy {timeout:g} s after a call found it "
