@@ -17,16 +17,30 @@ pytestmark = pytest.mark.timeout(60)
 
 
 class Scheduler:
-    """Answers ``replicated_table`` once ``release`` is set, counting the requests."""
+    """Answers ``replicated_table`` once ``release`` is set (with ``hold``: once the
+    request's own event in ``gates`` is), counting the requests."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold: bool = False) -> None:
         self.asked = 0
         self.release = asyncio.Event()
+        self.hold = hold
+        self.gates: list[asyncio.Event] = []
 
     async def replicated_table(self, name: str, uid: str | None) -> dict | None:
         self.asked += 1
-        await self.release.wait()
-        return None if name == "gone" else {"replicas": [], "asked": self.asked}
+        asked = self.asked
+        gate = self.release
+        if self.hold:
+            gate = asyncio.Event()
+            self.gates.append(gate)
+        await gate.wait()
+        return None if name == "gone" else {"replicas": [], "asked": asked}
+
+
+async def turns(n: int = 3) -> None:
+    """Let the loop run ``n`` turns (a fetch starts, then its request is sent)."""
+    for _ in range(n):
+        await asyncio.sleep(0)
 
 
 class Owner:
@@ -41,7 +55,7 @@ async def _joined_and_recent() -> None:
     owner, scheduler = Owner(), Scheduler()
     fetches = [asyncio.ensure_future(shared_tables.fetch(owner, scheduler, "svc", "u"))
                for _ in range(5)]
-    await asyncio.sleep(0)
+    await turns(1)
     scheduler.release.set()
     answers = await asyncio.gather(*fetches)
     assert scheduler.asked == 1 and len({a[1] for a in answers}) == 1
@@ -108,17 +122,18 @@ def test_a_handle_needing_the_table_now_does_not_join_an_older_fetch():
 
 
 async def _fresh() -> None:
-    owner, scheduler = Owner(), Scheduler()
+    owner, scheduler = Owner(), Scheduler(hold=True)
     older = asyncio.ensure_future(shared_tables.fetch(owner, scheduler, "svc", None))
-    await asyncio.sleep(0)
+    await turns()
     # a call failed after that fetch was sent: the table it needs is one asked for now
     newer = asyncio.ensure_future(shared_tables.fetch(owner, scheduler, "svc", None,
                                                       sent_after=time.monotonic()))
-    for _ in range(3):  # turns of the loop: fetch() starts, then its request does
-        await asyncio.sleep(0)
+    await turns()
     assert scheduler.asked == 2
-    scheduler.release.set()
-    (_, older_sent), (_, newer_sent) = await asyncio.gather(older, newer)
+    scheduler.gates[1].set()  # the newer answer arrives first, the older one last
+    _, newer_sent = await newer
+    scheduler.gates[0].set()
+    _, older_sent = await older
     assert older_sent < newer_sent
     # the cache keeps the newer answer, whichever arrived last
     assert shared_tables.recent(owner, "svc", None, max_age=60)[1] == newer_sent
@@ -148,14 +163,12 @@ async def _handles_together() -> None:
     # sent is the others' too
     loads = []
     for h in handles[:3]:
-        loads.append(asyncio.ensure_future(h._load_table()))
-        for _ in range(3):  # turns of the loop: the load starts, then its request
-            await asyncio.sleep(0)
+        loads.append(asyncio.ensure_future(h._ready_table()))
+        await turns()
     assert transport.scheduler.asked == 1
     # a handle that needs the table as it is now does not take that one
     refresh = asyncio.ensure_future(handles[3]._refresh())
-    for _ in range(3):
-        await asyncio.sleep(0)
+    await turns()
     assert transport.scheduler.asked == 2
     transport.scheduler.release.set()
     await asyncio.gather(*loads, refresh)

@@ -27,6 +27,20 @@ TO_ZERO = {"min_replicas": 0, "max_replicas": 2, "target_ongoing_requests": 1,
            "upscale_delay": "60s", "downscale_delay": "100ms"}
 
 
+def count_wake_asks(s) -> list[int]:
+    """The callers each ``replicated_wake`` request reaching the scheduler ``s`` counts,
+    from now on (appended as they arrive)."""
+    asks: list[int] = []
+    wake = s.handlers["replicated_wake"]
+
+    async def counted(comm, **kwargs):
+        asks.append(kwargs.get("callers", 1))
+        return await wake(comm, **kwargs)
+
+    s.handlers["replicated_wake"] = counted
+    return asks
+
+
 def test_min_replicas_zero_is_valid_and_max_replicas_zero_is_not():
     config = AutoscalingConfig.from_options({"min_replicas": 0, "max_replicas": 3})
     assert config.initial(1) == 1 and config.initial(0) == 0
@@ -281,14 +295,7 @@ async def test_the_calls_waiting_for_a_wake_share_their_asks_to_the_scheduler(
     svc = await Adder.options(name="shared-wake", autoscaling={
         **TO_ZERO, "max_replicas": 3, "initial_replicas": 0}).as_service(
         1, setup_gate="shared-setup", client=c)
-    asks: list[int] = []
-    wake = s.handlers["replicated_wake"]
-
-    async def counted(comm, **kwargs):
-        asks.append(kwargs.get("callers", 1))
-        return await wake(comm, **kwargs)
-
-    s.handlers["replicated_wake"] = counted
+    asks = count_wake_asks(s)
     dep = s.extensions[EXT].deployments[svc.name]
     first = [asyncio.ensure_future(svc.add.route(i)) for i in range(200)]
     await async_poll_for(lambda: dep.callers_waiting == 200, timeout=20)
@@ -381,14 +388,7 @@ async def test_a_call_that_waits_past_deploy_timeout_says_what_the_replicas_wait
         svc = await Adder.options(name="wake-timeout", autoscaling={
             **TO_ZERO, "initial_replicas": 0}).as_service(
             1, setup_gate="never-set-up", client=c)
-        asks = []
-        wake = s.handlers["replicated_wake"]
-
-        async def counted(comm, **kwargs):
-            asks.append(kwargs.get("callers", 1))
-            return await wake(comm, **kwargs)
-
-        s.handlers["replicated_wake"] = counted
+        asks = count_wake_asks(s)
         # the deadline comes before the scheduler's first answer (every 2 s): the
         # reason is asked for at the deadline, once for the calls that reach it together
         calls = await asyncio.gather(*(svc.add.route(i) for i in range(200)),

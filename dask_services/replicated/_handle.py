@@ -21,7 +21,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import dask.config
@@ -466,11 +466,8 @@ class ReplicatedService:
         # calls to one replica made in the same turn of the event loop, sent as one message
         self._outbox: dict[ServiceId, list[tuple[dict, asyncio.Future]]] = {}
         self._watch_every: float | None = None  # seconds between ReplacementWatch checks
-        # calls waiting for a replica of the service at zero (``_wake``): how many, and
-        # the one task asking the scheduler for all of them
-        self._wake_callers = 0
-        self._waking: asyncio.Future | None = None
-        self._wake_joined: asyncio.Event | None = None
+        # calls waiting for a replica of the service at zero (``_wake``)
+        self._wakers: _Wakers | None = None
         self._last_ask: asyncio.Future | None = None  # at the calls' deadline (``_wake``)
         self._wake_asks = 0  # asks sent (each ask's number, newer ones replacing older)
         self._asker = uuid.uuid4().hex  # this handle, to the scheduler's count of waiters
@@ -540,10 +537,14 @@ class ReplicatedService:
                 self._fetch_table(sent_after=time.monotonic() if now else -math.inf))
         await asyncio.shield(self._refreshing)
 
-    async def _load_table(self) -> None:
-        """The first table of a handle (unpickled in a task, most often): the one another
-        handle of the service through the same worker or client got less than
-        ``refresh-interval`` ago, else a fetch (``_shared_tables``)."""
+    async def _ready_table(self) -> None:
+        """The table for a call: a handle's first (unpickled in a task, most often) is the
+        one another handle of the service through the same worker or client got less than
+        ``refresh-interval`` ago, else a fetch (``_shared_tables``); later, refreshed in
+        the background once it is older than ``refresh-interval``."""
+        if self._table_time >= 0:
+            self._maybe_refresh()
+            return
         transport = self._transport
         recent = shared_tables.recent(transport.owner, self.name, self._uid,
                                       config_seconds("refresh-interval"))
@@ -599,19 +600,20 @@ class ReplicatedService:
         if not self._scales_to_zero:
             return False
         timeout = config_seconds("deploy-timeout")
-        self._wake_callers += 1
+        wakers = self._wakers
+        if wakers is None or _idle(wakers.task):
+            wakers = self._wakers = _Wakers()  # on this loop
+            wakers.task = asyncio.ensure_future(self._ask_awake(wakers))
+            wakers.task.add_done_callback(_consume)
+        else:
+            wakers.joined.set()
+        waking = wakers.task
+        wakers.callers += 1
         try:
-            if _idle(self._waking):
-                self._wake_joined = asyncio.Event()  # on this loop
-                self._waking = asyncio.ensure_future(self._ask_awake(self._wake_joined))
-                self._waking.add_done_callback(_consume)
-            elif self._wake_joined is not None:
-                self._wake_joined.set()
-            waking = self._waking
             # not cancelled with this caller: the others still wait on it
             await asyncio.wait({waking}, timeout=timeout)
         finally:
-            self._wake_callers -= 1
+            wakers.callers -= 1
         if waking.done():
             return waking.result()
         # this caller's deadline: one last ask, answered at once, for the state now
@@ -630,36 +632,35 @@ class ReplicatedService:
         await self._refresh()
         return result.get("status") == "ok"
 
-    async def _ask_awake(self, joined_event: asyncio.Event) -> bool:
+    async def _ask_awake(self, wakers: _Wakers) -> bool:
         """Ask the scheduler, for the calls waiting in ``_wake``, until a replica is
         healthy (True; the table refreshed) or the service does not scale to zero
         (False); raise what the scheduler answers with an error.  Each ask is a long poll
         of ``WAKE_ASK_S`` counting the callers waiting when it was sent; when more join,
         a new ask with the new count takes the place of the last (the scheduler counts
-        the newest of each handle; ``joined_event`` is set as callers join).  Stops once
-        no caller waits."""
+        the newest of each handle).  Stops once no caller waits."""
         loop = asyncio.get_running_loop()
         asks: set[asyncio.Future] = set()
         newest: asyncio.Future | None = None
         sent, sent_at = 0, -math.inf
         try:
-            while self._wake_callers > 0:
-                joined = self._wake_callers > sent
+            while wakers.callers > 0:
+                joined = wakers.callers > sent
                 if newest is None or (joined and loop.time() >= sent_at + WAKE_JOIN_S):
-                    sent, sent_at = self._wake_callers, loop.time()
+                    sent, sent_at = wakers.callers, loop.time()
                     self._wake_asks += 1
                     newest = asyncio.ensure_future(self._management(
                         "replicated_wake", timeout=WAKE_ASK_S, callers=sent,
                         asker=self._asker, seq=self._wake_asks))
                     asks.add(newest)
                     joined = False
-                joined_event.clear()
+                wakers.joined.clear()
                 if joined:  # more callers than the newest ask counts: ask again soon
                     pause = asyncio.ensure_future(
                         asyncio.sleep(sent_at + WAKE_JOIN_S - loop.time()))
                 else:  # ... once more join (callers that leave stop counting at the
                     # next ask, within WAKE_ASK_S)
-                    pause = asyncio.ensure_future(joined_event.wait())
+                    pause = asyncio.ensure_future(wakers.joined.wait())
                 try:
                     done, _ = await asyncio.wait(asks | {pause},
                                                  return_when=asyncio.FIRST_COMPLETED)
@@ -743,10 +744,7 @@ class ReplicatedService:
 
     async def _call(self, method: str, args: tuple, kwargs: dict,
                     session: Session | None = None, pin: ServiceId | None = None) -> Any:
-        if self._table_time < 0:
-            await self._load_table()
-        else:
-            self._maybe_refresh()
+        await self._ready_table()
         try:
             payload = pack((args, kwargs), "payload")
         except TypeError as e:  # the caller's mistake: nothing to re-send
@@ -1049,6 +1047,16 @@ class LostInFlight(OSError):
 def _consume(fut: asyncio.Future) -> None:
     if not fut.cancelled():
         fut.exception()
+
+
+@dataclass
+class _Wakers:
+    """The calls waiting through a handle for a replica of a service at zero, on one
+    event loop, and the task asking the scheduler for them (``_wake``)."""
+
+    callers: int = 0
+    joined: asyncio.Event = field(default_factory=asyncio.Event)  # set as callers join
+    task: asyncio.Future | None = None
 
 
 def _idle(task: asyncio.Future | None) -> bool:

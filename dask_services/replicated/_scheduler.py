@@ -414,14 +414,13 @@ class Deployments(SchedulerPlugin):
                         dep.failed_removal = self._spawn(dep, self._scale_down(dep, 0))
                     return {"status": "error", "error": m.last_error,
                             "exception": dep.errors.get(failed[0])}
+                superseded = entry.superseded.is_set()
+                if not superseded:  # none healthy: the waiting calls decide at once
+                    self._autoscale(dep, loop.time())
                 left = deadline - loop.time()
-                if left <= 0 or entry.superseded.is_set():
-                    if not entry.superseded.is_set():
-                        self._autoscale(dep, loop.time())
+                if left <= 0 or superseded:
                     return {"status": "pending", "why": "; ".join(
                         f"{m.id}: {_why_not_healthy(m)}" for m in active.values())}
-                # none healthy: the waiting calls (these added) decide at once
-                self._autoscale(dep, loop.time())
                 await _first_set((dep.changed, entry.superseded), left)
         finally:
             if dep.waiting.get(key) is entry:

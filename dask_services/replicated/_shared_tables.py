@@ -8,7 +8,8 @@ handles that reach the scheduler through the same ``Worker`` or ``Client`` (thei
 and a handle with no table yet takes the one another handle got less than
 ``refresh-interval`` ago (as old as a busy handle's own table may be).  A handle that
 needs the table as it is now (a call failed, a replica was woken, a fan-out, a scale)
-joins only a fetch sent after it knew it needed one.  A table saying the service is gone
+joins only a fetch sent after it knew it needed one (or its own handle's under way, as a
+handle's calls share theirs).  A table saying the service is gone
 is never taken from here: a handle sees that itself.
 """
 
@@ -58,12 +59,14 @@ async def fetch(owner: Any, scheduler: Any, name: str, uid: str | None,
         entry = entries[key] = _Entry()
         while len(entries) > KEPT:
             entries.popitem(last=False)
-    if entry.fetching is None or entry.fetching.done() or entry.sent < sent_after:
+    if entry.fetching is None or entry.fetching.done() or entry.sent <= sent_after:
         entry.sent = time.monotonic()
         entry.fetching = asyncio.ensure_future(
             _fetch(entry, scheduler, name, uid, entry.sent))
+        from dask_services.replicated._handle import _consume  # the handle imports this
+
         # retrieved here too: every handle awaiting it may have been cancelled
-        entry.fetching.add_done_callback(lambda f: f.cancelled() or f.exception())
+        entry.fetching.add_done_callback(_consume)
     entries.move_to_end(key)
     return await asyncio.shield(entry.fetching)
 

@@ -412,10 +412,7 @@ class Stream:
         delay = config_seconds("retry-backoff")
         max_delay = config_seconds("retry-backoff-max")
         connect_timeout = config_seconds("connect-timeout")
-        if h._table_time < 0:
-            await h._load_table()
-        else:
-            h._maybe_refresh()
+        await h._ready_table()
         try:
             payload = pack((self._args, self._kwargs), "payload")
         except TypeError as e:  # the caller's mistake: nothing to re-send
