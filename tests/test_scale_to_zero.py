@@ -8,6 +8,7 @@ import collections
 import os
 import re
 import tempfile
+from unittest import mock
 
 import dask
 import pytest
@@ -25,6 +26,13 @@ pytestmark = pytest.mark.timeout(60)
 EXT = "dask_services_replicated"
 TO_ZERO = {"min_replicas": 0, "max_replicas": 2, "target_ongoing_requests": 1,
            "upscale_delay": "60s", "downscale_delay": "100ms"}
+
+
+def asking_every(seconds: float):
+    """Waiting calls ask the scheduler again every ``seconds`` (``WAKE_ASK_S``)."""
+    from dask_services.replicated import _handle
+
+    return mock.patch.object(_handle, "WAKE_ASK_S", seconds)
 
 
 def count_wake_asks(s) -> list[int]:
@@ -193,11 +201,7 @@ async def test_scale_zero_is_refused_without_min_replicas_zero(c, s, *workers):
 
 @cluster(config=FAST)
 async def test_a_cancelled_call_stops_counting_in_the_load(c, s, *workers):
-    from dask_services.replicated import _handle
-
-    asked = _handle.WAKE_ASK_S
-    _handle.WAKE_ASK_S = 0.2  # how often a waiting call asks the scheduler again
-    try:
+    with asking_every(0.2):
         svc = await Adder.options(name="cancelled-wake", autoscaling={
             **TO_ZERO, "initial_replicas": 0}).as_service(
             1, setup_gate="held-setup", client=c)
@@ -208,8 +212,6 @@ async def test_a_cancelled_call_stops_counting_in_the_load(c, s, *workers):
         await async_poll_for(lambda: dep.callers_waiting == 0, timeout=10)
         GATES["held-setup"].set()
         await svc.shutdown()
-    finally:
-        _handle.WAKE_ASK_S = asked
     await assert_nothing_left(s, workers)
 
 
@@ -313,11 +315,7 @@ async def test_the_calls_waiting_for_a_wake_share_their_asks_to_the_scheduler(
 
 @cluster(config=FAST)
 async def test_waiting_calls_cancelled_one_by_one_stop_counting(c, s, *workers):
-    from dask_services.replicated import _handle
-
-    asked = _handle.WAKE_ASK_S
-    _handle.WAKE_ASK_S = 0.2  # how often the waiting calls ask the scheduler again
-    try:
+    with asking_every(0.2):
         svc = await Adder.options(name="cancelled-shared-wake", autoscaling={
             **TO_ZERO, "initial_replicas": 0}).as_service(
             1, setup_gate="held-shared-setup", client=c)
@@ -335,8 +333,6 @@ async def test_waiting_calls_cancelled_one_by_one_stop_counting(c, s, *workers):
         GATES["held-shared-setup"].set()
         assert await call == 6
         await svc.shutdown()
-    finally:
-        _handle.WAKE_ASK_S = asked
     await assert_nothing_left(s, workers)
 
 
