@@ -433,7 +433,7 @@ def test_metrics_quantiles():
 def test_a_handle_whose_client_was_closed_says_what_to_do_without_another():
     from distributed import default_client
 
-    from dask_services.replicated._handle import Transport
+    from dask_services.replicated._transport import Transport
 
     class ClosedClientTransport(Transport):
         def closed(self) -> bool:

@@ -30,9 +30,9 @@ TO_ZERO = {"min_replicas": 0, "max_replicas": 2, "target_ongoing_requests": 1,
 
 def asking_every(seconds: float):
     """Waiting calls ask the scheduler again every ``seconds`` (``WAKE_ASK_S``)."""
-    from dask_services.replicated import _handle
+    from dask_services.replicated import _waking
 
-    return mock.patch.object(_handle, "WAKE_ASK_S", seconds)
+    return mock.patch.object(_waking, "WAKE_ASK_S", seconds)
 
 
 def count_wake_asks(s) -> list[int]:

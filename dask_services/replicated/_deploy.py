@@ -11,14 +11,11 @@ from distributed.protocol import pickle
 from dask_services._config_check import check_config
 from dask_services._lazy_arguments import computed_arguments, lazy_arguments
 from dask_services._messages import loads_exception
+from dask_services.replicated._background import consume
 from dask_services.replicated._errors import DeploymentError, ServiceShutdown
-from dask_services.replicated._handle import (
-    ClientTransport,
-    ReplicatedService,
-    _consume,
-    check_names,
-)
+from dask_services.replicated._handle import ReplicatedService, check_names
 from dask_services.replicated._options import ReplicaOptions, config_seconds, unconfigured
+from dask_services.replicated._transport import ClientTransport
 from dask_services.service import Service, check_instance_attributes
 
 # What the framework sets on every replica (``_worker.py``; ``rank``, ``world_size`` and
@@ -142,4 +139,4 @@ def _send_shutdown(scheduler: Any, name: str, uid: str) -> None:
                                                                    timeout=0))
     _abandoned.add(shutdown)
     shutdown.add_done_callback(_abandoned.discard)
-    shutdown.add_done_callback(_consume)  # a shutdown that could not be sent: not logged
+    shutdown.add_done_callback(consume)  # a shutdown that could not be sent: not logged

@@ -10,7 +10,6 @@ through the worker they are on.
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import collections
 import concurrent.futures
@@ -21,7 +20,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import dask.config
@@ -31,6 +30,7 @@ from dask_services._lazy_arguments import lazy_arguments
 from dask_services._messages import loads_exception
 from dask_services.config import setting
 from dask_services.replicated import _shared_tables as shared_tables
+from dask_services.replicated._background import consume, idle
 from dask_services.replicated._errors import (
     EndpointRefused,
     ServiceOverloaded,
@@ -45,6 +45,8 @@ from dask_services.replicated._options import (
 )
 from dask_services.replicated._routing import LeastLoaded, ReplicaView, make_router
 from dask_services.replicated._streaming import Stream
+from dask_services.replicated._transport import ClientTransport, Transport, current_transport
+from dask_services.replicated._waking import Waking
 from dask_services.replicated._watch import ReplacementWatch
 from dask_services.replicated._wire import pack, unpack
 from dask_services.service import ServiceId
@@ -57,105 +59,8 @@ def _bad_scale(n: Any) -> ValueError:
         "min_replicas: 0)")
 
 
-# the calls waiting for a service scaled to zero ask the scheduler again this often, so
-# that callers that went away stop counting in the autoscaler's load within that time
-WAKE_ASK_S = 2.0
-# ... and at once when more calls join, but not more often than this (calls made one by
-# one, from tasks starting in turn, are counted together)
-WAKE_JOIN_S = 0.05
-
 _session: contextvars.ContextVar[Session | None] = contextvars.ContextVar(
     "dask_services_replicated_session", default=None)
-
-
-# ------------------------------------------------------------------ transports
-
-
-class Transport(abc.ABC):
-    """How a handle reaches the scheduler and the workers from where it lives."""
-
-    loop: asyncio.AbstractEventLoop
-    pool: Any  # distributed ConnectionPool
-    scheduler: Any  # rpc to the scheduler
-    owner: Any  # the Client or Worker (handles through the same one share tables)
-
-    def closed(self) -> bool:
-        """Whether what this transport goes through was closed (a closed ``Client``)."""
-        return False
-
-    def in_loop(self) -> bool:
-        """Whether the caller runs on this transport's event loop (async code)."""
-        try:
-            return asyncio.get_running_loop() is self.loop
-        except RuntimeError:
-            return False
-
-    def sync(self, fn: Callable[..., Coroutine], *args: Any, timeout: float | None = None,
-             **kwargs: Any) -> Any:
-        """Run ``fn`` on the loop: a coroutine in async code, the result otherwise."""
-        if self.in_loop():
-            return fn(*args, **kwargs)
-        cf = asyncio.run_coroutine_threadsafe(fn(*args, **kwargs), self.loop)
-        try:
-            return cf.result(timeout)
-        except concurrent.futures.TimeoutError:
-            if cf.done():  # the coroutine's own TimeoutError (the same class on 3.11+)
-                raise
-            cf.cancel()
-            raise TimeoutError(
-                f"{getattr(fn, '__name__', fn)} took longer than {timeout} s") from None
-
-    async def request(self, comm: Any, address: str, op: str, **kwargs: Any) -> Any:
-        """One request to a worker's handler ``op`` on ``comm``, a pooled connection."""
-        try:
-            return await send_recv(comm=comm, op=op, **kwargs)
-        finally:
-            self.pool.reuse(address, comm)
-
-
-def _connect(transport: Transport, owner: Any) -> None:
-    """Loop, connection pool and scheduler rpc of a ``Client`` or a ``Worker``."""
-    transport.owner = owner
-    transport.loop = owner.loop.asyncio_loop
-    transport.pool = owner.rpc
-    transport.scheduler = owner.scheduler
-
-
-class ClientTransport(Transport):
-    """Through a ``Client`` (sync or async)."""
-
-    def __init__(self, client: Any) -> None:
-        self.client = client
-        _connect(self, client)
-
-    def closed(self) -> bool:
-        return self.client.status in ("closing", "closed")
-
-
-class WorkerTransport(Transport):
-    """Through the worker a task or a replica runs on."""
-
-    def __init__(self, worker: Any) -> None:
-        self.worker = worker
-        _connect(self, worker)
-
-
-def current_transport() -> Transport:
-    """The worker this code runs on, else the default client."""
-    from distributed import default_client
-    from distributed.worker import get_worker
-
-    try:
-        return WorkerTransport(get_worker())
-    except ValueError:
-        pass
-    try:
-        return ClientTransport(default_client())
-    except ValueError:
-        raise ValueError(
-            "a replicated service handle needs a Client or a worker to talk through: "
-            "create a distributed.Client first"
-        ) from None
 
 
 # ------------------------------------------------------------------ calls
@@ -171,7 +76,7 @@ class Call:
         self._cf: concurrent.futures.Future | None = None
         if transport.in_loop():
             self._task = asyncio.ensure_future(coro)
-            self._task.add_done_callback(_consume)  # no "never retrieved" noise if dropped
+            self._task.add_done_callback(consume)  # no "never retrieved" noise if dropped
         else:
             self._cf = asyncio.run_coroutine_threadsafe(coro, transport.loop)
 
@@ -466,11 +371,7 @@ class ReplicatedService:
         # calls to one replica made in the same turn of the event loop, sent as one message
         self._outbox: dict[ServiceId, list[tuple[dict, asyncio.Future]]] = {}
         self._watch_every: float | None = None  # seconds between ReplacementWatch checks
-        # calls waiting for a replica of the service at zero (``_wake``)
-        self._wakers: _Wakers | None = None
-        self._last_ask: asyncio.Future | None = None  # at the calls' deadline (``_wake``)
-        self._wake_asks = 0  # asks sent (each ask's number, newer ones replacing older)
-        self._asker = uuid.uuid4().hex  # this handle, to the scheduler's count of waiters
+        self._waking = Waking()  # calls waiting for a replica of the service at zero
 
     # -------------------------------------------------------- plumbing
 
@@ -532,7 +433,7 @@ class ReplicatedService:
         """The table as it is now: a fetch sent from here on (or this handle's own under
         way, as a handle's calls share theirs); with ``now=False``, any fetch under way
         through this handle's worker or client will do."""
-        if _idle(self._refreshing):
+        if idle(self._refreshing):
             self._refreshing = asyncio.ensure_future(
                 self._fetch_table(sent_after=time.monotonic() if now else -math.inf))
         await asyncio.shield(self._refreshing)
@@ -583,104 +484,14 @@ class ReplicatedService:
             asyncio.get_running_loop()
         except RuntimeError:
             return
-        if _idle(self._refreshing):
+        if idle(self._refreshing):
             self._refreshing = asyncio.ensure_future(self._fetch_table())
-            self._refreshing.add_done_callback(_consume)
+            self._refreshing.add_done_callback(consume)
 
     async def _wake(self) -> bool:
-        """For a call that found no healthy replica: if the service scales to zero,
-        wait until it has one (scaled up from zero at once, the caller counted in its
-        load) and refresh the table; False if it does not scale to zero.  Raises what
-        the replicas' setup raised, or ``ServiceUnavailable`` after
-        ``dask_services.replicated.deploy-timeout``.
-
-        The calls waiting on this handle ask the scheduler together (``_ask_awake``):
-        one long poll saying how many wait, instead of one per call (a burst of
-        thousands of calls at zero opened a connection to the scheduler each)."""
-        if not self._scales_to_zero:
-            return False
-        timeout = config_seconds("deploy-timeout")
-        wakers = self._wakers
-        if wakers is None or _idle(wakers.task):
-            wakers = self._wakers = _Wakers()  # on this loop
-            wakers.task = asyncio.ensure_future(self._ask_awake(wakers))
-            wakers.task.add_done_callback(_consume)
-        else:
-            wakers.joined.set()
-        waking = wakers.task
-        wakers.callers += 1
-        try:
-            # not cancelled with this caller: the others still wait on it
-            await asyncio.wait({waking}, timeout=timeout)
-        finally:
-            wakers.callers -= 1
-        if waking.done():
-            return waking.result()
-        # this caller's deadline: one last ask, answered at once, for the state now
-        # (healthy just in time, or what each replica waits for), shared by the calls
-        # whose deadlines come together (a burst's all do)
-        if _idle(self._last_ask):
-            self._last_ask = asyncio.ensure_future(
-                self._management("replicated_wake", timeout=0))
-            self._last_ask.add_done_callback(_consume)
-        result = await asyncio.shield(self._last_ask)
-        if result.get("status") == "pending":
-            raise ServiceUnavailable(
-                f"no replica of {self.name} healthy {timeout:g} s after a call found it "
-                "scaled to zero (dask_services.replicated.deploy-timeout): "
-                f"{result.get('why')}")
-        await self._refresh()
-        return result.get("status") == "ok"
-
-    async def _ask_awake(self, wakers: _Wakers) -> bool:
-        """Ask the scheduler, for the calls waiting in ``_wake``, until a replica is
-        healthy (True; the table refreshed) or the service does not scale to zero
-        (False); raise what the scheduler answers with an error.  Each ask is a long poll
-        of ``WAKE_ASK_S`` counting the callers waiting when it was sent; when more join,
-        a new ask with the new count takes the place of the last (the scheduler counts
-        the newest of each handle).  Stops once no caller waits."""
-        loop = asyncio.get_running_loop()
-        asks: set[asyncio.Future] = set()
-        newest: asyncio.Future | None = None
-        sent, sent_at = 0, -math.inf
-        try:
-            while wakers.callers > 0:
-                joined = wakers.callers > sent
-                if newest is None or (joined and loop.time() >= sent_at + WAKE_JOIN_S):
-                    sent, sent_at = wakers.callers, loop.time()
-                    self._wake_asks += 1
-                    newest = asyncio.ensure_future(self._management(
-                        "replicated_wake", timeout=WAKE_ASK_S, callers=sent,
-                        asker=self._asker, seq=self._wake_asks))
-                    asks.add(newest)
-                    joined = False
-                wakers.joined.clear()
-                if joined:  # more callers than the newest ask counts: ask again soon
-                    pause = asyncio.ensure_future(
-                        asyncio.sleep(sent_at + WAKE_JOIN_S - loop.time()))
-                else:  # ... once more join (callers that leave stop counting at the
-                    # next ask, within WAKE_ASK_S)
-                    pause = asyncio.ensure_future(wakers.joined.wait())
-                try:
-                    done, _ = await asyncio.wait(asks | {pause},
-                                                 return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    pause.cancel()
-                for ask in done - {pause}:
-                    asks.discard(ask)
-                    if ask is not newest and ask.exception() is not None:
-                        continue  # a replaced ask's failure: the newest answers for all
-                    result = ask.result()
-                    if result.get("status") != "pending":
-                        await self._refresh()
-                        return result.get("status") == "ok"
-                    if ask is newest:
-                        newest = None  # timed out: asked again while callers wait
-            return False
-        finally:
-            for ask in asks:
-                ask.cancel()
-                ask.add_done_callback(_consume)
+        """For a call that found no healthy replica: wait for one if the service scales
+        to zero (``_waking``); False if it does not."""
+        return await self._waking.wait(self)
 
     def _learn(self, replicas: list) -> None:
         """The healthy replicas the scheduler told of with a call given back (``[id,
@@ -875,7 +686,7 @@ class ReplicatedService:
         if self._outbox.get(target.id) is box:
             del self._outbox[target.id]
         task = asyncio.ensure_future(self._deliver(target, box))
-        task.add_done_callback(_consume)
+        task.add_done_callback(consume)
 
     async def _deliver(self, target: _Replica, box: list[tuple[dict, asyncio.Future]]) -> None:
         """Send the calls of ``box``; each answer goes to its caller as it arrives (the
@@ -1042,28 +853,6 @@ class ReplicatedService:
 class LostInFlight(OSError):
     """The connection broke after the call was sent: the replica may have been running
     it (its worker died, perhaps of the call)."""
-
-
-def _consume(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()
-
-
-@dataclass
-class _Wakers:
-    """The calls waiting through a handle for a replica of a service at zero, on one
-    event loop, and the task asking the scheduler for them (``_wake``)."""
-
-    callers: int = 0
-    joined: asyncio.Event = field(default_factory=asyncio.Event)  # set as callers join
-    task: asyncio.Future | None = None
-
-
-def _idle(task: asyncio.Future | None) -> bool:
-    """Whether a handle's shared task (a refresh, a wake) must be started anew: none, or
-    done, or left on another event loop (one stopped without cancelling its tasks: the
-    handle now talks through another client)."""
-    return task is None or task.done() or task.get_loop() is not asyncio.get_running_loop()
 
 
 # What ``svc.<name>`` finds on the handle itself, which an endpoint may not be named.

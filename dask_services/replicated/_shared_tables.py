@@ -23,6 +23,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from dask_services.replicated._background import consume
+
 # services whose tables are kept per owner (the least recently fetched dropped first)
 KEPT = 256
 
@@ -63,10 +65,8 @@ async def fetch(owner: Any, scheduler: Any, name: str, uid: str | None,
         entry.sent = time.monotonic()
         entry.fetching = asyncio.ensure_future(
             _fetch(entry, scheduler, name, uid, entry.sent))
-        from dask_services.replicated._handle import _consume  # the handle imports this
-
         # retrieved here too: every handle awaiting it may have been cancelled
-        entry.fetching.add_done_callback(_consume)
+        entry.fetching.add_done_callback(consume)
     entries.move_to_end(key)
     return await asyncio.shield(entry.fetching)
 

@@ -14,6 +14,8 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any
 
+from dask_services.replicated._background import consume
+
 if TYPE_CHECKING:
     from dask_services.replicated._handle import ReplicatedService, _Replica
 
@@ -36,10 +38,8 @@ class ReplacementWatch:
                                                             self._due)
 
     def _due(self) -> None:
-        from dask_services.replicated._handle import _consume  # the handle imports this
-
         self._check = asyncio.ensure_future(self._look())
-        self._check.add_done_callback(_consume)
+        self._check.add_done_callback(consume)
 
     async def _look(self) -> None:
         with contextlib.suppress(Exception):
