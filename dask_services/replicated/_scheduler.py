@@ -29,7 +29,7 @@ from tornado.ioloop import PeriodicCallback
 from dask_services._messages import dumps_exception
 from dask_services._run_state import new_stimulus_id
 from dask_services.config import setting
-from dask_services.replicated import _adaptive
+from dask_services.replicated import _adaptive, _placement
 from dask_services.replicated import _lifecycle as lc
 from dask_services.replicated._autoscale import AutoscalePolicy, AutoscalingConfig, Decision
 from dask_services.replicated._gang import incarnation_of, rank_id
@@ -1002,77 +1002,17 @@ class Deployments(SchedulerPlugin):
         if tasks:
             await asyncio.wait(tasks, timeout=timeout)
 
-    def _used(self) -> dict[str, dict[str, float]]:
-        """Resources that placed ranks hold on each worker (``options(resources=...)`` is
-        per rank, and held while the rank is placed, and while it is stopped: until its
-        instance is gone)."""
-        holders = [(w, resources) for (w, _), resources in self._held_by_stops.items()]
-        holders += [(w, d.resources) for d in self.deployments.values() if d.resources
-                    for m in d.slots.values() for w in m.workers]
-        used: dict[str, dict[str, float]] = {}
-        for w, resources in holders:
-            held = used.setdefault(w, {})
-            for k, v in resources.items():
-                held[k] = held.get(k, 0) + v
-        return used
-
     def _eligible(self, dep: Deployment) -> list[WorkerState]:
-        out = []
-        used = self._used() if dep.resources else {}
-        limit = dep.max_replicas_per_worker
-        mine: dict[str, int] = {}
-        if limit is not None:
-            for m in dep.slots.values():
-                for w in m.workers:
-                    mine[w] = mine.get(w, 0) + 1
-        for ws in self.scheduler.workers.values():
-            if ws.status != Status.running:
-                continue
-            if limit is not None and mine.get(ws.address, 0) >= limit:
-                continue
-            if dep.workers is not None and ws.address not in dep.workers \
-                    and str(ws.name) not in dep.workers:
-                continue
-            if dep.resources:
-                held = used.get(ws.address, {})
-                if any(ws.resources.get(k, 0) - held.get(k, 0) < v
-                       for k, v in dep.resources.items()):
-                    continue
-            out.append(ws)
-        return out
+        used = (_placement.resources_held(self.deployments.values(), self._held_by_stops)
+                if dep.resources else {})
+        return _placement.eligible_workers(dep, self.scheduler.workers.values(), used)
 
     def _place(self, dep: Deployment,
                exclude: frozenset[str]) -> tuple[list[str] | None, str]:
-        """Workers for every rank of a replica at once, all distinct, or (None, why): a
-        replica never holds some workers while it waits for others, so replicas competing
-        for too few workers cannot deadlock.  The eligible workers with the fewest
-        replicas of this service, then of all, are chosen; ``exclude`` (the workers a
-        replica is leaving) only when there is no other choice."""
-        size = dep.procs_per_replica
-        eligible = self._eligible(dep)
-        if len(eligible) < size:
-            needs = [f"workers={list(dep.workers)}"] if dep.workers else []
-            if dep.resources:
-                needs.append(f"resources={dep.resources} free")
-            if dep.max_replicas_per_worker is not None:
-                needs.append(f"fewer than {dep.max_replicas_per_worker} replicas of "
-                             f"{dep.name} (max_replicas_per_worker)")
-            running = sum(ws.status == Status.running for ws in self.scheduler.workers.values())
-            what = f"{size} workers at once" if size > 1 else "a worker"
-            return None, (f"waiting for {what}{' with ' + ', '.join(needs) if needs else ''}"
-                          f": {len(eligible)} eligible of {running} running")
-        mine: dict[str, int] = {}
-        total: dict[str, int] = {}
-        for d in self.deployments.values():
-            for m in d.slots.values():
-                for w in m.workers:
-                    total[w] = total.get(w, 0) + 1
-                    if d is dep:
-                        mine[w] = mine.get(w, 0) + 1
-        ranked = sorted(eligible, key=lambda ws: (ws.address in exclude,
-                                                  mine.get(ws.address, 0),
-                                                  total.get(ws.address, 0), ws.address))
-        return [ws.address for ws in ranked[:size]], ""
+        """Workers for every rank of a replica at once (``_placement.place``)."""
+        running = sum(ws.status == Status.running for ws in self.scheduler.workers.values())
+        return _placement.place(dep, self.deployments.values(), self._eligible(dep),
+                                running, exclude)
 
     async def _start_rank(self, dep: Deployment, sid: Any, rank: int,
                           ranks: list[tuple[str, str]]) -> dict:
