@@ -40,7 +40,7 @@ KEYS: dict[str, tuple[str, float, bool]] = {
     "rechunk.merge-region-max": ("size", 0, False),
     "rechunk.bytes-in-flight": ("size", 1, False),
     "rechunk.pairs-per-task": ("count", 1, False),
-    "replicated.health-check-period": ("duration", 1e-3, False),
+    "replicated.health-check-period": ("duration", 0, False),  # 0: no probes
     "replicated.health-check-timeout": ("duration", 1e-3, False),
     "replicated.setup-attempts": ("count", 1, False),
     "replicated.setup-timeout": ("duration", 0, False),

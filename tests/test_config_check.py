@@ -57,7 +57,8 @@ def test_a_bad_value_names_its_key_and_what_it_should_be(key, data):
 @pytest.mark.parametrize("key, value", [
     ("unproduced-timeout", None), ("unproduced-timeout", False), ("threads", None),
     ("restarts", 0), ("replicated.call-retries", 0), ("hand-off-buffer", 0),
-    ("stop-grace", 0), ("shuffle.buffer-fraction", 1), ("replicated.deploy-timeout", 12),
+    ("stop-grace", 0), ("replicated.health-check-period", 0), ("shuffle.buffer-fraction", 1),
+    ("replicated.deploy-timeout", 12),
     ("rechunk.slice-saving", "1 KiB"), ("restarts", "4"), ("threads", "2"),
     ("threads", 2.0),
 ])

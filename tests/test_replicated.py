@@ -616,6 +616,25 @@ async def test_failed_health_probe_relaunches_the_replica(c, s, *workers):
     await assert_nothing_left(s, workers)
 
 
+@cluster(config={"dask_services.replicated.health-check-period": 0,
+                 "dask_services.replicated.refresh-interval": 0})
+async def test_a_health_check_period_of_zero_turns_probes_off(c, s, *workers):
+    from dask_services.replicated._handle import WATCH_FLOOR_S
+
+    svc = await Adder.options(replicas=1).as_service(7, client=c)
+    plugin = s.extensions["dask_services_replicated"]
+    assert plugin._probe is None
+    # a sick replica is not probed, so stays; calls go on reaching it
+    await svc.make_sick.route()
+    assert await svc.add.route(1) == 8
+    assert [r["state"] for r in await svc.replicas()] == ["healthy"]
+    # a call's watch for a replaced replica does not run without pause
+    assert svc._watch_period() == WATCH_FLOOR_S
+    assert await svc.slow_add.route(1, 0.2) == ((await svc.whoami.route()), 8)
+    await svc.shutdown()
+    await assert_nothing_left(s, workers)
+
+
 @cluster()
 async def test_retiring_a_worker_moves_its_replica(c, s, *workers):
     svc = await Adder.options(replicas=2).as_service(1, client=c)

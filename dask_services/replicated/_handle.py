@@ -59,6 +59,10 @@ def _bad_scale(n: Any) -> ValueError:
         "min_replicas: 0)")
 
 
+# how often a delivery checks its replica was not replaced, when the config would have it
+# check without pause (``_watch_period``)
+WATCH_FLOOR_S = 2.0
+
 _session: contextvars.ContextVar[Session | None] = contextvars.ContextVar(
     "dask_services_replicated_session", default=None)
 
@@ -399,10 +403,11 @@ class ReplicatedService:
 
     def _watch_period(self) -> float:
         """How often a delivery checks that its replica was not replaced (read once: the
-        config values are parsed strings)."""
+        config values are parsed strings).  With probes off and the table refreshed for
+        every call (both 0), every ``WATCH_FLOOR_S``, not in a loop."""
         if self._watch_every is None:
             self._watch_every = max(config_seconds("health-check-period"),
-                                    config_seconds("refresh-interval"))
+                                    config_seconds("refresh-interval")) or WATCH_FLOOR_S
         return self._watch_every
 
     def __getattr__(self, name: str) -> Endpoint:
