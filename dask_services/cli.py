@@ -483,7 +483,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     problem = (_cli_status.bad_argument(args) if args.command == "status"
                else _bad_argument(args))
     if problem is None and args.command == "bench":
-        problem = _not_applicable(args, p_bench)
+        problem = _not_applicable(args, _given(parser, p_bench, argv))
     if problem is not None:
         {"bench": p_bench, "demo": p_demo, "status": p_status}[args.command].error(problem)
     return int(args.func(args))
@@ -507,19 +507,33 @@ BENCH_OPTIONS = {
 }
 
 
-def _not_applicable(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
-    """An option given (not at its default) that the chosen benchmark does not read: it
-    would be ignored without a word (``bench overhead --sizes 1GB``)."""
+def _given(parser: argparse.ArgumentParser, sub: argparse.ArgumentParser,
+           argv: Sequence[str] | None) -> set[str]:
+    """The options of the subcommand parser ``sub`` given on the command line, whatever
+    their values (``--scale 1`` too, though 1 is its default): ``argv`` parsed again with
+    ``sub``'s defaults left out."""
+    saved = [(action, action.default) for action in sub._actions]
+    try:
+        for action, _ in saved:
+            action.default = argparse.SUPPRESS
+        return set(vars(parser.parse_args(argv)))
+    finally:
+        for action, default in saved:
+            action.default = default
+
+
+def _not_applicable(args: argparse.Namespace, given: set[str]) -> str | None:
+    """An option given that the chosen benchmark does not read: it would be ignored
+    without a word (``bench overhead --sizes 1GB``, ``bench rechunk --scale 1``)."""
     takes = BENCH_OPTIONS[args.what]
-    given = [name for name, value in vars(args).items()
-             if name not in ("command", "what", "func", *takes)
-             and value != parser.get_default(name)]
-    if not given:
+    ignored = [name for name in vars(args) if name in given
+               and name not in ("command", "what", "func", *takes)]
+    if not ignored:
         return None
-    names = ", ".join("--" + name.replace("_", "-") for name in given)
+    names = ", ".join("--" + name.replace("_", "-") for name in ignored)
     options = ", ".join("--" + name.replace("_", "-") for name in takes)
-    return (f"{names} {'does' if len(given) == 1 else 'do'} not apply to bench {args.what}, "
-            f"which takes {options}")
+    return (f"{names} {'does' if len(ignored) == 1 else 'do'} not apply to bench "
+            f"{args.what}, which takes {options}")
 
 
 def _bad_argument(args: argparse.Namespace) -> str | None:

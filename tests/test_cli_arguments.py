@@ -27,6 +27,10 @@ pytestmark = pytest.mark.timeout(60)
     (["bench", "shuffle", "--local-size", "1GB"], "--local-size does not apply"),
     (["bench", "rechunk", "--no-tiny"], "--no-tiny does not apply to bench rechunk"),
     (["bench", "queries", "--reuse-workers"], "--reuse-workers does not apply"),
+    # ... even at its default value (which would start the benchmark)
+    (["bench", "rechunk", "--scale", "1"], "--scale does not apply to bench rechunk"),
+    (["bench", "overhead", "--methods", "service,p2p,tasks", "--no-tiny"],
+     "--no-tiny, --methods do not apply to bench overhead"),
     (["bench", "replicated", "--calls", "0"], "--calls must be at least 1"),
     (["bench", "rechunk", "--chunks", "-5"], "--chunks must be 0"),
     (["bench", "shuffle", "--sizes", "abc"], "--sizes and --local-size take sizes"),
