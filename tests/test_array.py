@@ -16,7 +16,7 @@ from dask.core import flatten
 from distributed import wait
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from utils import assert_errs, assert_nothing_left, service_cluster
+from utils import assert_nothing_left, service_cluster
 
 import dask_services
 
@@ -381,25 +381,41 @@ def test_copy_and_merge_tasks_keep_the_chunks_dtype_and_promote_mixed_ones(new):
     np.testing.assert_array_equal(got, expected)
 
 
+@pytest.mark.parametrize("tiny_buffer", [False, True])
 @service_cluster(timeout=90)
-async def test_chunks_of_mixed_dtypes_assembled_in_place_fail_clearly_or_promote(c, s, a, b):
-    """An output chunk written in place takes the dtype of its first piece to arrive; a later
-    piece that cannot be cast into it without loss fails the run with a TypeError naming the
-    fix, never a chunk of truncated values."""
+async def test_chunks_of_mixed_dtypes_are_promoted_whichever_piece_arrives_first(
+        c, s, a, b, tiny_buffer):
+    """An output chunk written in place is allocated with the dtype of its first piece to
+    arrive; a later piece that cannot be cast into it without loss is set aside and the
+    chunk promoted once complete, so every chunk has numpy's promotion of its pieces'
+    dtypes, as chunks assembled from buffered pieces do (it failed the run, or not,
+    depending on which piece came first)."""
     base = np.arange(120 * 48).reshape(120, 48)
-    with service_for_local_rechunks():
+    settings = {"dask_services.rechunk.buffer-fraction": 1e-9} if tiny_buffer else {}
+    with service_for_local_rechunks(), dask.config.set(settings):
         y = da.from_array(base, chunks=(12, 8)).map_blocks(_halved_where_odd, dtype="i8")
         expected = np.concatenate([base[i:i + 12] / (2 if i // 12 % 2 else 1)
                                    for i in range(0, 120, 12)])
-        fut = c.compute(y.rechunk((120, 1), method="service"))
-        await wait(fut)
-        if fut.status == "error":
-            error = await assert_errs(fut, TypeError, "input chunks of dtypes int64 and float64")
-            assert ".astype()" in str(error)
-        else:
-            np.testing.assert_array_equal(await fut, expected)
-    del fut
+        for _ in range(3):
+            blocks = await c.gather(c.compute(list(
+                y.rechunk((120, 1), method="service").to_delayed().ravel())))
+            assert {b.dtype for b in blocks} == {np.dtype("f8")}
+            np.testing.assert_array_equal(np.concatenate(blocks, axis=1), expected)
+        del blocks
     await assert_nothing_left(s, [a, b])
+
+
+def test_pieces_set_aside_are_written_into_the_promoted_chunk_or_fail_clearly():
+    from dask_services.array._service import promoted
+
+    chunk = np.zeros((2, 4), "i4")
+    chunk[:, :2] = [[1, 2], [3, 4]]
+    out = promoted(chunk, [((0, 2), np.array([[0.5, 1.5], [2.5, 3.5]]))], (0, 0))
+    assert out.dtype == np.float64 and out.flags.c_contiguous and out.flags.writeable
+    np.testing.assert_array_equal(out, [[1, 2, 0.5, 1.5], [3, 4, 2.5, 3.5]])
+    structured = np.zeros(1, [("a", "i4")])
+    with pytest.raises(TypeError, match=r"no common dtype.*\.astype\(\)"):
+        promoted(structured, [((0,), np.zeros(1, [("b", "f8")]))], (0,))
 
 
 @pytest.mark.parametrize("lane", [True, False])

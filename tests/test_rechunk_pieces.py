@@ -121,10 +121,26 @@ def test_write_into_writes_every_piece_where_it_goes():
     owner = {(0, j): "peer" for j in range(4)}
     batches = [pieces_by_destination(block, (0, 0), overlaps, owner, "here")["peer"]]
     outputs = {j: np.full((6, new[1][j[1]]), -1.0) for j in output_indices(batches)}
-    written = write_into(outputs, batches)
+    written, aside = write_into(outputs, batches)
     assert sorted(written) == [((0, j), 6 * new[1][j] * 8) for j in range(4)]
+    assert aside == []
     np.testing.assert_array_equal(np.concatenate([outputs[(0, j)] for j in range(4)], axis=1),
                                   block)
+
+
+def test_write_into_sets_aside_copies_of_the_pieces_that_do_not_fit_their_chunk():
+    """A float piece for an integer chunk is not truncated into it: it is set aside (a copy,
+    not a view holding the received buffer) for the chunk's promotion."""
+    block = np.arange(60).reshape(6, 10)
+    ints = [((0, 0), (0, 0), block[:, :5]), ((0, 1), (0, 0), block[:, 5:])]
+    floats = [(j, offset, piece / 2) for j, offset, piece in ints]
+    outputs = {j: np.zeros((6, 5), "i8") for j, _, _ in ints}
+    written, aside = write_into(outputs, [floats[:1], ints[1:]])
+    assert [j for j, _ in written] == [(0, 0), (0, 1)]
+    assert len(aside) == 1 and aside[0][0] == (0, 0) and aside[0][2].base is None
+    np.testing.assert_array_equal(aside[0][2], floats[0][2])
+    assert not outputs[(0, 0)].any()  # nothing truncated into it
+    np.testing.assert_array_equal(outputs[(0, 1)], np.arange(60).reshape(6, 10)[:, 5:])
 
 
 def test_packed_pieces_travel_as_one_frame_where_arrays_travel_as_one_each():

@@ -256,18 +256,32 @@ def pieces_dtype(declared: Any, pieces: list[tuple[tuple[int, ...], np.ndarray]]
     return chunk_dtype(np.dtype(declared), (piece.dtype for _, piece in pieces))
 
 
-def written_as(piece: np.dtype, chunk: np.dtype, j: Index) -> None:
-    """Check that a piece of dtype ``piece`` can be written into output chunk ``j``, of
-    dtype ``chunk`` (allocated with the dtype of its first piece to arrive), losing
-    nothing; a clear error where the array's chunks have dtypes that do not allow it."""
-    if piece != chunk and not np.can_cast(piece, chunk, "safe"):
+def fits(piece: np.dtype, chunk: np.dtype) -> bool:
+    """Whether a piece of dtype ``piece`` can be written into an output chunk of dtype
+    ``chunk`` (allocated with the dtype of its first piece to arrive) losing nothing."""
+    return piece == chunk or np.can_cast(piece, chunk, "safe")
+
+
+def promoted(chunk: np.ndarray, aside: list[tuple[tuple[int, ...], np.ndarray]],
+             j: Index) -> np.ndarray:
+    """Output chunk ``j``, written in place, with the pieces set aside because they did
+    not fit its dtype (``fits``): a copy of it in numpy's promotion of all its pieces'
+    dtypes (what a chunk of buffered pieces gets, whichever piece arrived first), with
+    them written in; a clear error where there is none (structured dtypes)."""
+    dtypes = {chunk.dtype, *(piece.dtype for _, piece in aside)}
+    try:
+        dtype = np.result_type(*dtypes)
+    except TypeError:
         raise TypeError(
-            f"rechunk: output chunk {j} is made of input chunks of dtypes {chunk} and "
-            f"{piece}; writing one into the other would change values. The array's chunks "
+            f"rechunk: output chunk {j} is made of input chunks of dtypes "
+            f"{sorted(map(str, dtypes))}, which have no common dtype. The array's chunks "
             "do not all have one dtype (a map_blocks returning other dtypes than its "
             "dtype= says?): make them agree (.astype()) before the rechunk, or use "
             "method='tasks'"
-        )
+        ) from None
+    out = chunk.astype(dtype)
+    write_pieces([(out, offset, piece) for offset, piece in aside])
+    return out
 
 
 def merge_blocks(shape: tuple[float, ...], dtype: np.dtype, offsets: list[tuple[int, ...]],
@@ -485,17 +499,19 @@ def output_indices(batches: list[list[Piece | PackedPieces]]) -> dict[Index, np.
 
 
 def write_into(outputs: dict[Index, np.ndarray], batches: list[list[Piece | PackedPieces]]
-               ) -> list[tuple[Index, int]]:
+               ) -> tuple[list[tuple[Index, int]], list[Piece]]:
     """Every piece of ``batches`` written at its offset into its output chunk; returns
-    each piece's output index and bytes."""
-    written = []
+    each piece's output index and bytes, and (copied) the pieces whose dtype does not fit
+    their output's (``fits``), to be written once it is promoted (``promoted``)."""
+    written, aside = [], []
     for j, offset, piece in unpacked(batches, copy=False):
         out = outputs[j]
-        if piece.dtype != out.dtype:
-            written_as(piece.dtype, out.dtype, j)
-        out[region(offset, piece.shape)] = piece
+        if fits(piece.dtype, out.dtype):
+            out[region(offset, piece.shape)] = piece
+        else:
+            aside.append((j, offset, np.array(piece, copy=True)))
         written.append((j, piece_bytes(piece)))
-    return written
+    return written, aside
 
 
 def output_shape(shape: tuple[float, ...], pieces: list[tuple[tuple[int, ...], np.ndarray]]
@@ -655,6 +671,8 @@ class ArrayRechunk(PeerExchange):
                                      self.buffer.limit) else None
         )
         self.written: dict[Index, int] = {}
+        # pieces of output chunks written in place whose dtype did not fit the chunk's
+        self.aside: dict[Index, list[tuple[tuple[int, ...], np.ndarray]]] = {}
 
     async def all_started(self) -> None:
         for j, n in self.expected.items():
@@ -713,15 +731,20 @@ class ArrayRechunk(PeerExchange):
         direct: list[tuple[Index, int]] = []
         # a chunk takes the dtype of its first piece (the graph's meta may say another); a
         # later piece of another dtype (chunks of the array that differ) is read into an
-        # array of its own and cast on writing, where that loses nothing
+        # array of its own and cast on writing where that loses nothing, else set aside
+        # until the chunk is complete and promoted
         casts: list[tuple[np.ndarray, np.ndarray]] = []
+        aside: list[Piece] = []
         for m, shape, dtype in zip(meta, incoming.shapes, incoming.dtypes, strict=True):
             if m[0] == "piece":
                 destination = self._output(m[1], dtype)[region(m[2], shape)]
                 if destination.dtype != dtype:
-                    written_as(dtype, destination.dtype, m[1])
-                    casts.append((destination, np.empty(shape, dtype)))
-                    destination = casts[-1][1]
+                    piece = np.empty(shape, dtype)
+                    if fits(dtype, destination.dtype):
+                        casts.append((destination, piece))
+                    else:
+                        aside.append((m[1], m[2], piece))
+                    destination = piece
                 direct.append((m[1], int(destination.nbytes)))
             else:
                 destination = np.empty(shape, dtype)
@@ -729,6 +752,7 @@ class ArrayRechunk(PeerExchange):
         await incoming.read_into(destinations)
         for chunk_region, piece in casts:
             chunk_region[...] = piece
+        self._set_aside(aside)
         packed = [PackedPieces(m[2], m[1], a)
                   for m, a in zip(meta, destinations, strict=True) if m[0] == "packed"]
         del destinations, casts
@@ -743,8 +767,18 @@ class ArrayRechunk(PeerExchange):
         """``batches`` written into their outputs (in place), on the event loop if small."""
         outputs = {j: self._output(j, dtype) for j, dtype in output_indices(batches).items()}
         if count <= WRITE_ON_LOOP_PIECES and nbytes <= WRITE_ON_LOOP_MAX:
-            return write_into(outputs, batches)
-        return await self.concierge.run_in_executor(write_into, outputs, batches)
+            written, aside = write_into(outputs, batches)
+        else:
+            written, aside = await self.concierge.run_in_executor(write_into, outputs,
+                                                                  batches)
+        self._set_aside(aside)
+        return written
+
+    def _set_aside(self, aside: list[Piece]) -> None:
+        """Pieces whose dtype does not fit their output chunk's, kept until it is complete
+        (``promoted``)."""
+        for j, offset, piece in aside:
+            self.aside.setdefault(j, []).append((offset, piece))
 
     async def receive(self, batches: list[list[Piece | PackedPieces]]) -> None:
         """Pieces of this instance's output chunks, some of them packed (``PackedPieces``).
@@ -815,6 +849,10 @@ class ArrayRechunk(PeerExchange):
             chunk = self._output(j)  # allocated here if it has no piece (an empty chunk)
             del self.outputs[j]
             self.written.pop(j, None)
+            aside = self.aside.pop(j, None)
+            if aside:
+                chunk = await self.concierge.run_in_executor(promoted, chunk, aside, j)
+                del aside
             await self.concierge.produce_key(self.key_of[j], chunk)
             return
         async with self.one_at_a_time:
@@ -855,6 +893,6 @@ class ArrayRechunk(PeerExchange):
         for task in list(getattr(self, "assembling", ())):
             task.cancel()
         if getattr(self, "outputs", None) is not None:
-            self.outputs, self.written = {}, {}
+            self.outputs, self.written, self.aside = {}, {}, {}
         await super().stop()
 
