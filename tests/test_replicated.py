@@ -9,7 +9,7 @@ import pickle
 
 import pytest
 from distributed import Client
-from distributed.utils_test import async_poll_for, gen_cluster
+from distributed.utils_test import async_poll_for, captured_logger, gen_cluster
 from replicated_services import (
     GATES,
     Adder,
@@ -633,6 +633,45 @@ async def test_a_health_check_period_of_zero_turns_probes_off(c, s, *workers):
     assert await svc.slow_add.route(1, 0.2) == ((await svc.whoami.route()), 8)
     await svc.shutdown()
     await assert_nothing_left(s, workers)
+
+
+@cluster()
+async def test_a_closing_worker_answers_a_late_start_as_lost_without_a_traceback(
+        c, s, *workers):
+    """A closing cluster closes its workers one by one; the scheduler relaunches the first
+    ones' replicas on workers it does not know are closing too, whose replica plugin may
+    have closed already: the start is answered as lost, not logged by distributed as a
+    missing handler with a traceback."""
+    svc = await Adder.options(replicas=2).as_service(0, client=c)
+    w = workers[0]
+    plugin = w.extensions["dask_services_replicated"]
+    close, answers = plugin.close, []
+
+    async def close_then_asked_to_start():
+        await close()
+        answers.append(await s.rpc(w.address).replicated_start(
+            id="late.0", name=svc.name, blob=b"", max_concurrency=1, max_queued=1,
+            setup_timeout=1, peers_of=svc.name))
+
+    plugin.close = close_then_asked_to_start
+    with captured_logger("distributed.core") as log:
+        await w.close()
+    assert answers == [{"status": "lost", "error": f"worker {w.address} is closing"}]
+    assert "No handler" not in log.getvalue()
+    assert await svc.add.route(1) == 1
+    await svc.shutdown()
+    await assert_nothing_left(s, workers[1:])
+
+
+@cluster()
+async def test_a_replica_plugin_torn_down_on_running_workers_leaves_no_handler(
+        c, s, *workers):
+    svc = await Adder.options(replicas=2).as_service(0, client=c)  # plugins installed
+    await svc.shutdown()
+    for w in workers:  # as distributed tears a worker plugin down
+        await w.extensions["dask_services_replicated"].teardown(w)
+        assert not [name for name in w.handlers if name.startswith("replicated_")]
+        assert "dask_services_replicated" not in w.extensions
 
 
 @cluster()

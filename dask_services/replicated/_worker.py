@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from distributed.core import Status
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import pickle
 
@@ -50,6 +51,7 @@ EXTENSION = "dask_services_replicated"  # the worker and the scheduler extension
 HANDLERS = ("replicated_start", "replicated_stop", "replicated_call", "replicated_health",
             "replicated_stats", "replicated_rank_call", "replicated_rank_rpc",
             "replicated_stream", "replicated_calls", "replicated_shed")
+WORKER_CLOSING = (Status.closing, Status.closed, Status.failed)
 
 
 @dataclass(eq=False)
@@ -95,6 +97,7 @@ class ReplicaWorker(WorkerPlugin):
 
     def __init__(self) -> None:
         self.replicas: dict[ServiceId, HostedReplica] = {}
+        self.closed = False  # no replica starts here any more
 
     def setup(self, worker: Worker) -> None:
         """Install the RPC handlers and the extension on ``worker``."""
@@ -113,12 +116,18 @@ class ReplicaWorker(WorkerPlugin):
 
     @worker_handler
     async def close(self) -> None:
-        """Stop every replica at once (the plugin is going away)."""
+        """Stop every replica at once (the plugin is going away).  The handlers are
+        removed, but on a closing worker: the scheduler may still send it a start or a
+        probe (it relaunches the replicas of the workers a closing cluster closed first,
+        on workers it does not know are closing too), which are answered, a start as
+        lost, rather than logged as a missing handler with a traceback."""
+        self.closed = True
         await asyncio.gather(*(self._stop(r, 0, ReplicaGone(
             f"replica {r.id} stopped: its worker is closing")) for r in list(
             self.replicas.values())), return_exceptions=True)
-        for name in HANDLERS:
-            self.worker.handlers.pop(name, None)
+        if self.worker.status not in WORKER_CLOSING:
+            for name in HANDLERS:
+                self.worker.handlers.pop(name, None)
 
     def heartbeat(self) -> list[dict]:
         """The replicas' figures, for ``Deployments.heartbeat`` on the scheduler
@@ -139,6 +148,8 @@ class ReplicaWorker(WorkerPlugin):
         from dask_services.replicated._handle import ReplicaPeers, ReplicatedService
         from dask_services.replicated._transport import WorkerTransport
 
+        if self.closed:
+            return {"status": "lost", "error": f"worker {self.worker.address} is closing"}
         sid = ServiceId(id)
         try:
             cls, args, kwargs, options = pickle.loads(blob)
