@@ -36,6 +36,10 @@ class Buffers:
     __slots__ = ("arrays",)
 
     def __init__(self, arrays: Sequence[np.ndarray]) -> None:
+        if isinstance(arrays, np.ndarray):
+            raise TypeError(
+                "Buffers takes a list of numpy arrays, got one array: write "
+                "Buffers([array])")
         arrays = list(arrays)
         for i, a in enumerate(arrays):
             if not isinstance(a, np.ndarray):

@@ -106,7 +106,7 @@ def status_command(args: argparse.Namespace) -> int:
         print(f"dask-services status: could not reach the scheduler at {where} within "
               f"{args.timeout}: {reason}", file=sys.stderr)
         return 1
-    columns = [c for c in args.columns.split(",") if c]
+    columns = [c.strip() for c in args.columns.split(",") if c.strip()]
     unknown = [c for c in columns if c not in frame.columns]
     if unknown:
         print(f"dask-services status: the {args.table!r} table has no column "

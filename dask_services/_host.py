@@ -700,6 +700,10 @@ class ServiceHost:
 def _refusal(cls: type, method: str) -> str:
     if not isinstance(method, str) or method.startswith("_"):
         return f"peer method {method!r} refused: private names cannot be called on peers"
+    if not callable(getattr(cls, method, None)):
+        rpcs = sorted(name for name in dir(cls) if is_rpc_method(cls, name))
+        return (f"{cls.__name__} has no method {method!r} to call on peers (its @rpc "
+                f"methods: {rpcs})")
     return (
         f"{cls.__name__}.{method} is not callable by peers: only methods marked with "
         "@dask_services.rpc are"

@@ -175,7 +175,12 @@ def service_task(service_class: type[Service], inputs: Sequence[Any] | Any, *,
             )
         input_keys.extend(flatten(obj.__dask_keys__()))
     if len(set(input_keys)) != len(input_keys):
-        raise ServiceGraphError("the same input key was given twice to service_task()")
+        seen: set = set()
+        twice = next(k for k in input_keys if k in seen or seen.add(k))
+        raise ServiceGraphError(
+            f"the input key {twice!r} was given twice to service_task(); give each input "
+            "once (client.submit is pure by default: the same function and arguments "
+            "make the same key, pass pure=False for distinct ones)")
     service_key, definition = _definition(
         service_class, input_keys, outputs, params, placement, name, participants
     )

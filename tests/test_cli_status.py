@@ -63,7 +63,8 @@ def test_runs_table_is_the_apis(cluster_with_services, capsys):
 
 def test_table_columns_and_text(cluster_with_services, capsys):
     address, _ = cluster_with_services
-    code, out, _ = _status([address, "--columns", "service,state,outputs_produced"],
+    # spaces after the commas, as people write lists
+    code, out, _ = _status([address, "--columns", "service, state, outputs_produced"],
                            capsys)
     assert code == 0
     header, row = out.strip().splitlines()

@@ -124,3 +124,56 @@ def test_the_benchmarks_cluster_uses_a_long_tcp_timeout(monkeypatch):
             assert sock.getsockopt(socket.SOL_TCP, TCP_USER_TIMEOUT) == wanted
         assert dask.config.get("distributed.comm.timeouts.tcp") == cli.BENCH_TCP_TIMEOUT
     assert dask.config.get("distributed.comm.timeouts.tcp") != cli.BENCH_TCP_TIMEOUT
+
+
+class _TypoInPeerCall(dask_services.Service):
+    async def all_inputs_done(self) -> None:
+        for peer in self.peers.values():
+            await peer.recieve()  # a typo for receive
+
+    @dask_services.rpc
+    async def receive(self) -> int:
+        return 1
+
+
+def test_a_peer_call_to_a_method_the_class_lacks_names_the_rpc_methods_it_has():
+    import dask
+
+    with pytest.raises(dask_services.RPCRefused,
+                       match=r"_TypoInPeerCall has no method 'recieve' to call on peers "
+                             r"\(its @rpc methods: \['receive'\]\)"):
+        dask.compute(*dask_services.service_task(_TypoInPeerCall, [], outputs=1),
+                     scheduler="sync")
+
+
+def test_misused_arguments_are_named_with_the_fix():
+    import dask
+    import dask.array  # noqa: F401
+    import numpy as np
+
+    from dask_services import Buffers, ServiceGraphError
+    from dask_services.array import rechunk
+    from dask_services.examples import AllReduce
+
+    x = dask.delayed(1, name="twice")
+    with pytest.raises(ServiceGraphError, match=r"input key 'twice' was given twice.*"
+                                                r"pure=False"):
+        dask_services.service_task(AllReduce, [x, x], outputs=1)
+    with pytest.raises(TypeError, match=r"a list of numpy arrays, got one array: write "
+                                        r"Buffers\(\[array\]\)"):
+        Buffers(np.ones(3))
+    with pytest.raises(TypeError, match=r"takes a dask Array, got numpy.ndarray; make one "
+                                        r"with dask.array.from_array"):
+        rechunk(np.ones(3), 2)
+
+
+@pytest.mark.parametrize("replicas, message", [
+    (-1, r"options\(replicas=...\) must be an integer >= 1, got -1$"),
+    ("2", r"must be an integer >= 1, got '2'$"),
+    (0, r"must be an integer >= 1, got 0; to stop a service call svc.shutdown\(\)"),
+])
+def test_a_bad_replica_count_gets_one_message(replicas, message):
+    from replicated_services import Adder
+
+    with pytest.raises(ValueError, match=message):
+        Adder.options(replicas=replicas)

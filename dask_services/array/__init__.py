@@ -23,8 +23,16 @@ def rechunk(x: Any, chunks: Any = "auto", *, block_size_limit: Any = None,
     equal ``x.rechunk(chunks, method="tasks")``; every result chunk is a new, writeable,
     C-ordered numpy array.
     """
+    import dask.array as da
+
     from dask_services.client import _maybe_install_default_client
 
+    if not isinstance(x, da.Array):
+        raise TypeError(
+            f"dask_services.array.rechunk takes a dask Array, got "
+            f"{type(x).__module__}.{type(x).__qualname__}; make one with "
+            f"dask.array.from_array(x, chunks=...)"
+        )
     _maybe_install_default_client()
     return service_rechunk(x, chunks, block_size_limit=block_size_limit, balance=balance)
 

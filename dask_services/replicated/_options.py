@@ -143,16 +143,15 @@ class ReplicaOptions:
     max_replicas_per_worker: int | None = None
 
     def __post_init__(self) -> None:
-        for field, low in (("replicas", 0), ("max_concurrency", 1), ("max_queued", 0),
+        for field, low in (("replicas", 1), ("max_concurrency", 1), ("max_queued", 0),
                            ("procs_per_replica", 1)):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                stop = ("; to stop a service call svc.shutdown()"
+                        if field == "replicas" and value == 0 else "")
                 raise ValueError(
-                    f"options({field}=...) must be an integer >= {low}, got {value!r}"
+                    f"options({field}=...) must be an integer >= {low}, got {value!r}{stop}"
                 )
-        if self.replicas < 1:
-            raise ValueError(f"options(replicas=...) must be >= 1, got {self.replicas}; "
-                             "to stop a service call svc.shutdown()")
         if self.workers is not None:
             if isinstance(self.workers, (str, int)) or not isinstance(
                     self.workers, Iterable) or not all(
