@@ -151,3 +151,18 @@ def test_packed_pieces_travel_as_one_frame_where_arrays_travel_as_one_each():
     assert len(frames) >= 200
     header, frames = serialize([[PackedPieces.of(pieces)]], serializers=("dask", "pickle"))
     assert len(frames) <= 3
+
+
+def test_a_dtype_of_no_bytes_rechunks_as_p2p_does():
+    """``np.dtype([])`` has itemsize 0: its packed pieces have no bytes to view (the
+    receiver failed with numpy's "changing to a smaller dtype" error)."""
+    import dask.array as da
+
+    empty = np.dtype([])
+    pieces = [((0, j), (0, 0), np.zeros((2, 5), empty)) for j in range(2)]
+    out = PackedPieces.of(pieces).pieces(copy=False)
+    assert [(j, piece.shape, piece.dtype) for j, _, piece in out] == [
+        ((0, 0), (2, 5), empty), ((0, 1), (2, 5), empty)]
+    x = da.from_array(np.zeros((12, 10), empty), chunks=(2, 10))
+    got = x.rechunk((12, 2), method="service").compute(scheduler="sync")
+    assert got.shape == (12, 10) and got.dtype == empty

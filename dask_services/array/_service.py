@@ -377,7 +377,10 @@ class PackedPieces:
     def pieces(self, copy: bool) -> list[Piece]:
         out = []
         start = 0
-        typed = self.buffer.view(self.dtype)
+        typed = (self.buffer.view(self.dtype) if self.dtype.itemsize
+                 # a dtype of no bytes (np.dtype([])): nothing to view, nothing to read
+                 else np.empty(sum(math.prod(shape) for _, _, shape in self.index),
+                               self.dtype))
         for j, offset, shape in self.index:
             end = start + math.prod(shape)
             piece = typed[start:end].reshape(shape)
