@@ -40,7 +40,7 @@ KEYS: dict[str, tuple[str, float, bool]] = {
     "rechunk.merge-region-max": ("size", 0, False),
     "rechunk.bytes-in-flight": ("size", 1, False),
     "rechunk.pairs-per-task": ("count", 1, False),
-    "replicated.health-check-period": ("duration", 0, False),  # 0: no probes
+    "replicated.health-check-period": ("duration", 1e-3, False),  # or 0: no probes
     "replicated.health-check-timeout": ("duration", 1e-3, False),
     "replicated.setup-attempts": ("count", 1, False),
     "replicated.setup-timeout": ("duration", 0, False),
@@ -69,6 +69,8 @@ _WHAT = {
 }
 
 _MISSING = object()
+# durations whose 0 turns something off (else at least their least value)
+ZERO_TURNS_OFF = frozenset({"replicated.health-check-period"})
 
 
 def as_count(value: Any) -> int:
@@ -125,6 +127,7 @@ def _problem(kind: str, least: float, value: Any) -> str | None:
         return _WHAT[kind]
     if number < least:
         bound = "at least 1" if kind == "count" and least == 1 else (
+            f"at least {least * 1000:g} ms" if kind == "duration" and least > 0 else
             "positive" if least > 0 else "not negative")
         return f"{_WHAT[kind]}, {bound}"
     return None
@@ -148,6 +151,10 @@ def check_key(key: str) -> None:
     problem = _problem(kind, least, value)
     if problem is None:
         return
+    if key in ZERO_TURNS_OFF and _problem(kind, 0, value) is None:
+        if float(parse_timedelta(value)) == 0:
+            return
+        problem += " (or 0, to turn it off)"
     raise ValueError(  # every key has a packaged default (tested)
         f"config value {full}={value!r} is not valid: it should be {problem}"
         f"{' or null' if nullable else ''} (default {packaged_default(key)!r}); fix it "

@@ -82,3 +82,14 @@ def test_bad_config_fails_when_the_graph_is_built():
             df.shuffle("a", shuffle_method="service").optimize()
         with pytest.raises(ValueError, match="dask_services.restarts='three'"):
             AllReduce.options(replicas=1).as_service()
+
+
+@pytest.mark.parametrize("value", ["1us", 1e-6, "0.5ms"])
+def test_a_period_that_zero_turns_off_is_still_refused_below_a_millisecond(value):
+    """``health-check-period: 0`` turns probes off; a microsecond would probe (and watch
+    calls) without pause."""
+    with dask.config.set({"dask_services.replicated.health-check-period": value}):
+        with pytest.raises(ValueError, match=r"at least 1 ms \(or 0, to turn it off\)"):
+            check_config()
+    with dask.config.set({"dask_services.replicated.health-check-period": "0s"}):
+        check_config()

@@ -445,3 +445,32 @@ def test_a_handle_whose_client_was_closed_says_what_to_do_without_another():
     with pytest.raises(ValueError, match="the Client that service svc's handle used was "
                                          "closed; create a distributed.Client"):
         svc.replicas()
+
+
+def test_rank_calls_on_a_worker_whose_replicas_closed_are_answered_at_once():
+    """A rank call for a rank not started yet waits for its start; once the worker's
+    replicas are closed no start comes (they are refused), so waiting calls, and later
+    ones, are answered "gone" at once instead of after ``setup-timeout``."""
+    from types import SimpleNamespace
+
+    from distributed.core import Status
+
+    from dask_services.replicated import _gang
+    from dask_services.replicated._worker import ReplicaWorker
+
+    async def main():
+        ext = ReplicaWorker()
+        ext.worker = SimpleNamespace(address="tcp://w", status=Status.closing, handlers={},
+                                     extensions={})
+        waiting = asyncio.ensure_future(
+            _gang.rank_rpc(ext, "svc.0/1", 0, 0, "m", None, timeout=600))
+        while not _gang._arrivals(ext):  # the call waits for its rank to start
+            await asyncio.sleep(0)
+        await ext.close()
+        gone = {"status": "gone", "message": "rank svc.0/1 is not running on tcp://w"}
+        assert await asyncio.wait_for(waiting, 10) == gone
+        assert await asyncio.wait_for(
+            _gang.rank_rpc(ext, "svc.0/1", 0, 0, "m", None, timeout=600), 10) == gone
+        assert not _gang._arrivals(ext)
+
+    run(main())

@@ -158,11 +158,20 @@ def _arrivals(ext: ReplicaWorker) -> dict[ServiceId, list[asyncio.Future]]:
     return ext.__dict__.setdefault("_rank_arrivals", {})
 
 
+def no_more_arrivals(ext: ReplicaWorker) -> None:
+    """The worker's replicas are closed (``ReplicaWorker.close``): no rank will start here,
+    so the rank calls waiting for one are answered (``RankLost``) at once."""
+    for waiters in _arrivals(ext).values():
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+
 async def _instance(ext: ReplicaWorker, sid: ServiceId, timeout: float) -> HostedReplica:
     """Rank ``sid`` on this worker, waiting up to ``timeout`` for its start to arrive
     (ranks start at once; a peer call may come first)."""
     rep = ext.replicas.get(sid)
-    if rep is None:
+    if rep is None and not ext.closed:
         waiter = asyncio.get_running_loop().create_future()
         _arrivals(ext).setdefault(sid, []).append(waiter)
         try:

@@ -121,7 +121,10 @@ class ReplicaWorker(WorkerPlugin):
         probe (it relaunches the replicas of the workers a closing cluster closed first,
         on workers it does not know are closing too), which are answered, a start as
         lost, rather than logged as a missing handler with a traceback."""
+        from dask_services.replicated import _gang
+
         self.closed = True
+        _gang.no_more_arrivals(self)
         await asyncio.gather(*(self._stop(r, 0, ReplicaGone(
             f"replica {r.id} stopped: its worker is closing")) for r in list(
             self.replicas.values())), return_exceptions=True)
