@@ -383,13 +383,10 @@ def test_copy_and_merge_tasks_keep_the_chunks_dtype_and_promote_mixed_ones(new):
 
 @pytest.mark.parametrize("tiny_buffer", [False, True])
 @service_cluster(timeout=90)
-async def test_chunks_of_mixed_dtypes_are_promoted_whichever_piece_arrives_first(
-        c, s, a, b, tiny_buffer):
-    """An output chunk written in place is allocated with the dtype of its first piece to
-    arrive; a later piece that cannot be cast into it without loss is set aside and the
-    chunk promoted once complete, so every chunk has numpy's promotion of its pieces'
-    dtypes, as chunks assembled from buffered pieces do (it failed the run, or not,
-    depending on which piece came first)."""
+async def test_chunks_of_mixed_dtypes_are_promoted_on_a_cluster(c, s, a, b, tiny_buffer):
+    """Chunks of int64 and float64 pieces, written in place or buffered: every output chunk
+    is float64, with the values (in place it failed the run, or not, depending on which
+    piece came first; every order is in ``test_rechunk_pieces``)."""
     base = np.arange(120 * 48).reshape(120, 48)
     settings = {"dask_services.rechunk.buffer-fraction": 1e-9} if tiny_buffer else {}
     with service_for_local_rechunks(), dask.config.set(settings):
@@ -403,19 +400,6 @@ async def test_chunks_of_mixed_dtypes_are_promoted_whichever_piece_arrives_first
             np.testing.assert_array_equal(np.concatenate(blocks, axis=1), expected)
         del blocks
     await assert_nothing_left(s, [a, b])
-
-
-def test_pieces_set_aside_are_written_into_the_promoted_chunk_or_fail_clearly():
-    from dask_services.array._service import promoted
-
-    chunk = np.zeros((2, 4), "i4")
-    chunk[:, :2] = [[1, 2], [3, 4]]
-    out = promoted(chunk, [((0, 2), np.array([[0.5, 1.5], [2.5, 3.5]]))], (0, 0))
-    assert out.dtype == np.float64 and out.flags.c_contiguous and out.flags.writeable
-    np.testing.assert_array_equal(out, [[1, 2, 0.5, 1.5], [3, 4, 2.5, 3.5]])
-    structured = np.zeros(1, [("a", "i4")])
-    with pytest.raises(TypeError, match=r"no common dtype.*\.astype\(\)"):
-        promoted(structured, [((0,), np.zeros(1, [("b", "f8")]))], (0,))
 
 
 @pytest.mark.parametrize("lane", [True, False])

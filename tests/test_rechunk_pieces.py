@@ -166,3 +166,52 @@ def test_a_dtype_of_no_bytes_rechunks_as_p2p_does():
     x = da.from_array(np.zeros((12, 10), empty), chunks=(2, 10))
     got = x.rechunk((12, 2), method="service").compute(scheduler="sync")
     assert got.shape == (12, 10) and got.dtype == empty
+
+
+MIXED = [  # declared dtype, the dtypes of a chunk's three pieces
+    ("f8", ["f4", "f8", "f4"]),
+    ("i8", ["i8", "f8", "i4"]),
+    ("S3", ["S3", "S5", "U2"]),
+    ("u8", ["u8", "i8", "u1"]),
+    ([("a", "i4")], [[("a", "i4")], [("b", "i4")], [("a", "i4")]]),  # no common dtype
+    ("M8[ns]", ["M8[ns]", "f8", "M8[ns]"]),  # none either
+]
+
+
+@pytest.mark.parametrize("declared, dtypes", MIXED)
+def test_a_chunk_written_in_place_gets_the_buffered_chunks_dtype_in_every_order(
+        declared, dtypes):
+    """An output chunk written in place is allocated with the dtype of its first piece to
+    arrive; pieces that do not fit it are set aside and the chunk promoted once complete.
+    Whatever the order, it equals the chunk assembled from the same pieces buffered
+    (``chunk_dtype``: numpy's promotion, else the declared dtype), values and dtype."""
+    import itertools
+
+    from dask_services.array._service import fill, new_array, pieces_dtype, promoted
+
+    pieces = [((0, 2 * k), (np.arange(4) + 4 * k + 1).astype(dt).reshape(2, 2))
+              for k, dt in enumerate(map(np.dtype, dtypes))]
+    declared = np.dtype(declared)
+    expected = fill(new_array((2, 6), pieces_dtype(declared, pieces)), pieces)
+    for order in itertools.permutations(range(3)):
+        outputs = {(0, 0): np.zeros((2, 6), pieces[order[0]][1].dtype)}
+        aside = []
+        for k in order:
+            _, more = write_into(outputs, [[((0, 0), *pieces[k])]])
+            aside += [(offset, piece) for _, offset, piece in more]
+        got = promoted(outputs[(0, 0)], aside, declared, (0, 0)) if aside else outputs[(0, 0)]
+        assert got.dtype == expected.dtype, order
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_set_aside_regions_are_not_read_before_they_are_written():
+    """``promoted`` copies the chunk into the new dtype before writing the pieces set
+    aside: their regions, never written, must not be read (bytes left there by the
+    allocator failed the cast of a bytes chunk to str)."""
+    from dask_services.array._service import promoted
+
+    chunk = np.frombuffer(b"\xff" * 12, "S3").reshape(2, 2).copy()  # garbage, not ASCII
+    chunk[:, 0] = [b"ab", b"cd"]
+    out = promoted(chunk, [((0, 1), np.array([["x"], ["y"]], "U2"))], np.dtype("S3"), (0, 0))
+    assert out.dtype == np.dtype("U3")
+    assert out.tolist() == [["ab", "x"], ["cd", "y"]]

@@ -257,30 +257,41 @@ def pieces_dtype(declared: Any, pieces: list[tuple[tuple[int, ...], np.ndarray]]
 
 
 def fits(piece: np.dtype, chunk: np.dtype) -> bool:
-    """Whether a piece of dtype ``piece`` can be written into an output chunk of dtype
-    ``chunk`` (allocated with the dtype of its first piece to arrive) losing nothing."""
-    return piece == chunk or np.can_cast(piece, chunk, "safe")
+    """Whether a piece of dtype ``piece`` is written straight into an output chunk of
+    dtype ``chunk`` (allocated with the dtype of its first piece to arrive): where numpy
+    promotes the two to ``chunk`` (the cast loses nothing, and the chunk's dtype is the
+    one all its pieces would get).  Structured dtypes of other fields, and dtypes numpy
+    does not promote together, do not fit, whatever ``np.can_cast`` says."""
+    if piece == chunk:
+        return True
+    try:
+        return np.result_type(piece, chunk) == chunk
+    except TypeError:
+        return False
 
 
 def promoted(chunk: np.ndarray, aside: list[tuple[tuple[int, ...], np.ndarray]],
-             j: Index) -> np.ndarray:
+             declared: np.dtype, j: Index) -> np.ndarray:
     """Output chunk ``j``, written in place, with the pieces set aside because they did
-    not fit its dtype (``fits``): a copy of it in numpy's promotion of all its pieces'
-    dtypes (what a chunk of buffered pieces gets, whichever piece arrived first), with
-    them written in; a clear error where there is none (structured dtypes)."""
+    not fit its dtype (``fits``): a copy of it in the dtype a chunk of all its pieces
+    gets when they are buffered (``chunk_dtype``: numpy's promotion, or where there is
+    none the ``declared`` one), whichever piece arrived first, with them written in; a
+    clear error where a piece cannot be written into that dtype."""
+    for offset, piece in aside:  # never written: the copy must not read what is there
+        chunk[region(offset, piece.shape)] = np.zeros((), chunk.dtype)
     dtypes = {chunk.dtype, *(piece.dtype for _, piece in aside)}
+    dtype = chunk_dtype(declared, dtypes)
     try:
-        dtype = np.result_type(*dtypes)
-    except TypeError:
+        out = chunk.astype(dtype)
+        write_pieces([(out, offset, piece) for offset, piece in aside])
+    except (TypeError, ValueError) as e:
         raise TypeError(
             f"rechunk: output chunk {j} is made of input chunks of dtypes "
-            f"{sorted(map(str, dtypes))}, which have no common dtype. The array's chunks "
-            "do not all have one dtype (a map_blocks returning other dtypes than its "
-            "dtype= says?): make them agree (.astype()) before the rechunk, or use "
-            "method='tasks'"
+            f"{sorted(map(str, dtypes))}, which cannot all be written into {dtype} "
+            f"({e}). The array's chunks do not all have one dtype (a map_blocks returning "
+            "other dtypes than its dtype= says?): make them agree (.astype()) before the "
+            "rechunk, or use method='tasks'"
         ) from None
-    out = chunk.astype(dtype)
-    write_pieces([(out, offset, piece) for offset, piece in aside])
     return out
 
 
@@ -854,7 +865,10 @@ class ArrayRechunk(PeerExchange):
             self.written.pop(j, None)
             aside = self.aside.pop(j, None)
             if aside:
-                chunk = await self.concierge.run_in_executor(promoted, chunk, aside, j)
+                # the chunk, its pieces set aside and its promoted copy: one at a time
+                async with self.one_at_a_time:
+                    chunk = await self.concierge.run_in_executor(
+                        promoted, chunk, aside, np.dtype(self.dtype), j)
                 del aside
             await self.concierge.produce_key(self.key_of[j], chunk)
             return
