@@ -38,9 +38,10 @@ def test_a_replica_goes_where_its_service_has_fewest_then_where_all_have_fewest(
 
 
 def test_a_gang_takes_distinct_workers_all_at_once_or_none_with_the_reason():
-    dep = deployment("gang", ranks=3, workers=["a", "b"])
+    dep = deployment("gang", ranks=3)
     assert place(dep, [dep], [worker("a"), worker("b"), worker("c")], 3,
                  frozenset())[0] == ["a", "b", "c"]
+    dep.workers = ["a", "b"]  # (``place`` takes the eligible workers it is given)
     workers, why = place(dep, [dep], [worker("a"), worker("b")], 3, frozenset())
     assert workers is None
     assert why == "waiting for 3 workers at once with workers=['a', 'b']: 2 eligible of 3 running"
