@@ -174,13 +174,14 @@ def service_task(service_class: type[Service], inputs: Sequence[Any] | Any, *,
                 f"{type(obj).__name__}; wrap plain values with dask.delayed(value)"
             )
         input_keys.extend(flatten(obj.__dask_keys__()))
-    if len(set(input_keys)) != len(input_keys):
-        seen: set = set()
-        twice = next(k for k in input_keys if k in seen or seen.add(k))
-        raise ServiceGraphError(
-            f"the input key {twice!r} was given twice to service_task(); give each input "
-            "once (client.submit is pure by default: the same function and arguments "
-            "make the same key, pass pure=False for distinct ones)")
+    seen: set = set()
+    for key in input_keys:
+        if key in seen:
+            raise ServiceGraphError(
+                f"the input key {key!r} was given twice to service_task(); give each "
+                "input once (client.submit is pure by default: the same function and "
+                "arguments make the same key, pass pure=False for distinct ones)")
+        seen.add(key)
     service_key, definition = _definition(
         service_class, input_keys, outputs, params, placement, name, participants
     )
