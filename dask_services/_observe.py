@@ -19,7 +19,7 @@ from dask.typing import Key
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_services import _status
-from dask_services._run_state import RunSnapshot
+from dask_services._run_model import RunSnapshot
 from dask_services.scheduler import RunLogEntry, RunObserver
 from dask_services.worker import EXTENSION as CORE
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from dask_services._counters import COUNTERS, GAUGES
 from dask_services._metrics import RunTotals
-from dask_services._run_state import RunSnapshot
+from dask_services._run_model import RunSnapshot
 from dask_services.config import setting
 
 if TYPE_CHECKING:
@@ -154,7 +154,7 @@ class RunHistory:
 
     def logged(self, service: str, key: Key, action: str, run_id: int, detail: str,
                run: RunSnapshot | None, inputs: int, restarts: int) -> None:
-        """A log line of the state machine (see ``_run_state.Log``)."""
+        """A log line of the state machine (see ``_run_events.Log``)."""
         self.totals[service, action] = self.totals.get((service, action), 0) + 1
         if action == "started":
             self.aggregates.started(service)

@@ -33,7 +33,10 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 from distributed.protocol.serialize import ToPickle
 
+from dask_services import _run_events as run_events
+from dask_services import _run_model as run_model
 from dask_services import _run_state as rs
+from dask_services import _run_story as run_story
 from dask_services._host import InstanceSpec
 from dask_services._messages import dumps_exception, loads_exception
 from dask_services._streams import flush
@@ -62,14 +65,14 @@ UNPLACED_CLAIM_CHECK = 1.0
 
 @dataclass(frozen=True)
 class RunLogEntry:
-    """A run started, finished, failed, was restarted or cancelled (``_run_state.Log``)."""
+    """A run started, finished, failed, was restarted or cancelled (``_run_events.Log``)."""
 
     service: str  # the service class's name
     key: Key  # the service task
     action: str
     run_id: int
     detail: str
-    run: rs.RunSnapshot | None  # the service task's current run, if any
+    run: run_model.RunSnapshot | None  # the service task's current run, if any
     inputs: int
     restarts: int
 
@@ -88,7 +91,7 @@ class RunObserver:
         """``Service.counters()`` of instances on ``worker``, from its heartbeat
         (``_counters.py``)."""
 
-    def run_progressed(self, key: Key, run: rs.RunSnapshot) -> None:
+    def run_progressed(self, key: Key, run: run_model.RunSnapshot) -> None:
         """The current run of service task ``key`` changed (an event was handled)."""
 
 
@@ -135,7 +138,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         self._prefix = uuid.uuid4().hex[:6] + "-"
         self.observers: list[RunObserver] = []  # e.g. the diagnostics (``_observe.py``)
         # stories of forgotten service tasks: key -> their machine's stories
-        self.archive: OrderedDict[Key, OrderedDict[int | None, rs.RunStory]] = OrderedDict()
+        self.archive: OrderedDict[Key, OrderedDict[int | None, run_story.RunStory]] = OrderedDict()
         self.timers: set[asyncio.TimerHandle] = set()  # WatchUnproduced waits under way
 
     # ------------------------------------------------------------- set-up
@@ -217,7 +220,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                 # (``_register``): it was made for them, and nothing will ever need it
                 self.maybe_unneeded.add(ts.key)
                 self._later(self._forget_if_unneeded, ts.key,
-                            rs.new_stimulus_id("service-task-unneeded"))
+                            run_model.new_stimulus_id("service-task-unneeded"))
         orphans = []
         for key in tasks:
             ts = tasks_.get(key)
@@ -236,12 +239,12 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                 self._check_graph_rules(ts, keys)
         if orphans:
             self._later(self._forget_orphan_claims, orphans,
-                        rs.new_stimulus_id("orphan-claims"))
+                        run_model.new_stimulus_id("orphan-claims"))
         for service_key in {self.output_of[k] for k in tasks if k in self.output_of}:
             if service_key in self.machines and service_key in tasks_:
-                self._event(service_key, rs.OutputsWanted(
+                self._event(service_key, run_events.OutputsWanted(
                     self._wanted(service_key),
-                    stimulus_id=rs.new_stimulus_id("update-graph")))
+                    stimulus_id=run_model.new_stimulus_id("update-graph")))
         for key in tasks:
             if key in self.handoff_of:
                 self._restrict_handoff(tasks_[key])
@@ -349,8 +352,8 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             ts.key if isinstance(ts.run_spec, ServiceTaskSpec) else ts.run_spec.service_key
         )
         logger.error("dask_services: rejected graph: %s", problem)
-        self._event(service_key, rs.GraphRejected(
-            ServiceGraphError(problem), stimulus_id=rs.new_stimulus_id("update-graph")))
+        self._event(service_key, run_events.GraphRejected(
+            ServiceGraphError(problem), stimulus_id=run_model.new_stimulus_id("update-graph")))
 
     def _restrict_handoff(self, hts: TaskState) -> None:
         """Make a hand-off run where its input already lives."""
@@ -367,13 +370,13 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
 
     def transition(self, key: Key, start: str, finish: str, *args: Any,
                    stimulus_id: str = "", **kwargs: Any) -> None:
-        stimulus_id = stimulus_id or rs.new_stimulus_id("transition")
+        stimulus_id = stimulus_id or run_model.new_stimulus_id("transition")
         if key in self.machines:
             self._service_task_transition(key, start, finish, stimulus_id)
         elif key in self.handoff_of:
             if finish == "processing":
                 self._event(self.handoff_of[key],
-                            rs.HandOffScheduled(key, stimulus_id=stimulus_id))
+                            run_events.HandOffScheduled(key, stimulus_id=stimulus_id))
         elif key in self.output_of:
             self._output_transition(key, start, finish, stimulus_id)
         if finish == "memory" and key in self.handoffs_of_input:
@@ -390,10 +393,10 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         ts = self.scheduler.tasks[key]
         if finish == "processing":
             self.retries_left[key] = ts.retries
-            self._event(key, rs.ServiceTaskProcessing(ts.processing_on.address,
+            self._event(key, run_events.ServiceTaskProcessing(ts.processing_on.address,
                                                       stimulus_id=stimulus_id))
         elif start == "processing" and finish in ("memory", "erred"):
-            self._event(key, rs.ServiceTaskDone(erred=finish == "erred",
+            self._event(key, run_events.ServiceTaskDone(erred=finish == "erred",
                                                 stimulus_id=stimulus_id))
         elif start == "processing":
             worker = machine.task_worker
@@ -408,13 +411,13 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             # distributed takes one of its retries when it releases an erred task to run
             # it again (a stale execution's answer releases it without taking one)
             retried = ts.retries < self.retries_left.get(key, ts.retries)
-            self._event(key, rs.ServiceTaskReleased(
+            self._event(key, run_events.ServiceTaskReleased(
                 worker_gone=gone, still_wanted=wanted, inputs_kept=kept, retried=retried,
                 stimulus_id=stimulus_id))
         elif finish == "released" and not self._still_needed(key):
             # Not needed any more before it ran (every consumer erred on a sibling's
             # failure, say): a run started early, as its hand-offs ran, is cancelled.
-            self._event(key, rs.ServiceTaskReleased(
+            self._event(key, run_events.ServiceTaskReleased(
                 worker_gone=False, still_wanted=False, inputs_kept=True,
                 stimulus_id=stimulus_id))
 
@@ -426,10 +429,10 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                 # Landed: attach it to its service task again, so that if it is ever lost
                 # the scheduler recomputes it through a new run of the service task.
                 self._attach_again(service_key, key)
-                self._event(service_key, rs.OutputLanded(key, stimulus_id=stimulus_id))
+                self._event(service_key, run_events.OutputLanded(key, stimulus_id=stimulus_id))
             elif finish == "forgotten":
                 del self.cut[key]
-                self._event(service_key, rs.OutputLanded(key, stimulus_id=stimulus_id))
+                self._event(service_key, run_events.OutputLanded(key, stimulus_id=stimulus_id))
             elif finish == "erred" or (finish == "released" and not self._still_needed(key)):
                 # Erred (a consumer run by the claim raised, its retries used up), or
                 # nothing wants it any more before it landed (every consumer erred on a
@@ -444,9 +447,9 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                 # loss comes first).
                 self._check_unplaced(service_key, key, stimulus_id)
         elif finish in ("processing", "no-worker"):
-            self._event(service_key, rs.OutputUnproduced(key, stimulus_id=stimulus_id))
+            self._event(service_key, run_events.OutputUnproduced(key, stimulus_id=stimulus_id))
         elif finish == "waiting":
-            self._event(service_key, rs.OutputWaiting(key, stimulus_id=stimulus_id))
+            self._event(service_key, run_events.OutputWaiting(key, stimulus_id=stimulus_id))
 
     def _still_needed(self, key: Key) -> bool:
         """Whether a task waits for ``key`` or a client wants it."""
@@ -463,7 +466,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             # output that had its edge back): no machine decides any more, the value goes
             self._send(producer, {"op": "service-drop-output", "key": key})
             return
-        self._event(service_key, rs.OutputNotNeeded(key, producer, stimulus_id=stimulus_id))
+        self._event(service_key, run_events.OutputNotNeeded(key, producer, stimulus_id=stimulus_id))
 
     def _attach_again(self, service_key: Key, key: Key) -> str:
         """Give the claim of output ``key``, cut from its service task when produced, its
@@ -508,7 +511,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         self.unplaced.discard(key)
         if worker in self.scheduler.workers:  # waited too long: it lets go of the value
             self._send(worker, {"op": "service-drop-output", "key": key})
-        self._event(service_key, rs.OutputLost(key, stimulus_id=stimulus_id))
+        self._event(service_key, run_events.OutputLost(key, stimulus_id=stimulus_id))
 
     def _forget(self, key: Key, stimulus_id: str) -> None:
         if key in self.output_of:
@@ -531,7 +534,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                 self.unplaced.discard(key)
         elif key in self.machines:
             machine = self.machines[key]
-            self._event(key, rs.ServiceTaskForgotten(stimulus_id=stimulus_id))
+            self._event(key, run_events.ServiceTaskForgotten(stimulus_id=stimulus_id))
             del self.machines[key]
             self.retries_left.pop(key, None)
             self.archive[key] = machine.stories
@@ -575,9 +578,9 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
 
     def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str = "",
                       **kwargs: Any) -> None:
-        stimulus_id = stimulus_id or rs.new_stimulus_id("remove-worker")
+        stimulus_id = stimulus_id or run_model.new_stimulus_id("remove-worker")
         for key in list(self.machines):
-            self._event(key, rs.WorkerLost(worker, stimulus_id=stimulus_id))
+            self._event(key, run_events.WorkerLost(worker, stimulus_id=stimulus_id))
         tasks = self.scheduler.tasks
         for key, producer in list(self.cut.items()):
             ts = tasks.get(key)
@@ -594,9 +597,9 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         return [ws for ws in workers if ws.address not in in_use]
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
-        stimulus_id = rs.new_stimulus_id(f"add-worker-{worker}")
+        stimulus_id = run_model.new_stimulus_id(f"add-worker-{worker}")
         for key in list(self.machines):
-            self._event(key, rs.WorkerAdded(worker, stimulus_id=stimulus_id))
+            self._event(key, run_events.WorkerAdded(worker, stimulus_id=stimulus_id))
 
     # ------------------------------------------------------------- runs
 
@@ -664,7 +667,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             first_owner = self._next_owner % len(participants)
             self._next_owner += len(wanted)
         self._last_run_id += 1
-        event = rs.RunNeeded(
+        event = run_events.RunNeeded(
             run_id=self._last_run_id,
             id_prefix=self._prefix,
             participants=participants,
@@ -730,33 +733,33 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
     # ------------------------------------------------------------- worker messages
 
     def _on_started(self, service_key: Key, run_id: int, id: str, worker: str = "") -> None:
-        self._event(service_key, rs.InstanceStarted(
-            run_id, ServiceId(id), stimulus_id=rs.new_stimulus_id(f"service-started-{id}")))
+        self._event(service_key, run_events.InstanceStarted(
+            run_id, ServiceId(id), stimulus_id=run_model.new_stimulus_id(f"service-started-{id}")))
 
     def _on_handed_off(self, service_key: Key, run_id: int, key: Key, worker: str = "") -> None:
-        self._event(service_key, rs.InputHandedOff(
-            run_id, key, stimulus_id=rs.new_stimulus_id("service-handed-off")))
+        self._event(service_key, run_events.InputHandedOff(
+            run_id, key, stimulus_id=run_model.new_stimulus_id("service-handed-off")))
 
     def _on_produced(self, service_key: Key, run_id: int, key: Key, worker: str = "") -> None:
-        self._event(service_key, rs.OutputProduced(
-            run_id, key, worker, stimulus_id=rs.new_stimulus_id("service-produced")))
+        self._event(service_key, run_events.OutputProduced(
+            run_id, key, worker, stimulus_id=run_model.new_stimulus_id("service-produced")))
 
     def _on_failed(self, service_key: Key, run_id: int, exception: bytes,
                    worker: str = "") -> None:
-        self._event(service_key, rs.RunFailed(
+        self._event(service_key, run_events.RunFailed(
             run_id, loads_exception(exception),
-            stimulus_id=rs.new_stimulus_id(f"service-failed-{worker}")))
+            stimulus_id=run_model.new_stimulus_id(f"service-failed-{worker}")))
 
     def _on_restart(self, service_key: Key, run_id: int, reason: str, worker: str = "") -> None:
-        self._event(service_key, rs.RestartRequested(
-            run_id, reason, stimulus_id=rs.new_stimulus_id(f"service-restart-{worker}")))
+        self._event(service_key, run_events.RestartRequested(
+            run_id, reason, stimulus_id=run_model.new_stimulus_id(f"service-restart-{worker}")))
 
     def _on_hooks_returned(self, service_key: Key, run_id: int, id: str,
                            worker: str = "") -> None:
-        self._event(service_key, rs.HooksReturned(
-            run_id, ServiceId(id), stimulus_id=rs.new_stimulus_id(f"hooks-returned-{id}")))
+        self._event(service_key, run_events.HooksReturned(
+            run_id, ServiceId(id), stimulus_id=run_model.new_stimulus_id(f"hooks-returned-{id}")))
 
-    def _event(self, service_key: Key, event: rs.Event) -> None:
+    def _event(self, service_key: Key, event: run_events.Event) -> None:
         """Feed ``event`` to the machine of ``service_key`` (if it still has one) and carry
         out its actions."""
         machine = self.machines.get(service_key)
@@ -769,73 +772,73 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
 
     # ------------------------------------------------------------- actions
 
-    def _apply(self, service_key: Key, actions: list[rs.Action]) -> None:
+    def _apply(self, service_key: Key, actions: list[run_events.Action]) -> None:
         for action in actions:
             carry_out = self._ACTIONS.get(type(action))
             if carry_out is None:
                 raise TypeError(f"no way to carry out {action!r}")
             carry_out(self, service_key, action)
 
-    def _do_prepare_run(self, service_key: Key, action: rs.PrepareRun) -> None:
+    def _do_prepare_run(self, service_key: Key, action: run_events.PrepareRun) -> None:
         self._prepare_run(service_key, action.stimulus_id)
 
-    def _do_start(self, service_key: Key, action: rs.StartInstances) -> None:
+    def _do_start(self, service_key: Key, action: run_events.StartInstances) -> None:
         self._apply_start(service_key, action.run)
 
-    def _do_all_started(self, service_key: Key, action: rs.BroadcastAllStarted) -> None:
+    def _do_all_started(self, service_key: Key, action: run_events.BroadcastAllStarted) -> None:
         self._broadcast(action.run, "service-all-started")
 
-    def _do_inputs_done(self, service_key: Key, action: rs.BroadcastInputsDone) -> None:
+    def _do_inputs_done(self, service_key: Key, action: run_events.BroadcastInputsDone) -> None:
         self._broadcast(action.run, "service-inputs-done")
 
-    def _do_release(self, service_key: Key, action: rs.ReleaseOutput) -> None:
+    def _do_release(self, service_key: Key, action: run_events.ReleaseOutput) -> None:
         self._release_output(service_key, action.key, action.worker, action.stimulus_id)
 
-    def _do_drop(self, service_key: Key, action: rs.DropOutput) -> None:
+    def _do_drop(self, service_key: Key, action: run_events.DropOutput) -> None:
         self._send(action.worker, {"op": "service-drop-output", "key": action.key})
 
-    def _do_watch_unproduced(self, service_key: Key, action: rs.WatchUnproduced) -> None:
+    def _do_watch_unproduced(self, service_key: Key, action: run_events.WatchUnproduced) -> None:
         timeout = setting("unproduced-timeout")
         if timeout is None or timeout is False:
             return  # wait for ever, as asked
 
         def check() -> None:
             self.timers.discard(timer)
-            self._event(service_key, rs.UnproducedChecked(
+            self._event(service_key, run_events.UnproducedChecked(
                 action.run_id, action.produced,
-                stimulus_id=rs.new_stimulus_id("unproduced-checked")))
+                stimulus_id=run_model.new_stimulus_id("unproduced-checked")))
 
         timer = asyncio.get_running_loop().call_later(
             parse_timedelta(timeout), self._later, check)
         self.timers.add(timer)
 
-    def _do_stop(self, service_key: Key, action: rs.StopInstances) -> None:
+    def _do_stop(self, service_key: Key, action: run_events.StopInstances) -> None:
         self._apply_stop(action.run, action.reason)
 
-    def _do_notify(self, service_key: Key, action: rs.NotifyServiceTask) -> None:
+    def _do_notify(self, service_key: Key, action: run_events.NotifyServiceTask) -> None:
         # After the current transitions, so that the worker has the service task (its
         # compute-task message) before it hears the outcome.
         self._later(self._notify, service_key, action.worker, action.error,
                     action.stimulus_id)
 
-    def _do_reschedule(self, service_key: Key, action: rs.RescheduleServiceTask) -> None:
+    def _do_reschedule(self, service_key: Key, action: run_events.RescheduleServiceTask) -> None:
         self._later(self._reschedule, service_key, action.stimulus_id, action.run_id)
 
-    def _do_log(self, service_key: Key, action: rs.Log) -> None:
+    def _do_log(self, service_key: Key, action: run_events.Log) -> None:
         self._log(service_key, action)
 
     _ACTIONS: dict[type, Any] = {
-        rs.PrepareRun: _do_prepare_run,
-        rs.StartInstances: _do_start,
-        rs.BroadcastAllStarted: _do_all_started,
-        rs.BroadcastInputsDone: _do_inputs_done,
-        rs.ReleaseOutput: _do_release,
-        rs.DropOutput: _do_drop,
-        rs.WatchUnproduced: _do_watch_unproduced,
-        rs.StopInstances: _do_stop,
-        rs.NotifyServiceTask: _do_notify,
-        rs.RescheduleServiceTask: _do_reschedule,
-        rs.Log: _do_log,
+        run_events.PrepareRun: _do_prepare_run,
+        run_events.StartInstances: _do_start,
+        run_events.BroadcastAllStarted: _do_all_started,
+        run_events.BroadcastInputsDone: _do_inputs_done,
+        run_events.ReleaseOutput: _do_release,
+        run_events.DropOutput: _do_drop,
+        run_events.WatchUnproduced: _do_watch_unproduced,
+        run_events.StopInstances: _do_stop,
+        run_events.NotifyServiceTask: _do_notify,
+        run_events.RescheduleServiceTask: _do_reschedule,
+        run_events.Log: _do_log,
     }
 
     def _send(self, worker: str, msg: dict, now: bool = False) -> None:
@@ -846,7 +849,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             if now:
                 flush(comm)
 
-    def _apply_start(self, service_key: Key, run: rs.RunSnapshot) -> None:
+    def _apply_start(self, service_key: Key, run: run_model.RunSnapshot) -> None:
         definition = self.definitions[service_key]
         peers = {sid: w for w, sid in run.ids.items()}
         for worker, sid in run.ids.items():
@@ -860,11 +863,11 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             )
             self._send(worker, {"op": "service-start", "spec": ToPickle(spec)}, now=True)
 
-    def _broadcast(self, run: rs.RunSnapshot, op: str) -> None:
+    def _broadcast(self, run: run_model.RunSnapshot, op: str) -> None:
         for worker, sid in run.ids.items():
             self._send(worker, {"op": op, "id": str(sid)}, now=True)
 
-    def _apply_stop(self, run: rs.RunSnapshot, reason: str) -> None:
+    def _apply_stop(self, run: run_model.RunSnapshot, reason: str) -> None:
         for worker, sid in run.ids.items():
             self._send(worker, {"op": "service-stop", "id": str(sid), "reason": reason},
                        now=True)
@@ -877,7 +880,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         if ts.processing_on is None or ts.processing_on.address != worker:
             # It moved meanwhile.
             now = ts.processing_on.address if ts.processing_on is not None else None
-            self._event(service_key, rs.OutcomeUndelivered(error, now,
+            self._event(service_key, run_events.OutcomeUndelivered(error, now,
                                                            stimulus_id=stimulus_id))
             return
         if error is None:
@@ -896,7 +899,8 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                 or (ots.state == "released" and not self._still_needed(key))):
             # (released and wanted by nothing: every consumer erred on a sibling's failure,
             # say; a claim cut now would never run, and the run would wait for it)
-            self._event(service_key, rs.OutputNotNeeded(key, worker, stimulus_id=stimulus_id))
+            self._event(service_key,
+                        run_events.OutputNotNeeded(key, worker, stimulus_id=stimulus_id))
             return
         ots.dependencies.discard(sts)
         sts.dependents.discard(ots)
@@ -936,7 +940,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                     run_id: int | None = None) -> None:
         """Release the service task and its hand-offs: a new run receives every input."""
         # from here on a run may start again (the releases below lead to it)
-        self._event(service_key, rs.RescheduleCarriedOut(run_id, stimulus_id=stimulus_id))
+        self._event(service_key, run_events.RescheduleCarriedOut(run_id, stimulus_id=stimulus_id))
         tasks = self.scheduler.tasks
         sts = tasks.get(service_key)
         definition = self.definitions.get(service_key)
@@ -987,7 +991,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
 
     # ------------------------------------------------------------- events
 
-    def _log(self, service_key: Key, action: rs.Log,
+    def _log(self, service_key: Key, action: run_events.Log,
              machine: rs.ServiceTaskMachine | None = None) -> None:
         definition = self.definitions.get(service_key)
         name = definition.service_class.__name__ if definition else "?"
@@ -1012,7 +1016,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         to run ``run_id``: each event received, decision taken and action sent, in order,
         with its time and stimulus id.  Forgotten service tasks are kept too, up to
         ``dask_services.story.runs`` of them."""
-        books: list[Mapping[int | None, rs.RunStory]] = []
+        books: list[Mapping[int | None, run_story.RunStory]] = []
         if key is not None:
             if isinstance(key, list):  # tuple keys arrive as lists
                 key = _as_tuple(key)

@@ -14,7 +14,7 @@ from utils import service_cluster
 
 import dask_services
 from dask_services import _metrics, _status
-from dask_services._run_state import Phase, Run
+from dask_services._run_model import Phase, Run
 from dask_services.examples import AllReduce
 from dask_services.service import ServiceId
 

@@ -20,7 +20,7 @@ from utils import DASHBOARD, assert_nothing_left, pull_tables, samples, service_
 
 import dask_services
 from dask_services import _metrics, _status
-from dask_services._run_state import Run
+from dask_services._run_model import Run
 from dask_services.examples import AllReduce
 from dask_services.service import ServiceId
 

@@ -12,7 +12,7 @@ from services import PidReporter, SlowPidReporter, SlowSum
 from utils import kill, live_run, lost_worker, service_events, validate_scheduler
 
 import dask_services
-from dask_services._run_state import Phase
+from dask_services._run_model import Phase
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 

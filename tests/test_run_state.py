@@ -7,6 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dask_services import _run_events as run_events
+from dask_services import _run_model as run_model
 from dask_services import _run_state as rs
 from dask_services.service import (
     OutputsNotProducedError,
@@ -30,19 +32,19 @@ def need(m: rs.ServiceTaskMachine, run_id: int = 1, wanted=OUTPUTS, workers=WORK
     """A new run is needed; a reschedule the machine asked for is carried out first, as
     the scheduler plugin does before the released tasks lead to a new run."""
     if m.rescheduling:
-        m.handle(rs.RescheduleCarriedOut(run_id - 1))
-    return m.handle(rs.RunNeeded(run_id, "p-", workers, wanted))
+        m.handle(run_events.RescheduleCarriedOut(run_id - 1))
+    return m.handle(run_events.RunNeeded(run_id, "p-", workers, wanted))
 
 
 def need_involved(m: rs.ServiceTaskMachine, run_id: int) -> list:
     """A run of ``participants="involved"`` wanting one output, its inputs on the first
     worker: it takes part there only."""
     if m.rescheduling:
-        m.handle(rs.RescheduleCarriedOut(run_id - 1))
-    actions = m.handle(rs.RunNeeded(run_id, "p-", WORKERS, OUTPUTS[:1],
+        m.handle(run_events.RescheduleCarriedOut(run_id - 1))
+    actions = m.handle(run_events.RunNeeded(run_id, "p-", WORKERS, OUTPUTS[:1],
                                     input_holders=frozenset(WORKERS[:1])))
     for a in actions:
-        if isinstance(a, rs.StartInstances):
+        if isinstance(a, run_events.StartInstances):
             assert a.run.participants == tuple(WORKERS[:1])
     return actions
 
@@ -54,7 +56,7 @@ def kinds(actions) -> list[str]:
 def start_all(m, run_id=1):
     out = []
     for sid in m.run.ids.values():
-        out += m.handle(rs.InstanceStarted(run_id, sid))
+        out += m.handle(run_events.InstanceStarted(run_id, sid))
     return out
 
 
@@ -67,17 +69,17 @@ def test_happy_path():
     assert run.owners == {"o0": run.ids[WORKERS[0]], "o1": run.ids[WORKERS[1]]}
     assert need(m, run_id=2) == []  # one live run at a time
     assert kinds(start_all(m)) == ["BroadcastAllStarted"]
-    assert m.handle(rs.InputHandedOff(1, "i0")) == []
-    assert m.handle(rs.InputHandedOff(1, "i1")) == []
-    assert kinds(m.handle(rs.InputHandedOff(1, "i2"))) == ["BroadcastInputsDone"]
-    assert kinds(m.handle(rs.OutputProduced(1, "o0", WORKERS[0]))) == ["ReleaseOutput"]
-    assert kinds(m.handle(rs.OutputProduced(1, "o1", WORKERS[1]))) == [
+    assert m.handle(run_events.InputHandedOff(1, "i0")) == []
+    assert m.handle(run_events.InputHandedOff(1, "i1")) == []
+    assert kinds(m.handle(run_events.InputHandedOff(1, "i2"))) == ["BroadcastInputsDone"]
+    assert kinds(m.handle(run_events.OutputProduced(1, "o0", WORKERS[0]))) == ["ReleaseOutput"]
+    assert kinds(m.handle(run_events.OutputProduced(1, "o1", WORKERS[1]))) == [
         "ReleaseOutput", "StopInstances", "Log",
     ]
     # the task finishes once the outputs are in memory, and it is processing somewhere
-    assert m.handle(rs.OutputLanded("o0")) == []
-    assert m.handle(rs.OutputLanded("o1")) == []
-    assert kinds(m.handle(rs.ServiceTaskProcessing(WORKERS[1]))) == ["NotifyServiceTask"]
+    assert m.handle(run_events.OutputLanded("o0")) == []
+    assert m.handle(run_events.OutputLanded("o1")) == []
+    assert kinds(m.handle(run_events.ServiceTaskProcessing(WORKERS[1]))) == ["NotifyServiceTask"]
 
 
 def test_workers_in_use_are_a_live_runs_and_those_of_outputs_not_yet_in_memory():
@@ -87,23 +89,23 @@ def test_workers_in_use_are_a_live_runs_and_those_of_outputs_not_yet_in_memory()
     assert m.workers_in_use() == set(WORKERS)  # starting
     start_all(m)
     for k in INPUTS:
-        m.handle(rs.InputHandedOff(1, k))
+        m.handle(run_events.InputHandedOff(1, k))
     assert m.workers_in_use() == set(WORKERS)  # inputs done, outputs to come
-    m.handle(rs.OutputProduced(1, "o0", WORKERS[0]))
-    m.handle(rs.OutputProduced(1, "o1", WORKERS[1]))
-    assert m.run.phase is rs.Phase.FINISHED
+    m.handle(run_events.OutputProduced(1, "o0", WORKERS[0]))
+    m.handle(run_events.OutputProduced(1, "o1", WORKERS[1]))
+    assert m.run.phase is run_model.Phase.FINISHED
     assert m.workers_in_use() == set(WORKERS)  # produced, not yet claimed
-    m.handle(rs.OutputLanded("o0"))
+    m.handle(run_events.OutputLanded("o0"))
     assert m.workers_in_use() == {WORKERS[1]}
-    m.handle(rs.OutputLanded("o1"))
+    m.handle(run_events.OutputLanded("o1"))
     assert m.workers_in_use() == set()
 
 
 def inputs_done(m, run_id=1):
     start_all(m, run_id)
     for k in INPUTS:
-        m.handle(rs.InputHandedOff(run_id, k))
-    assert m.run.phase is rs.Phase.INPUTS_DONE
+        m.handle(run_events.InputHandedOff(run_id, k))
+    assert m.run.phase is run_model.Phase.INPUTS_DONE
 
 
 def test_outputs_not_produced_once_every_hook_returned_fail_the_run():
@@ -111,20 +113,20 @@ def test_outputs_not_produced_once_every_hook_returned_fail_the_run():
     need(m)
     inputs_done(m)
     first, second = m.run.ids.values()
-    assert m.handle(rs.HooksReturned(1, first)) == []
-    assert m.handle(rs.HooksReturned(1, first)) == []  # told twice: once counts
-    m.handle(rs.OutputProduced(1, "o0", WORKERS[0]))
-    assert m.handle(rs.HooksReturned(1, second)) == [rs.WatchUnproduced(1, 1)]
+    assert m.handle(run_events.HooksReturned(1, first)) == []
+    assert m.handle(run_events.HooksReturned(1, first)) == []  # told twice: once counts
+    m.handle(run_events.OutputProduced(1, "o0", WORKERS[0]))
+    assert m.handle(run_events.HooksReturned(1, second)) == [run_events.WatchUnproduced(1, 1)]
     # no output produced meanwhile: the run fails, naming what is missing and the fix
-    actions = m.handle(rs.UnproducedChecked(1, 1))
+    actions = m.handle(run_events.UnproducedChecked(1, 1))
     assert kinds(actions) == ["StopInstances", "Log"]
-    assert m.run.phase is rs.Phase.FAILED
+    assert m.run.phase is run_model.Phase.FAILED
     (error,) = m.pending_outcome
     assert isinstance(error, OutputsNotProducedError)
     assert "1 of the 2 wanted outputs were not produced, e.g. ['o1']" in str(error)
     assert "concierge.produce_key" in str(error)
     assert "dask_services.unproduced-timeout" in str(error)
-    assert kinds(m.handle(rs.ServiceTaskProcessing(WORKERS[0]))) == ["NotifyServiceTask"]
+    assert kinds(m.handle(run_events.ServiceTaskProcessing(WORKERS[0]))) == ["NotifyServiceTask"]
 
 
 def test_outputs_produced_after_the_hooks_returned_keep_the_run_going():
@@ -132,25 +134,25 @@ def test_outputs_produced_after_the_hooks_returned_keep_the_run_going():
     need(m)
     inputs_done(m)
     for sid in list(m.run.ids.values()):
-        actions = m.handle(rs.HooksReturned(1, sid))
-    assert actions == [rs.WatchUnproduced(1, 0)]
-    m.handle(rs.OutputProduced(1, "o0", WORKERS[0]))
+        actions = m.handle(run_events.HooksReturned(1, sid))
+    assert actions == [run_events.WatchUnproduced(1, 0)]
+    m.handle(run_events.OutputProduced(1, "o0", WORKERS[0]))
     # progress since the wait began: another wait, counted from now
-    assert m.handle(rs.UnproducedChecked(1, 0)) == [rs.WatchUnproduced(1, 1)]
-    assert kinds(m.handle(rs.OutputProduced(1, "o1", WORKERS[1]))) == [
+    assert m.handle(run_events.UnproducedChecked(1, 0)) == [run_events.WatchUnproduced(1, 1)]
+    assert kinds(m.handle(run_events.OutputProduced(1, "o1", WORKERS[1]))) == [
         "ReleaseOutput", "StopInstances", "Log"]
     # the run finished: the last wait's end changes nothing
-    assert m.handle(rs.UnproducedChecked(1, 1)) == []
-    assert m.run.phase is rs.Phase.FINISHED
+    assert m.handle(run_events.UnproducedChecked(1, 1)) == []
+    assert m.run.phase is run_model.Phase.FINISHED
 
 
 def test_hooks_returned_of_another_run_or_instance_are_ignored():
     m = machine()
     need(m)
     inputs_done(m)
-    assert m.handle(rs.HooksReturned(2, ServiceId("p-1.0"))) == []
-    assert m.handle(rs.HooksReturned(1, ServiceId("p-9.0"))) == []
-    assert m.handle(rs.UnproducedChecked(2, 0)) == []
+    assert m.handle(run_events.HooksReturned(2, ServiceId("p-1.0"))) == []
+    assert m.handle(run_events.HooksReturned(1, ServiceId("p-9.0"))) == []
+    assert m.handle(run_events.UnproducedChecked(2, 0)) == []
     assert m.run.returned == set() and m.run.live
 
 
@@ -158,34 +160,34 @@ def test_barrier_waits_for_all_started():
     m = machine()
     need(m)
     for k in INPUTS:
-        assert m.handle(rs.InputHandedOff(1, k)) == []
+        assert m.handle(run_events.InputHandedOff(1, k)) == []
     assert kinds(start_all(m)) == ["BroadcastAllStarted", "BroadcastInputsDone"]
 
 
 def test_stale_events_are_ignored_and_stale_outputs_dropped():
     m = machine()
     need(m)
-    assert m.handle(rs.InputHandedOff(7, "i0")) == []
-    assert m.handle(rs.InstanceStarted(7, ServiceId("x"))) == []
-    assert m.handle(rs.RunFailed(7, ValueError())) == []
-    assert kinds(m.handle(rs.OutputProduced(7, "o0", "w"))) == ["DropOutput"]
+    assert m.handle(run_events.InputHandedOff(7, "i0")) == []
+    assert m.handle(run_events.InstanceStarted(7, ServiceId("x"))) == []
+    assert m.handle(run_events.RunFailed(7, ValueError())) == []
+    assert kinds(m.handle(run_events.OutputProduced(7, "o0", "w"))) == ["DropOutput"]
 
 
 def test_duplicate_and_unknown_outputs_fail_the_run_unwanted_ones_are_dropped():
     m = machine()
     need(m)
-    m.handle(rs.ServiceTaskProcessing(WORKERS[0]))
-    m.handle(rs.OutputProduced(1, "o0", WORKERS[0]))
-    actions = m.handle(rs.OutputProduced(1, "o0", WORKERS[1]))
+    m.handle(run_events.ServiceTaskProcessing(WORKERS[0]))
+    m.handle(run_events.OutputProduced(1, "o0", WORKERS[0]))
+    actions = m.handle(run_events.OutputProduced(1, "o0", WORKERS[1]))
     assert kinds(actions) == ["DropOutput", "StopInstances", "Log", "NotifyServiceTask"]
     assert isinstance(actions[-1].error, ProduceKeyError)
     m2 = machine()
     need(m2, wanted=["o1"])
     # an output this run was not started for: dropped, the run goes on
-    assert kinds(m2.handle(rs.OutputProduced(1, "o0", WORKERS[0]))) == ["DropOutput"]
+    assert kinds(m2.handle(run_events.OutputProduced(1, "o0", WORKERS[0]))) == ["DropOutput"]
     assert m2.live_run is not None and m2.pending_outcome is None
     # a key that is not an output at all: the run fails
-    actions = m2.handle(rs.OutputProduced(1, "stranger", WORKERS[0]))
+    actions = m2.handle(run_events.OutputProduced(1, "stranger", WORKERS[0]))
     assert kinds(actions) == ["DropOutput", "StopInstances", "Log"]
     assert "is not an output of service task" in str(m2.pending_outcome[0])
 
@@ -193,17 +195,17 @@ def test_duplicate_and_unknown_outputs_fail_the_run_unwanted_ones_are_dropped():
 def test_restarts_then_too_many():
     m = machine(max_restarts=1)
     need(m)
-    actions = m.handle(rs.WorkerLost(WORKERS[1]))
+    actions = m.handle(run_events.WorkerLost(WORKERS[1]))
     assert kinds(actions) == ["StopInstances", "Log", "RescheduleServiceTask"]
     assert "left the cluster" in actions[-1].reason
     assert m.run is None
     assert kinds(need(m, run_id=2, workers=WORKERS[:1])) == ["StartInstances", "Log"]
     assert m.run.ids[WORKERS[0]] != actions[0].run.ids[WORKERS[0]]  # new ids
-    actions = m.handle(rs.RestartRequested(2, "asked"))
+    actions = m.handle(run_events.RestartRequested(2, "asked"))
     assert kinds(actions) == ["StopInstances", "Log"]  # outcome waits for the task
     assert isinstance(m.pending_outcome[0], TooManyRestarts)
     assert "asked" in str(m.pending_outcome[0])
-    assert kinds(m.handle(rs.ServiceTaskProcessing(WORKERS[0]))) == ["NotifyServiceTask"]
+    assert kinds(m.handle(run_events.ServiceTaskProcessing(WORKERS[0]))) == ["NotifyServiceTask"]
 
 
 def test_a_retry_after_too_many_restarts_counts_its_own():
@@ -211,20 +213,20 @@ def test_a_retry_after_too_many_restarts_counts_its_own():
     retried task) may restart as often as a first one: one attempt's restarts end with it."""
     m = machine(max_restarts=1)
     need(m)
-    m.handle(rs.RestartRequested(1, "first"))
+    m.handle(run_events.RestartRequested(1, "first"))
     need(m, run_id=2)
-    m.handle(rs.RestartRequested(2, "second"))
+    m.handle(run_events.RestartRequested(2, "second"))
     assert isinstance(m.pending_outcome[0], TooManyRestarts) and m.restarts == 2
-    assert kinds(m.handle(rs.ServiceTaskProcessing(WORKERS[0]))) == ["NotifyServiceTask"]
+    assert kinds(m.handle(run_events.ServiceTaskProcessing(WORKERS[0]))) == ["NotifyServiceTask"]
     assert need(m, run_id=3) == []  # told to err: no run until it did
-    m.handle(rs.ServiceTaskReleased(still_wanted=True, inputs_kept=True, retried=True))
+    m.handle(run_events.ServiceTaskReleased(still_wanted=True, inputs_kept=True, retried=True))
     assert m.restarts == 0
-    assert m.handle(rs.ServiceTaskProcessing(WORKERS[0])) == []  # the retry
+    assert m.handle(run_events.ServiceTaskProcessing(WORKERS[0])) == []  # the retry
     need(m, run_id=3)
-    assert kinds(m.handle(rs.RestartRequested(3, "third"))) == [
+    assert kinds(m.handle(run_events.RestartRequested(3, "third"))) == [
         "StopInstances", "Log", "RescheduleServiceTask"]  # restarted, not failed
     need(m, run_id=4)
-    assert kinds(m.handle(rs.RestartRequested(4, "fourth"))) == ["StopInstances", "Log",
+    assert kinds(m.handle(run_events.RestartRequested(4, "fourth"))) == ["StopInstances", "Log",
                                                                   "NotifyServiceTask"]
     m.validate()
 
@@ -232,7 +234,7 @@ def test_a_retry_after_too_many_restarts_counts_its_own():
 def test_wanted_grew_restarts_without_counting():
     m = machine(max_restarts=0)
     need(m, wanted=["o0"])
-    actions = m.handle(rs.WantedGrew("more outputs were asked for"))
+    actions = m.handle(run_events.WantedGrew("more outputs were asked for"))
     assert kinds(actions) == ["StopInstances", "Log", "RescheduleServiceTask"]
     assert m.restarts == 0 and m.run is None
 
@@ -240,23 +242,23 @@ def test_wanted_grew_restarts_without_counting():
 def test_worker_not_participating_does_not_restart():
     m = machine()
     need(m)
-    assert m.handle(rs.WorkerLost("tcp://other:1")) == []
+    assert m.handle(run_events.WorkerLost("tcp://other:1")) == []
 
 
 def test_cancel_and_task_worker_lost():
     m = machine()
     need(m)
-    m.handle(rs.ServiceTaskProcessing(WORKERS[0]))
-    assert kinds(m.handle(rs.ServiceTaskReleased())) == ["StopInstances", "Log"]
+    m.handle(run_events.ServiceTaskProcessing(WORKERS[0]))
+    assert kinds(m.handle(run_events.ServiceTaskReleased())) == ["StopInstances", "Log"]
     assert m.run is None and m.restarts == 0
     need(m, run_id=2)
-    m.handle(rs.ServiceTaskProcessing(WORKERS[0]))
-    actions = m.handle(rs.ServiceTaskReleased(worker_gone=True))
+    m.handle(run_events.ServiceTaskProcessing(WORKERS[0]))
+    actions = m.handle(run_events.ServiceTaskReleased(worker_gone=True))
     assert kinds(actions) == ["StopInstances", "Log", "RescheduleServiceTask"]
     assert m.restarts == 1
     # released but still wanted (a receipt it needed was lost): restart, not cancel
     need(m, run_id=3)
-    actions = m.handle(rs.ServiceTaskReleased(still_wanted=True))
+    actions = m.handle(run_events.ServiceTaskReleased(still_wanted=True))
     assert kinds(actions) == ["StopInstances", "Log", "RescheduleServiceTask"]
     assert "input it had received was lost" in actions[-1].reason
 
@@ -269,21 +271,21 @@ def test_a_service_task_released_with_every_input_kept_leaves_its_run_going():
     need(m)
     start_all(m)
     for k in INPUTS:
-        m.handle(rs.InputHandedOff(1, k))
-    m.handle(rs.ServiceTaskProcessing(WORKERS[1]))
-    assert m.handle(rs.ServiceTaskReleased(still_wanted=True, inputs_kept=True)) == []
+        m.handle(run_events.InputHandedOff(1, k))
+    m.handle(run_events.ServiceTaskProcessing(WORKERS[1]))
+    assert m.handle(run_events.ServiceTaskReleased(still_wanted=True, inputs_kept=True)) == []
     assert m.run.live and m.restarts == 0 and m.task_worker is None
-    m.handle(rs.OutputProduced(1, "o0", WORKERS[0]))
-    m.handle(rs.OutputProduced(1, "o1", WORKERS[1]))
-    m.handle(rs.OutputLanded("o0"))
-    assert m.handle(rs.OutputLanded("o1")) == []  # the outcome waits for the task
-    assert m.handle(rs.ServiceTaskProcessing(WORKERS[0])) == [
-        rs.NotifyServiceTask(WORKERS[0], None)]
+    m.handle(run_events.OutputProduced(1, "o0", WORKERS[0]))
+    m.handle(run_events.OutputProduced(1, "o1", WORKERS[1]))
+    m.handle(run_events.OutputLanded("o0"))
+    assert m.handle(run_events.OutputLanded("o1")) == []  # the outcome waits for the task
+    assert m.handle(run_events.ServiceTaskProcessing(WORKERS[0])) == [
+        run_events.NotifyServiceTask(WORKERS[0], None)]
     # its worker gone, or a receipt lost: a restart as before
     m2 = machine()
     need(m2)
-    m2.handle(rs.ServiceTaskProcessing(WORKERS[1]))
-    actions = m2.handle(rs.ServiceTaskReleased(worker_gone=True, still_wanted=True,
+    m2.handle(run_events.ServiceTaskProcessing(WORKERS[1]))
+    actions = m2.handle(run_events.ServiceTaskReleased(worker_gone=True, still_wanted=True,
                                                inputs_kept=True))
     assert kinds(actions) == ["StopInstances", "Log", "RescheduleServiceTask"]
 
@@ -296,21 +298,21 @@ def test_no_run_without_workers_or_with_graph_error():
 
 
 EVENTS = st.one_of(
-    st.builds(rs.InstanceStarted, st.integers(1, 3), st.sampled_from(
+    st.builds(run_events.InstanceStarted, st.integers(1, 3), st.sampled_from(
         [ServiceId(f"p-{r}.{i}") for r in range(1, 4) for i in range(2)])),
-    st.builds(rs.InputHandedOff, st.integers(1, 3), st.sampled_from(INPUTS)),
-    st.builds(rs.OutputProduced, st.integers(1, 3), st.sampled_from(OUTPUTS + ["zz"]),
+    st.builds(run_events.InputHandedOff, st.integers(1, 3), st.sampled_from(INPUTS)),
+    st.builds(run_events.OutputProduced, st.integers(1, 3), st.sampled_from(OUTPUTS + ["zz"]),
               st.sampled_from(WORKERS)),
-    st.builds(rs.OutputLanded, st.sampled_from(OUTPUTS)),
-    st.builds(rs.HooksReturned, st.integers(1, 3), st.sampled_from(
+    st.builds(run_events.OutputLanded, st.sampled_from(OUTPUTS)),
+    st.builds(run_events.HooksReturned, st.integers(1, 3), st.sampled_from(
         [ServiceId(f"p-{r}.{i}") for r in range(1, 4) for i in range(2)])),
-    st.builds(rs.UnproducedChecked, st.integers(1, 3), st.integers(0, 2)),
-    st.builds(rs.RunFailed, st.integers(1, 3), st.just(ValueError("x"))),
-    st.builds(rs.RestartRequested, st.integers(1, 3), st.just("r")),
-    st.builds(rs.WorkerLost, st.sampled_from(WORKERS)),
-    st.builds(rs.ServiceTaskProcessing, st.sampled_from(WORKERS)),
-    st.builds(rs.ServiceTaskReleased, st.booleans(), st.booleans(), st.booleans()),
-    st.builds(rs.RescheduleCarriedOut, st.integers(1, 3)),
+    st.builds(run_events.UnproducedChecked, st.integers(1, 3), st.integers(0, 2)),
+    st.builds(run_events.RunFailed, st.integers(1, 3), st.just(ValueError("x"))),
+    st.builds(run_events.RestartRequested, st.integers(1, 3), st.just("r")),
+    st.builds(run_events.WorkerLost, st.sampled_from(WORKERS)),
+    st.builds(run_events.ServiceTaskProcessing, st.sampled_from(WORKERS)),
+    st.builds(run_events.ServiceTaskReleased, st.booleans(), st.booleans(), st.booleans()),
+    st.builds(run_events.RescheduleCarriedOut, st.integers(1, 3)),
     st.just("need"),
     st.just("need-involved"),  # one output, inputs on one worker: a run on that one only
 )
@@ -333,12 +335,12 @@ def test_invariants_under_any_event_order(events):
         else:
             actions = m.handle(ev)
         for a in actions:
-            if isinstance(a, rs.StartInstances):
+            if isinstance(a, run_events.StartInstances):
                 assert a.run.run_id not in starts
                 starts.add(a.run.run_id)
-            elif isinstance(a, rs.StopInstances):
+            elif isinstance(a, run_events.StopInstances):
                 stops.append(a.run.run_id)
-            elif isinstance(a, rs.NotifyServiceTask):
+            elif isinstance(a, run_events.NotifyServiceTask):
                 notified.append(a)
         assert len(stops) == len(set(stops)), "a run was stopped twice"
         assert set(stops) <= starts
@@ -394,7 +396,7 @@ def test_runs_one_after_the_other_spread_their_outputs():
     for r in range(10):
         keys = [("o", r, i) for i in range(4)]
         m = rs.ServiceTaskMachine(f"svc{r}", INPUTS, keys, 2)
-        (start, _log) = m.handle(rs.RunNeeded(1, "p-", participants, keys,
+        (start, _log) = m.handle(run_events.RunNeeded(1, "p-", participants, keys,
                                               first_owner=next_owner % 5))
         next_owner += len(keys)
         worker_of = {sid: w for w, sid in start.run.ids.items()}
@@ -419,7 +421,7 @@ def test_involved_runs_leave_out_workers_without_inputs_or_outputs(outputs, work
     holding = frozenset(everyone[:min(holders, workers)])
     placement = {keys[i]: everyone[w % workers] for i, w in placed.items() if i < outputs}
     m = rs.ServiceTaskMachine("svc", INPUTS, keys, 2)
-    (start, _log) = m.handle(rs.RunNeeded(1, "p-", everyone, keys, placement,
+    (start, _log) = m.handle(run_events.RunNeeded(1, "p-", everyone, keys, placement,
                                           input_holders=holding))
     run = start.run
     expected = rs._owners(keys, everyone, placement)
@@ -464,22 +466,22 @@ def test_unknown_events_and_actions_raise():
 
 def test_actions_carry_snapshots_and_the_stimulus_of_their_event():
     m = machine()
-    actions = m.handle(rs.RunNeeded(1, "p-", WORKERS, OUTPUTS, stimulus_id="s-1"))
+    actions = m.handle(run_events.RunNeeded(1, "p-", WORKERS, OUTPUTS, stimulus_id="s-1"))
     start = actions[0]
-    assert isinstance(start.run, rs.RunSnapshot) and start.run is not m.run
+    assert isinstance(start.run, run_model.RunSnapshot) and start.run is not m.run
     assert all(a.stimulus_id == "s-1" for a in actions)
     with pytest.raises(TypeError):
         start.run.ids["tcp://c:1"] = "x"  # read-only
     start_all(m)
-    assert start.run.phase is rs.Phase.STARTING  # the snapshot did not move on
-    assert m.run.phase is rs.Phase.RUNNING
+    assert start.run.phase is run_model.Phase.STARTING  # the snapshot did not move on
+    assert m.run.phase is run_model.Phase.RUNNING
 
 
 def test_story_tells_what_was_received_decided_and_sent():
     m = machine()
-    m.handle(rs.HandOffScheduled("h0", stimulus_id="h"))
+    m.handle(run_events.HandOffScheduled("h0", stimulus_id="h"))
     need(m)
-    m.handle(rs.WorkerLost(WORKERS[1], stimulus_id="gone"))
+    m.handle(run_events.WorkerLost(WORKERS[1], stimulus_id="gone"))
     story = [(e.run_id, e.kind, e.what if isinstance(e.what, str) else type(e.what).__name__)
              for e in m.story()]
     assert story[:2] == [(None, "received", "HandOffScheduled"), (None, "sent", "PrepareRun")]
@@ -499,8 +501,8 @@ def test_stories_are_bounded():
     for run_id in range(1, 5):
         need(m, run_id=run_id)
         for k in INPUTS:
-            m.handle(rs.InputHandedOff(run_id, k))
-        m.handle(rs.RestartRequested(run_id, "again"))
+            m.handle(run_events.InputHandedOff(run_id, k))
+        m.handle(run_events.RestartRequested(run_id, "again"))
     assert list(m.stories) == [3, 4]
     assert all(len(s.milestones) <= 3 and len(s.routine) <= 3 for s in m.stories.values())
     m.validate()
@@ -512,17 +514,17 @@ def test_one_lost_worker_costs_one_restart_of_a_task_without_inputs():
     start then, or the reschedule's release of the task restarts it once more, and again,
     until TooManyRestarts."""
     m = rs.ServiceTaskMachine("svc", [], OUTPUTS, max_restarts=3)
-    assert kinds(m.handle(rs.ServiceTaskProcessing(WORKERS[0]))) == ["PrepareRun"]
+    assert kinds(m.handle(run_events.ServiceTaskProcessing(WORKERS[0]))) == ["PrepareRun"]
     need(m)
     start_all(m)
-    m.handle(rs.ServiceTaskReleased(worker_gone=True, still_wanted=True))
+    m.handle(run_events.ServiceTaskReleased(worker_gone=True, still_wanted=True))
     assert m.restarts == 1 and m.run is None and m.rescheduling
-    assert m.handle(rs.ServiceTaskProcessing(WORKERS[1])) == []  # placed again: waits
-    assert m.handle(rs.RunNeeded(2, "p-", WORKERS[1:], OUTPUTS)) == []
-    m.handle(rs.RescheduleCarriedOut(1))
+    assert m.handle(run_events.ServiceTaskProcessing(WORKERS[1])) == []  # placed again: waits
+    assert m.handle(run_events.RunNeeded(2, "p-", WORKERS[1:], OUTPUTS)) == []
+    m.handle(run_events.RescheduleCarriedOut(1))
     # the reschedule releases the task (no live run: nothing to restart), then it runs
-    assert m.handle(rs.ServiceTaskReleased(worker_gone=False, still_wanted=True)) == []
-    assert kinds(m.handle(rs.ServiceTaskProcessing(WORKERS[1]))) == ["PrepareRun"]
+    assert m.handle(run_events.ServiceTaskReleased(worker_gone=False, still_wanted=True)) == []
+    assert kinds(m.handle(run_events.ServiceTaskProcessing(WORKERS[1]))) == ["PrepareRun"]
     assert kinds(need(m, run_id=2, workers=WORKERS[1:])) == ["StartInstances", "Log"]
     assert m.restarts == 1
     m.validate()
@@ -536,14 +538,14 @@ def test_a_finished_run_whose_task_is_lost_before_memory_hands_off_again():
     need(m)
     start_all(m)
     for k in INPUTS:
-        m.handle(rs.InputHandedOff(1, k))
-    m.handle(rs.OutputProduced(1, "o0", WORKERS[0]))
-    m.handle(rs.OutputProduced(1, "o1", WORKERS[1]))
-    m.handle(rs.OutputLanded("o0"))
-    m.handle(rs.OutputLanded("o1"))
-    assert kinds(m.handle(rs.ServiceTaskProcessing(WORKERS[0]))) == ["NotifyServiceTask"]
-    assert m.handle(rs.WorkerLost(WORKERS[0])) == []  # the run is over already
-    actions = m.handle(rs.ServiceTaskReleased(worker_gone=True, still_wanted=True))
+        m.handle(run_events.InputHandedOff(1, k))
+    m.handle(run_events.OutputProduced(1, "o0", WORKERS[0]))
+    m.handle(run_events.OutputProduced(1, "o1", WORKERS[1]))
+    m.handle(run_events.OutputLanded("o0"))
+    m.handle(run_events.OutputLanded("o1"))
+    assert kinds(m.handle(run_events.ServiceTaskProcessing(WORKERS[0]))) == ["NotifyServiceTask"]
+    assert m.handle(run_events.WorkerLost(WORKERS[0])) == []  # the run is over already
+    actions = m.handle(run_events.ServiceTaskReleased(worker_gone=True, still_wanted=True))
     assert kinds(actions) == ["RescheduleServiceTask"]
     assert m.run is None and m.restarts == 0
     assert kinds(need(m, run_id=2, wanted=["o0"])) == ["StartInstances", "Log"]
@@ -554,19 +556,19 @@ def test_a_failed_run_whose_task_is_retried_hands_off_again():
     erring it) and will run it again; its hand-offs gave their inputs to the failed run,
     so they run again too, or the next run waits for them for ever."""
     m = machine()
-    assert m.handle(rs.ServiceTaskProcessing(WORKERS[0])) == []
+    assert m.handle(run_events.ServiceTaskProcessing(WORKERS[0])) == []
     need(m)
     start_all(m)
     for k in INPUTS:
-        m.handle(rs.InputHandedOff(1, k))
-    assert kinds(m.handle(rs.RunFailed(1, ValueError("boom")))) == [
+        m.handle(run_events.InputHandedOff(1, k))
+    assert kinds(m.handle(run_events.RunFailed(1, ValueError("boom")))) == [
         "StopInstances", "Log", "NotifyServiceTask"]
-    actions = m.handle(rs.ServiceTaskReleased(still_wanted=True, inputs_kept=True,
+    actions = m.handle(run_events.ServiceTaskReleased(still_wanted=True, inputs_kept=True,
                                               retried=True))
     assert kinds(actions) == ["RescheduleServiceTask"]
     assert "retried after its run failed" in actions[0].reason
     assert m.run is None and m.rescheduling
-    assert m.handle(rs.ServiceTaskProcessing(WORKERS[1])) == []
+    assert m.handle(run_events.ServiceTaskProcessing(WORKERS[1])) == []
     assert kinds(need(m, run_id=2)) == ["StartInstances", "Log"]
     m.validate()
 
@@ -575,8 +577,8 @@ def test_a_failed_run_whose_task_is_released_unwanted_does_nothing_more():
     m = machine()
     need(m)
     start_all(m)
-    m.handle(rs.RunFailed(1, ValueError("boom")))
-    assert m.handle(rs.ServiceTaskReleased()) == []
+    m.handle(run_events.RunFailed(1, ValueError("boom")))
+    assert m.handle(run_events.ServiceTaskReleased()) == []
     assert m.run is None and not m.rescheduling
 
 
@@ -585,10 +587,10 @@ def test_a_finished_run_whose_task_is_cancelled_before_memory_does_nothing_more(
     need(m)
     start_all(m)
     for k in INPUTS:
-        m.handle(rs.InputHandedOff(1, k))
-    m.handle(rs.OutputProduced(1, "o0", WORKERS[0]))
-    m.handle(rs.OutputProduced(1, "o1", WORKERS[1]))
-    assert m.handle(rs.ServiceTaskReleased()) == []
+        m.handle(run_events.InputHandedOff(1, k))
+    m.handle(run_events.OutputProduced(1, "o0", WORKERS[0]))
+    m.handle(run_events.OutputProduced(1, "o1", WORKERS[1]))
+    assert m.handle(run_events.ServiceTaskReleased()) == []
     assert m.run is None
 
 
@@ -597,12 +599,12 @@ def finish(m: rs.ServiceTaskMachine, run_id: int) -> None:
     landed, the service task in memory."""
     start_all(m, run_id)
     for k in INPUTS:
-        m.handle(rs.InputHandedOff(run_id, k))
+        m.handle(run_events.InputHandedOff(run_id, k))
     for o, w in zip(OUTPUTS, WORKERS, strict=True):
-        m.handle(rs.OutputProduced(run_id, o, w))
-        m.handle(rs.OutputLanded(o))
-    assert kinds(m.handle(rs.ServiceTaskProcessing(WORKERS[0]))) == ["NotifyServiceTask"]
-    assert m.handle(rs.ServiceTaskDone()) == []
+        m.handle(run_events.OutputProduced(run_id, o, w))
+        m.handle(run_events.OutputLanded(o))
+    assert kinds(m.handle(run_events.ServiceTaskProcessing(WORKERS[0]))) == ["NotifyServiceTask"]
+    assert m.handle(run_events.ServiceTaskDone()) == []
 
 
 def test_outputs_lost_again_and_again_after_finishing_end_in_too_many_restarts():
@@ -612,12 +614,12 @@ def test_outputs_lost_again_and_again_after_finishing_end_in_too_many_restarts()
     m = machine(max_restarts=1)
     need(m)
     finish(m, 1)
-    assert m.handle(rs.WorkerLost(WORKERS[1])) == []  # nothing live: the next run counts
+    assert m.handle(run_events.WorkerLost(WORKERS[1])) == []  # nothing live: the next run counts
     assert kinds(need(m, run_id=2)) == ["StartInstances", "Log"]
     assert m.restarts == 1
     finish(m, 2)
-    m.handle(rs.WorkerLost(WORKERS[1]))
-    m.handle(rs.ServiceTaskProcessing(WORKERS[0]))
+    m.handle(run_events.WorkerLost(WORKERS[1]))
+    m.handle(run_events.ServiceTaskProcessing(WORKERS[0]))
     actions = need(m, run_id=3)
     assert kinds(actions) == ["NotifyServiceTask"] and m.run is None
     assert isinstance(actions[0].error, TooManyRestarts)
@@ -631,7 +633,7 @@ def test_a_new_run_after_finishing_without_a_loss_is_not_a_restart():
     m = machine(max_restarts=0)
     need(m, wanted=OUTPUTS)
     finish(m, 1)
-    assert m.handle(rs.WorkerLost("tcp://other:1")) == []  # not one of the run's workers
+    assert m.handle(run_events.WorkerLost("tcp://other:1")) == []  # not one of the run's workers
     assert kinds(need(m, run_id=2)) == ["StartInstances", "Log"]
     assert m.restarts == 0
     m.validate()
@@ -643,17 +645,17 @@ def test_the_scheduler_erring_the_task_mid_run_stops_its_instances():
     m = machine(max_restarts=2)
     need(m)
     start_all(m)
-    m.handle(rs.RestartRequested(1, "asked"))
+    m.handle(run_events.RestartRequested(1, "asked"))
     need(m, run_id=2)
     start_all(m, 2)
     assert m.restarts == 1
-    actions = m.handle(rs.ServiceTaskDone(erred=True))
+    actions = m.handle(run_events.ServiceTaskDone(erred=True))
     assert kinds(actions) == ["StopInstances", "Log"]
     assert actions[0].run.run_id == 2 and m.run is None and m.restarts == 2  # counted
-    assert m.handle(rs.WorkerLost(WORKERS[0])) == []
+    assert m.handle(run_events.WorkerLost(WORKERS[0])) == []
     # distributed runs an erred task again when an input it had is lost and recomputed
     assert kinds(need(m, run_id=3)) == ["StartInstances", "Log"]
-    m.handle(rs.ServiceTaskDone(erred=True))
+    m.handle(run_events.ServiceTaskDone(erred=True))
     assert need(m, run_id=4) == [] and m.live_run is None  # used up: errs again
     assert isinstance(m.pending_outcome[0], TooManyRestarts)
     assert "KilledWorker" in str(m.pending_outcome[0])
@@ -664,12 +666,12 @@ def test_a_task_erred_with_too_many_restarts_and_run_again_errs_again():
     """distributed runs an erred service task again when one of its inputs is lost and
     recomputed; after TooManyRestarts that started the losses again, from none."""
     m = machine(max_restarts=0)
-    m.handle(rs.ServiceTaskProcessing(WORKERS[0]))
+    m.handle(run_events.ServiceTaskProcessing(WORKERS[0]))
     need(m)
-    assert kinds(m.handle(rs.WorkerLost(WORKERS[1]))) == [
+    assert kinds(m.handle(run_events.WorkerLost(WORKERS[1]))) == [
         "StopInstances", "Log", "NotifyServiceTask"]
-    m.handle(rs.ServiceTaskDone(erred=True))
-    m.handle(rs.ServiceTaskProcessing(WORKERS[0]))  # run again by distributed
+    m.handle(run_events.ServiceTaskDone(erred=True))
+    m.handle(run_events.ServiceTaskProcessing(WORKERS[0]))  # run again by distributed
     actions = need(m, run_id=2)
     assert kinds(actions) == ["NotifyServiceTask"] and m.live_run is None
     assert isinstance(actions[0].error, TooManyRestarts)
@@ -682,17 +684,17 @@ def test_an_error_taken_by_a_stale_execution_reaches_the_next_one():
     runs it again): the next execution errs with it, no new run starts (one did, with the
     restarts counted from none, so TooManyRestarts never reached the client)."""
     m = machine(max_restarts=0)
-    assert m.handle(rs.ServiceTaskProcessing(WORKERS[0])) == []
+    assert m.handle(run_events.ServiceTaskProcessing(WORKERS[0])) == []
     need(m)
     start_all(m)
-    assert kinds(m.handle(rs.WorkerLost(WORKERS[1]))) == [
+    assert kinds(m.handle(run_events.WorkerLost(WORKERS[1]))) == [
         "StopInstances", "Log", "NotifyServiceTask"]
-    m.handle(rs.ServiceTaskReleased(still_wanted=True, inputs_kept=True))  # stale answer
+    m.handle(run_events.ServiceTaskReleased(still_wanted=True, inputs_kept=True))  # stale answer
     assert m.live_run is None and not m.rescheduling
-    actions = m.handle(rs.ServiceTaskProcessing(WORKERS[0]))
+    actions = m.handle(run_events.ServiceTaskProcessing(WORKERS[0]))
     assert kinds(actions) == ["NotifyServiceTask"]
     assert isinstance(actions[0].error, TooManyRestarts)
     assert need(m, run_id=2) == []
-    m.handle(rs.ServiceTaskDone(erred=True))
+    m.handle(run_events.ServiceTaskDone(erred=True))
     assert m.failure is None
     m.validate()

@@ -33,7 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
-from dask_services._run_state import describe, new_stimulus_id
+from dask_services._run_model import new_stimulus_id
+from dask_services._run_story import describe
 from dask_services.config import setting
 from dask_services.service import ServiceId
 

@@ -27,7 +27,7 @@ from distributed.protocol.pickle import dumps
 from tornado.ioloop import PeriodicCallback
 
 from dask_services._messages import dumps_exception
-from dask_services._run_state import new_stimulus_id
+from dask_services._run_model import new_stimulus_id
 from dask_services.config import setting
 from dask_services.replicated import _adaptive, _placement
 from dask_services.replicated import _lifecycle as lc
