@@ -270,8 +270,8 @@ async def test_a_burst_at_zero_is_spread_over_the_replicas_it_asked_for(c, s, *w
             GATES.setdefault(f"burst-setup-{n}", asyncio.Event()).set()
         await async_poll_for(lambda: all(m.state.value == "healthy"
                                          for m in dep.active().values()), timeout=20)
-        await async_poll_for(lambda: dep.rebalancing is not None
-                             and dep.rebalancing.done(), timeout=20)
+        await async_poll_for(lambda: dep.rebalancer.task is not None
+                             and dep.rebalancer.task.done(), timeout=20)
         landing.set()  # the calls land, all on the first replica
 
         async def spread() -> list[int]:
@@ -348,8 +348,11 @@ async def test_a_handles_newer_ask_replaces_its_count_and_callers_are_let_go_onc
     ext = s.extensions[EXT]
     dep = ext.deployments[svc.name]
     released: list[int] = []
-    # counted, without the spreading pass (which ends the count's window after 2 s)
-    ext._spread_woken = lambda dep, callers: released.append(callers)
+
+    async def counted() -> None:  # without the pass (which ends the count's window)
+        released.append(dep.rebalancer.woken_released)
+
+    dep.rebalancer._spread_woken_once_landed = counted
 
     def ask(seq: int, callers: int, timeout: float = 20):
         return asyncio.ensure_future(c.scheduler.replicated_wake(

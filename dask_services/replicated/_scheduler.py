@@ -35,7 +35,8 @@ from dask_services.replicated._autoscale import AutoscalePolicy, AutoscalingConf
 from dask_services.replicated._gang import incarnation_of, rank_id
 from dask_services.replicated._lifecycle import ReplicaState
 from dask_services.replicated._options import config_seconds
-from dask_services.replicated._rebalance import shed_plan, spread_move
+from dask_services.replicated._rebalance import spread_move
+from dask_services.replicated._rebalancer import Rebalancer
 from dask_services.replicated._table import ReplicaReports
 from dask_services.replicated._worker import EXTENSION, ReplicaWorker
 
@@ -88,16 +89,11 @@ class Deployment:
     # calls waiting for a replica of a service at zero (``wake``): the newest ask of each
     # handle asking for them
     waiting: dict[object, WakeAsk] = field(default_factory=dict)
-    # callers of each handle let go since the last spreading pass (``_spread_woken``)
-    woken_by: dict[object, int] = field(default_factory=dict)
     # each replica's call count, the time of the report it came with, and whether it grew
     # over the report before (``_called``: calls made between samples keep a service from
     # scaling to zero, though none is under way when a sample is taken)
     calls_seen: dict[str, tuple[float, float | None, bool]] = field(default_factory=dict)
     deploying_client: str | None = None  # the client whose as_service() still waits
-    # callers a wake let go whose calls may still be on their way (``_spread_woken``)
-    woken_released: int = 0
-    woken_spread: asyncio.Task | None = None
     # stopping replicas whose setup failed on waking (``wake``)
     failed_removal: asyncio.Task | None = None
     # this deployment, apart from any other deployed under the same name before or after:
@@ -110,12 +106,10 @@ class Deployment:
     stopped: asyncio.Event = field(default_factory=asyncio.Event)  # its shutdown is over
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: set[asyncio.Task] = field(default_factory=set)
-    rebalancing: asyncio.Task | None = None  # spreading queued calls (``_rebalance``)
-    rebalance_again: bool = False  # a replica turned healthy while it ran
-    # the replicas' ``moved_in`` summed once every call the last pass moved has arrived
-    moved_landed_by: int = 0
     moves: dict[int, int] = field(default_factory=dict)  # new slot -> slot it replaces
     spread_pending: bool = False  # a spreading check is due (``_spread_soon``)
+    # spreads queued calls over the replicas (``_rebalancer.py``; set by the plugin)
+    rebalancer: Rebalancer = field(init=False)
 
     @property
     def callers_waiting(self) -> int:
@@ -287,6 +281,7 @@ class Deployments(SchedulerPlugin):
         # never reused, so nothing meant for one reaches another
         dep.next_slot = self._slots_made.get(name, self._dropped_slots)
         dep.deploying_client = client
+        dep.rebalancer = self._rebalancer_for(dep)
         self._slots_made[name] = dep.next_slot
         self._slots_made.move_to_end(name)
         while len(self._slots_made) > NAMES_KEPT:
@@ -397,12 +392,7 @@ class Deployments(SchedulerPlugin):
                 active = dep.active()
                 if any(m.state is ReplicaState.HEALTHY for m in active.values()):
                     if dep.waiting.get(key) is entry:
-                        # the callers let go, each once (a handle's earlier ask may have
-                        # let some go already)
-                        released = dep.woken_by.get(key, 0)
-                        if entry.callers > released:
-                            dep.woken_by[key] = entry.callers
-                            self._spread_woken(dep, entry.callers - released)
+                        dep.rebalancer.woken(key, entry.callers)
                     return {"status": "ok"}
                 failed = [s for s, m in active.items() if m.state is ReplicaState.UNHEALTHY]
                 if active and len(failed) == len(active):
@@ -536,8 +526,7 @@ class Deployments(SchedulerPlugin):
         for s in slots:
             dep.slots.pop(s, None)
             dep.errors.pop(s, None)
-        # the calls moved to a replica now gone are counted nowhere: no pass waits for them
-        dep.moved_landed_by = 0
+        dep.rebalancer.forget_moved()
         self.reports.prune(self.placed())
         dep.notify()
 
@@ -878,7 +867,7 @@ class Deployments(SchedulerPlugin):
                         asyncio.get_running_loop().call_soon(
                             self._stop_slots, dep, [slot], "spread failed")
                 elif action.state is ReplicaState.HEALTHY:
-                    self._rebalance_soon(dep)
+                    dep.rebalancer.soon()
                     replaced = dep.moves.pop(slot, None)
                     if replaced is not None:  # stopped in this step: no check moves it
                         self._stop_slots(dep, [replaced], "spread")
@@ -894,103 +883,27 @@ class Deployments(SchedulerPlugin):
             self.reports.prune(self.placed())
         return stops
 
-    def _rebalance_soon(self, dep: Deployment) -> None:
-        """A replica of ``dep`` turned healthy: calls queued on the others beyond their
-        share go back to their callers, to be sent to it (``_rebalance.py``).  One pass
-        at a time per deployment; a replica turning healthy meanwhile asks for another."""
-        if dep.rebalancing is not None and not dep.rebalancing.done():
-            dep.rebalance_again = True
-            return
-        dep.rebalancing = self._spawn(dep, self._rebalance(dep))
+    def _rebalancer_for(self, dep: Deployment) -> Rebalancer:
+        """The passes spreading ``dep``'s queued calls, over this scheduler."""
 
-    def _spread_woken(self, dep: Deployment, callers: int) -> None:
-        """``callers`` waiting for a replica of ``dep`` were let go.  The callers let go
-        together send their calls to the first replica healthy; the others a burst asked
-        for may turn healthy before those calls land there, when their passes found
-        nothing to spread.  So once the calls have landed (the healthy replicas' running
-        and queued calls add up to the callers let go, or after 2 s), a pass spreads
-        them."""
-        dep.woken_released += callers
-        if dep.woken_spread is None or dep.woken_spread.done():
-            dep.woken_spread = self._spawn(dep, self._spread_woken_once_landed(dep))
+        def healthy() -> dict[str, str]:
+            return {str(m.id): m.worker for m in dep.slots.values()
+                    if m.state is ReplicaState.HEALTHY and m.worker is not None}
 
-    async def _spread_woken_once_landed(self, dep: Deployment) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 2.0
-        try:
-            while not dep.stopping and loop.time() < deadline:
-                await asyncio.sleep(0.05)  # the callers let go send their calls
-                _, loads, _ = await self._loads(dep)
-                if sum(a + b for a, b in loads.values()) >= dep.woken_released:
-                    break
-        finally:
-            dep.woken_released = 0
-            dep.woken_by.clear()
-        if not dep.stopping:
-            self._rebalance_soon(dep)
+        async def shed(worker: str, rid: str, keep: int, table: list) -> int:
+            # replica ``rid`` gives back its queued calls beyond ``keep`` (with ``table``,
+            # the healthy replicas, for their callers); none if it does not answer in 5 s
+            try:
+                return await asyncio.wait_for(self.scheduler.rpc(worker).replicated_shed(
+                    id=rid, keep=keep, replicas=table), 5)
+            except (OSError, TimeoutError):
+                return 0
 
-    async def _rebalance(self, dep: Deployment) -> None:
-        try:
-            await self._rebalance_passes(dep)
-        except Exception:  # noqa: BLE001 - calls stay where they are, as before
-            logger.exception("spreading the queued calls of %s over its replicas failed",
-                             dep.name)
-
-    async def _rebalance_passes(self, dep: Deployment) -> None:
-        again = True
-        while again and not dep.stopping:
-            dep.rebalance_again = False
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + 2.0
-            while True:
-                healthy, loads, arrived = await self._loads(dep)
-                # The calls the last pass moved are counted on no replica until their
-                # callers have sent them on: a pass before that would take them for
-                # gone and shed too much.  Callers that left never send theirs: 2 s.
-                if arrived >= dep.moved_landed_by or loop.time() > deadline \
-                        or dep.stopping:
-                    break
-                await asyncio.sleep(0.05)
-            if len(healthy) < 2:
-                return
-            dep.moved_landed_by = arrived
-            plan = shed_plan(loads)
-            if plan:
-                # the healthy replicas and their loads once the plan is carried out, for
-                # the callers that send the calls on (each knows only its own calls)
-                table = [[rid, worker, plan.get(rid, sum(loads.get(rid, (0, 0))))]
-                         for rid, worker in healthy.items()]
-                moved = sum(await asyncio.gather(*(self._shed(healthy[rid], rid, keep, table)
-                                                   for rid, keep in plan.items())))
-                dep.moved_landed_by = arrived + moved
-                if moved:
-                    self.scheduler.log_event(EVENT_TOPIC, {
-                        "action": "calls-rebalanced", "service": dep.name,
-                        "moved": moved, "healthy": len(loads)})
-                    logger.info("replicated service %s: %d queued calls given back to be "
-                                "sent to replicas with less to do", dep.name, moved)
-            again = dep.rebalance_again
-
-    async def _loads(self, dep: Deployment
-                     ) -> tuple[dict[str, str], dict[str, tuple[int, int]], int]:
-        """The healthy replicas of ``dep`` (id -> worker), their running and queued calls
-        now, and the moved calls they have taken in, summed."""
-        healthy = {str(m.id): m.worker for m in dep.slots.values()
-                   if m.state is ReplicaState.HEALTHY and m.worker is not None}
-        found = await self._stats(healthy)
-        loads = {rid: (int(f["in_flight"]), int(f["queued"])) for rid, f in found.items()}
-        arrived = sum(int(f.get("moved_in", 0)) for f in found.values())
-        return healthy, loads, arrived
-
-    async def _shed(self, worker: str, rid: str, keep: int, table: list) -> int:
-        """Ask replica ``rid`` on ``worker`` to give back queued calls beyond ``keep``
-        (with ``table``, the healthy replicas, for their callers); how many it gave back
-        (none if it does not answer within 5 s)."""
-        try:
-            return await asyncio.wait_for(self.scheduler.rpc(worker).replicated_shed(
-                id=rid, keep=keep, replicas=table), 5)
-        except (OSError, TimeoutError):
-            return 0
+        return Rebalancer(
+            dep.name, healthy=healthy, stats=self._stats, shed=shed,
+            spawn=lambda coro: self._spawn(dep, coro),
+            log_event=lambda msg: self.scheduler.log_event(EVENT_TOPIC, msg),
+            stopping=lambda: dep.stopping)
 
     def _spawn(self, dep: Deployment, coro: Any) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
