@@ -95,6 +95,14 @@ def test_worker_internals_we_use():
     assert "await task(data)" in inspect.getsource(_run_task_async)
     assert _worker_cvar.name == "_worker_cvar"
     assert "set_thread_state" in inspect.getsource(_run_task)  # thread_state.key is set
+    # the replica plugin learns that its worker is retired from the status the scheduler
+    # sends it (``replicated/_worker.py``: ``_watch_status``), before the scheduler closes
+    # it; the worker's close then tears the plugin down before stopping its listeners
+    assert "worker-status-change" in inspect.getsource(Worker.__init__)
+    assert list(inspect.signature(Worker.handle_worker_status_change).parameters) == [
+        "self", "status", "stimulus_id"]
+    close = inspect.getsource(Worker.close)
+    assert close.index("plugin_remove") < close.index("_stop_listeners")
 
 
 def test_workers_measure_results_with_dask_sizeof_dispatch():

@@ -9,9 +9,11 @@ import pickle
 
 import pytest
 from distributed import Client
+from distributed.core import Status
 from distributed.utils_test import async_poll_for, captured_logger, gen_cluster
 from replicated_services import (
     GATES,
+    STARTS,
     Adder,
     BadSetup,
     call_from_async_task,
@@ -30,6 +32,7 @@ from dask_services.replicated import (
     ServiceUnavailable,
 )
 from dask_services.replicated import _lifecycle as lc
+from dask_services.replicated._watch import ReplacementWatch
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -689,6 +692,63 @@ async def test_retiring_a_worker_moves_its_replica(c, s, *workers):
     assert await svc.add.route(1) == 2
     await svc.shutdown()
     await assert_nothing_left(s, [w for w in workers if w.address != leaving])
+
+
+RETIRE_FAST = {"dask_services.replicated.refresh-interval": "100ms",
+               "dask_services.replicated.health-check-period": "100ms",
+               "dask_services.replicated.health-check-timeout": "5s"}
+
+
+async def successor_seen_by_watches(handle, old_id: str, aborted: list) -> list:
+    """Counts the looks of ``handle``'s replacement watches once its table shows a
+    successor of replica ``old_id`` (each look would abort a call on a replaced replica),
+    until two were made or one aborted (``aborted``)."""
+    base = old_id.rsplit(".", 1)[0]
+    looks: list[str | None] = []
+    original = ReplacementWatch._look
+
+    async def look(self) -> None:
+        await original(self)
+        if any(str(r.id) != old_id and str(r.id).rsplit(".", 1)[0] == base
+               for r in handle._table):
+            looks.append(self.replaced)
+            if self.replaced:
+                aborted.append(self.replaced)
+
+    ReplacementWatch._look = look
+    try:
+        await async_poll_for(lambda: len(looks) >= 2 or aborted, timeout=20)
+    finally:
+        ReplacementWatch._look = original
+    return looks
+
+
+@cluster(config=RETIRE_FAST)
+async def test_a_retired_workers_replica_finishes_the_call_it_had_started(c, s, *workers):
+    """Retiring a worker replaces its replica elsewhere at once, and the old one drains
+    (``drain-timeout``): the call it had started ends there, run once, though the worker
+    closes meanwhile and the caller's watch sees the replica replaced."""
+    svc = await Adder.options(replicas=1, max_concurrency=4).as_service(0, client=c)
+    (row,) = await svc.replicas()
+    leaving = next(w for w in workers if w.address == row["worker"])
+    plugin = leaving.extensions["dask_services_replicated"]
+    call = asyncio.ensure_future(svc.count_and_wait.route("drained-gate", "drained"))
+    await async_poll_for(lambda: STARTS.get("drained") == 1, timeout=10)
+    assert leaving.address in await asyncio.wait_for(c.retire_workers([leaving.address]),
+                                                     30)
+    await async_poll_for(lambda: healthy_count(s, svc) == 1, timeout=20)
+    await async_poll_for(lambda: plugin.closed, timeout=20)  # closing its replicas
+    aborted: list[str] = []
+    await successor_seen_by_watches(svc, row["id"], aborted)
+    assert not aborted and STARTS["drained"] == 1 and not call.done()
+    assert leaving.status == Status.closing  # held open by the drain
+    GATES.setdefault("drained-gate", asyncio.Event()).set()
+    assert await asyncio.wait_for(call, 20) == "drained"
+    assert STARTS["drained"] == 1  # not re-sent to the new replica
+    await async_poll_for(lambda: leaving.status == Status.closed, timeout=20)
+    assert await svc.add.route(1) == 1
+    await svc.shutdown()
+    await assert_nothing_left(s, [w for w in workers if w is not leaving])
 
 
 @cluster(nthreads=[("127.0.0.1", 1, {"resources": {"slot": 1}})] * 3)

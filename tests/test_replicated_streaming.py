@@ -8,6 +8,7 @@ import gc
 import dask
 import pytest
 from distributed import Client, LocalCluster
+from distributed.core import Status
 from distributed.utils_test import async_poll_for
 from replicated_batch_stream_services import (
     GATES,
@@ -16,7 +17,12 @@ from replicated_batch_stream_services import (
     stream_from_async_task,
     stream_from_task,
 )
-from test_replicated import assert_nothing_left, cluster
+from test_replicated import (
+    RETIRE_FAST,
+    assert_nothing_left,
+    cluster,
+    healthy_count,
+)
 
 import dask_services
 
@@ -277,3 +283,26 @@ async def test_a_stream_cut_by_a_scale_down_before_its_first_item_is_not_run_aga
     await svc.shutdown()
     await assert_nothing_left(s, [a, b])
 
+
+
+@cluster(config=RETIRE_FAST)
+async def test_a_retired_workers_replica_streams_to_the_end(c, s, *workers):
+    """A stream past its first item when its replica's worker is retired goes on to its
+    end there (the old replica drains), though the worker closes meanwhile."""
+    RECORD.clear()
+    svc = await Streamer.options(replicas=1).as_service(client=c)
+    (row,) = await svc.replicas()
+    leaving = next(w for w in workers if w.address == row["worker"])
+    plugin = leaving.extensions["dask_services_replicated"]
+    stream = svc.count.stream(6, "retired")
+    assert await stream.__anext__() == 0
+    assert leaving.address in await asyncio.wait_for(c.retire_workers([leaving.address]),
+                                                     30)
+    await async_poll_for(lambda: healthy_count(s, svc) == 1, timeout=20)
+    await async_poll_for(lambda: plugin.closed, timeout=20)  # closing its replicas
+    assert leaving.status == Status.closing  # held open by the drain
+    assert [item async for item in stream] == [1, 2, 3, 4, 5]
+    assert RECORD["retired"] == [0, 1, 2, 3, 4, 5, "finally"]  # one run, to its end
+    await async_poll_for(lambda: leaving.status == Status.closed, timeout=20)
+    await svc.shutdown()
+    await assert_nothing_left(s, [w for w in workers if w is not leaving])

@@ -364,6 +364,7 @@ class ReplicatedService:
         self._table: list[_Replica] = []
         self._table_time = -1.0
         self._scales_to_zero = False  # and back, on a call (from the table)
+        self._draining: frozenset[str] = frozenset()  # incarnations draining (the table)
         self._min_replicas: int | None = None  # its autoscaling's (from the table)
         self._stale_at = 0.0  # monotonic time after which the table is refreshed
         self._refreshing: asyncio.Future | None = None
@@ -473,6 +474,9 @@ class ReplicatedService:
         self._table = [_Replica(ServiceId(r["id"]), r["worker"], r["state"])
                        for r in info["replicas"]]
         self._scales_to_zero = bool(info.get("scales_to_zero"))
+        # incarnations draining their calls in flight: a call on one is answered there,
+        # though its slot has a successor (a retired worker's replica, ``ReplacementWatch``)
+        self._draining = frozenset(info.get("draining", ()))
         self._min_replicas = info.get("min_replicas")
         # Loads replicas reported in their answers are forgotten as the table ages: a
         # replica reported busy and then no longer chosen would never report again.

@@ -107,6 +107,9 @@ class Deployment:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: set[asyncio.Task] = field(default_factory=set)
     moves: dict[int, int] = field(default_factory=dict)  # new slot -> slot it replaces
+    # incarnations draining their calls in flight (a stop with a drain under way, one
+    # count a rank): replaced or not, their calls are not to be re-sent (``table``)
+    draining: collections.Counter[str] = field(default_factory=collections.Counter)
     spread_pending: bool = False  # a spreading check is due (``_spread_soon``)
     # spreads queued calls over the replicas (``_rebalancer.py``; set by the plugin)
     rebalancer: Rebalancer = field(init=False)
@@ -348,6 +351,7 @@ class Deployments(SchedulerPlugin):
         if dep is None:
             return None
         return {"stopping": dep.stopping, "scales_to_zero": dep.scales_to_zero(),
+                "draining": sorted(dep.draining),
                 "min_replicas": (dep.autoscaling.config.min_replicas
                                  if dep.autoscaling is not None else None), "replicas": [
             {"id": str(m.id), "worker": m.worker, "state": m.state.value}
@@ -857,8 +861,11 @@ class Deployments(SchedulerPlugin):
                 for worker in (action.worker, *action.others):
                     if dep.resources:  # held until the instance is gone, drain included
                         self._held_by_stops[(worker, str(action.id))] = dict(dep.resources)
-                    stops.append(self._spawn(dep, self._stop(
-                        worker, action.id, drain if action.drain else 0, reason)))
+                    stop = self._spawn(dep, self._stop(
+                        worker, action.id, drain if action.drain else 0, reason))
+                    if action.drain and drain > 0:
+                        self._count_drain(dep, str(action.id), stop)
+                    stops.append(stop)
             elif isinstance(action, lc.StateChanged):
                 if action.state is ReplicaState.UNHEALTHY:  # holds no worker any more
                     self._capacity_freed()
@@ -882,6 +889,18 @@ class Deployments(SchedulerPlugin):
         if actions and prune:  # a replaced or stopped incarnation's figures go at once
             self.reports.prune(self.placed())
         return stops
+
+    @staticmethod
+    def _count_drain(dep: Deployment, sid: str, stop: asyncio.Task) -> None:
+        """Incarnation ``sid`` drains until ``stop`` ends (``Deployment.draining``)."""
+        dep.draining[sid] += 1
+
+        def done(_: asyncio.Task) -> None:
+            dep.draining[sid] -= 1
+            if dep.draining[sid] <= 0:
+                del dep.draining[sid]
+
+        stop.add_done_callback(done)
 
     def _rebalancer_for(self, dep: Deployment) -> Rebalancer:
         """The passes spreading ``dep``'s queued calls, over this scheduler."""

@@ -27,7 +27,9 @@ class ReplacementWatch:
     a stopped process) keeps its connections open, so its calls would wait for it, while
     the scheduler, its health probe failing, relaunched the replica elsewhere; the frozen
     one may still run them when it wakes, as a killed worker may have.  A replica stopped,
-    not replaced (scale down, shutdown), drains its calls: they wait.  Costs a timer per
+    not replaced (scale down, shutdown), drains its calls: they wait; so do the calls of
+    one replaced because its worker is retired, which drains too (the table's
+    ``draining``).  Costs a timer per
     delivery until the first check is due."""
 
     def __init__(self, handle: ReplicatedService, target: _Replica, comm: Any) -> None:
@@ -48,7 +50,8 @@ class ReplacementWatch:
         base = str(target.id).rsplit(".", 1)[0]
         successor = next((r for r in self.handle._table if r.id != target.id
                           and str(r.id).rsplit(".", 1)[0] == base), None)
-        if successor is None:
+        if successor is None or str(target.id) in self.handle._draining:
+            # not replaced, or replaced but draining (its worker was retired): it answers
             self._timer = asyncio.get_running_loop().call_later(
                 self.handle._watch_period(), self._due)
             return

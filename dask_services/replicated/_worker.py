@@ -35,7 +35,7 @@ from dask_services.replicated._errors import (
     ServiceShutdown,
 )
 from dask_services.replicated._metrics import ReplicaMetrics
-from dask_services.replicated._options import endpoint_spec, is_endpoint
+from dask_services.replicated._options import config_seconds, endpoint_spec, is_endpoint
 from dask_services.replicated._queue import CallGate, ThreadCall, not_admitted
 from dask_services.replicated._wire import pack, unpack
 from dask_services.service import Service, ServiceId
@@ -52,6 +52,7 @@ HANDLERS = ("replicated_start", "replicated_stop", "replicated_call", "replicate
             "replicated_stats", "replicated_rank_call", "replicated_rank_rpc",
             "replicated_stream", "replicated_calls", "replicated_shed")
 WORKER_CLOSING = (Status.closing, Status.closed, Status.failed)
+STATUS_CHANGE = "worker-status-change"  # the stream message telling a worker its status
 
 
 @dataclass(eq=False)
@@ -98,6 +99,11 @@ class ReplicaWorker(WorkerPlugin):
     def __init__(self) -> None:
         self.replicas: dict[ServiceId, HostedReplica] = {}
         self.closed = False  # no replica starts here any more
+        # the scheduler is retiring this worker (``closing_gracefully``): its replicas,
+        # replaced elsewhere, drain their calls in flight before the worker closes
+        self.retiring = False
+        # (wrapper, the worker's own handler) of status changes (``_watch_status``)
+        self._status_watch: tuple[Any, Any] | None = None
 
     def setup(self, worker: Worker) -> None:
         """Install the RPC handlers and the extension on ``worker``."""
@@ -108,6 +114,31 @@ class ReplicaWorker(WorkerPlugin):
         for name in HANDLERS:
             worker.handlers[name] = getattr(self, name[len("replicated_"):])
         worker.extensions[EXTENSION] = self
+        self._watch_status(worker)
+
+    def _watch_status(self, worker: Worker) -> None:
+        """Learn when the scheduler retires this worker: its status changes to
+        ``closing_gracefully`` (distributed's ``worker-status-change`` stream message)
+        before the scheduler closes it.  A worker plugin has no hook of its own for this:
+        the worker's handler is wrapped, and restored at teardown."""
+        original = worker.stream_handlers.get(STATUS_CHANGE)
+        if original is None or self._status_watch is not None:
+            return
+
+        def status_changed(status: str, **kwargs: Any) -> Any:
+            self.retiring = status == Status.closing_gracefully.name
+            return original(status=status, **kwargs)
+
+        self._status_watch = (status_changed, original)
+        worker.stream_handlers[STATUS_CHANGE] = status_changed
+
+    def _unwatch_status(self) -> None:
+        if self._status_watch is None:
+            return
+        wrapper, original = self._status_watch
+        if self.worker.stream_handlers.get(STATUS_CHANGE) is wrapper:
+            self.worker.stream_handlers[STATUS_CHANGE] = original
+        self._status_watch = None
 
     async def teardown(self, worker: Worker) -> None:
         """Stop every replica at once and remove the handlers."""
@@ -116,18 +147,25 @@ class ReplicaWorker(WorkerPlugin):
 
     @worker_handler
     async def close(self) -> None:
-        """Stop every replica at once (the plugin is going away).  The handlers are
-        removed, but on a closing worker: the scheduler may still send it a start or a
-        probe (it relaunches the replicas of the workers a closing cluster closed first,
-        on workers it does not know are closing too), which are answered, a start as
-        lost, rather than logged as a missing handler with a traceback."""
+        """Stop every replica (the plugin is going away): at once, but on a worker the
+        scheduler retired, whose replicas were replaced elsewhere: they drain their calls
+        in flight first (``drain-timeout``), as a scale-down's do, which holds the worker's
+        close meanwhile.  The handlers are removed, but on a closing worker: the scheduler
+        may still send it a start or a probe (it relaunches the replicas of the workers a
+        closing cluster closed first, on workers it does not know are closing too), which
+        are answered, a start as lost, rather than logged as a missing handler with a
+        traceback."""
         from dask_services.replicated import _gang
 
         self.closed = True
         _gang.no_more_arrivals(self)
-        await asyncio.gather(*(self._stop(r, 0, ReplicaGone(
-            f"replica {r.id} stopped: its worker is closing")) for r in list(
+        retired = self.retiring and self.worker.status in WORKER_CLOSING
+        drain = config_seconds("drain-timeout") if retired else 0
+        why = "was retired" if retired else "is closing"
+        await asyncio.gather(*(self._stop(r, drain, ReplicaGone(
+            f"replica {r.id} stopped: its worker {why}")) for r in list(
             self.replicas.values())), return_exceptions=True)
+        self._unwatch_status()
         if self.worker.status not in WORKER_CLOSING:
             for name in HANDLERS:
                 self.worker.handlers.pop(name, None)
