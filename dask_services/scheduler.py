@@ -370,6 +370,15 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
 
     def transition(self, key: Key, start: str, finish: str, *args: Any,
                    stimulus_id: str = "", **kwargs: Any) -> None:
+        try:
+            self._transition(key, start, finish, stimulus_id)
+        except Exception:
+            # distributed logs a plugin's failure at INFO level only, and the event it
+            # carried is lost (a run waiting for it would wait for ever): say so loudly
+            logger.exception("dask_services: handling %s -> %s of %r failed", start,
+                             finish, key)
+
+    def _transition(self, key: Key, start: str, finish: str, stimulus_id: str) -> None:
         stimulus_id = stimulus_id or run_model.new_stimulus_id("transition")
         if key in self.machines:
             self._service_task_transition(key, start, finish, stimulus_id)
@@ -632,11 +641,11 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             ts = tasks.get(key)
             if ts is None:
                 return set()
-            if ts.state == "memory":
+            if ts.state == "memory" and ts.who_has:
                 holders.update(ws.address for ws in ts.who_has)
             elif ts.processing_on is not None:
                 holders.add(ts.processing_on.address)
-            else:
+            else:  # (in memory with no holder: lost with a worker, being released)
                 return set()
         return holders & candidates
 
@@ -691,8 +700,8 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         placement = {}
         for out, key in affinity.items():
             ts = tasks.get(key)
-            if ts is None or ts.state != "memory":
-                continue
+            if ts is None or ts.state != "memory" or not ts.who_has:
+                continue  # (in memory with no holder: lost with a worker, being released)
             holders = [ws.address for ws in ts.who_has if load.get(ws.address, share) < share]
             if holders:
                 worker = min(holders)

@@ -180,3 +180,37 @@ def test_the_scheduler_erring_a_service_task_mid_run_stops_its_instances(cluster
     assert type(exc).__name__ == "KilledWorker", repr(exc)
     poll_for(lambda: instances_left(client) == 0, timeout=20)
     validate_scheduler(client)
+
+
+@pytest.mark.parametrize("collection", ["array", "dataframe"])
+def test_outputs_lost_with_persisted_inputs_are_produced_again(cluster, collection):
+    """Persisted inputs, persisted outputs, then a worker holding some of both (and maybe
+    the finished service task) is killed: the scheduler sees its inputs in memory with no
+    holder left for a moment while it handles what was lost; the
+    lost outputs are produced again by a new run, which gets every input (it used to wait
+    for ever for the inputs whose hand-offs ran before it existed)."""
+    import dask.array as da
+    import dask.dataframe as dd
+    import numpy as np
+    import pandas as pd
+    from distributed import wait
+
+    cluster, client = cluster
+    if collection == "array":
+        data = np.random.default_rng(0).random((600, 600))
+        x = da.from_array(data, chunks=(60, 600)).persist()
+        y = x.rechunk((600, 60), method="service").persist()
+        expected, consumer = data.sum(), y.sum()
+    else:
+        pdf = pd.DataFrame({"k": np.arange(6_000) % 97, "x": np.arange(6_000)})
+        x = dd.from_pandas(pdf, npartitions=10).persist()
+        y = x.shuffle("k", shuffle_method="service").persist()
+        expected, consumer = pdf.x.sum(), y.x.sum()
+    wait(y)
+    victim = sorted({w for ws in client.who_has(y).values() for w in ws})[0]
+    assert victim in {w for ws in client.who_has(x).values() for w in ws}
+    started_before = len(service_events(client, "started"))
+    kill(client, victim)
+    assert np.isclose(client.compute(consumer).result(timeout=60), expected)
+    assert len(service_events(client, "started")) > started_before
+    validate_scheduler(client)
