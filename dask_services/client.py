@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import numbers
 import weakref
 from collections.abc import Sequence
@@ -104,16 +105,42 @@ def _output_names(outputs: int | Sequence[Key], name: str, token: str) -> tuple[
     return names
 
 
-def _definition(service_class: type[Service], input_keys: Sequence[Key],
-                outputs: int | Sequence[Key], params: dict, placement: str | None,
-                name: str | None, participants: str = "all"
-                ) -> tuple[Key, ServiceDefinition]:
-    _check_service_class(service_class)
+# keywords ``service_task`` and ``submit`` take as their own options, never as service
+# parameters (``submit`` passes its task options on as annotations)
+SERVICE_TASK_OPTIONS = ("outputs", "placement", "name", "participants")
+SUBMIT_OPTIONS = ("client", "retries", "priority", "workers", "resources",
+                  "allow_other_workers")
+
+
+def _check_start_parameters(service_class: type[Service], params: dict,
+                            options: Sequence[str], function: str) -> None:
+    """Refuse parameters that clash with the arguments of every ``start()``, and a
+    ``start()`` naming a parameter that ``function`` takes as its own option (given there,
+    it would never reach ``start()``; left out, ``start()`` would take its default)."""
     clashes = sorted(set(params) & set(START_ARGUMENTS))
     if clashes:
         raise TypeError(
             f"parameter(s) {clashes} of {service_class.__name__} clash with the arguments "
             f"every start() receives ({', '.join(START_ARGUMENTS)}); rename them")
+    try:
+        declared = inspect.signature(service_class.start).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a builtin or odd callable
+        return
+    taken = [p for p in options if p in declared
+             and declared[p].kind not in (inspect.Parameter.VAR_KEYWORD,
+                                          inspect.Parameter.VAR_POSITIONAL)]
+    if taken:
+        raise TypeError(
+            f"{service_class.__name__}.start() has the parameter(s) {taken}, which "
+            f"{function}() takes as its own option(s) ({', '.join(options)}): a value "
+            f"given as {taken[0]}= would never reach start(); rename the parameter(s) of "
+            "start()")
+
+
+def _definition(service_class: type[Service], input_keys: Sequence[Key],
+                outputs: int | Sequence[Key], params: dict, placement: str | None,
+                name: str | None, participants: str = "all"
+                ) -> tuple[Key, ServiceDefinition]:
     lazy = lazy_arguments((), params)
     if lazy:
         raise TypeError(
@@ -157,6 +184,8 @@ def service_task(service_class: type[Service], inputs: Sequence[Any] | Any, *,
     then live on the workers) or with a local scheduler (the instances run in-process).
     """
     check_config()
+    _check_service_class(service_class)
+    _check_start_parameters(service_class, params, SERVICE_TASK_OPTIONS, "service_task")
     if is_dask_collection(inputs):
         inputs = [inputs]
     inputs = list(inputs)
@@ -207,6 +236,9 @@ def submit(service_class: type[Service], inputs: Sequence[Any], *,
     """
     from distributed import Future, default_client
 
+    _check_service_class(service_class)
+    _check_start_parameters(service_class, params, SERVICE_TASK_OPTIONS + SUBMIT_OPTIONS,
+                            "submit")
     if isinstance(inputs, Future):
         inputs = [inputs]
     client = client or default_client()
@@ -270,8 +302,9 @@ def story(client: Any = None, key_or_run: Any = None) -> Any:
     client = client or default_client()
     if not client.asynchronous:
         install(client)
-    if isinstance(key_or_run, int) and not isinstance(key_or_run, bool):
-        return client.sync(_story, client, run_id=key_or_run)
+    if isinstance(key_or_run, numbers.Integral) and not isinstance(key_or_run, bool):
+        # (a numpy integer too: the run ids of ``status()``'s table are)
+        return client.sync(_story, client, run_id=int(key_or_run))
     return client.sync(_story, client, key=getattr(key_or_run, "key", key_or_run))
 
 

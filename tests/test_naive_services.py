@@ -1351,6 +1351,45 @@ def test_a_parameter_named_like_a_start_argument_fails_at_graph_construction():
         dask_services.service_task(ProducesNothing, [dask.delayed(1)], outputs=1, key=1)
 
 
+class TakesAName(dask_services.Service):
+    """A parameter of start() named like an option of service_task() and submit()."""
+
+    async def start(self, id, key, peers, input_keys, output_keys, concierge, leader,
+                    name="<default>", priority=0, **params):
+        self.tag = name
+
+    async def add_key(self, key, data):
+        pass
+
+    async def all_inputs_done(self):
+        for out in self.concierge.wanted_outputs:
+            if self.concierge.owner(out) == self.id:
+                await self.concierge.produce_key(out, self.tag)
+
+
+def test_a_start_parameter_named_like_an_option_of_service_task_fails_at_graph_construction():
+    # ``name=`` named the output keys and never reached start(), silently
+    for given in ({"name": "resnet50"}, {}):
+        with pytest.raises(TypeError, match=re.escape(
+                "TakesAName.start() has the parameter(s) ['name'], which service_task() "
+                "takes as its own option(s) (outputs, placement, name, participants): a "
+                "value given as name= would never reach start(); rename")):
+            dask_services.service_task(TakesAName, [dask.delayed(1)], outputs=1, **given)
+    # keyword parameters caught by **params are the service's: any name but the options
+    outs = dask_services.service_task(ProducesNothing, [dask.delayed(1)], outputs=1,
+                                      model="resnet50")
+    assert "producesnothing" in str(outs[0].key)
+
+
+@service_cluster()
+async def test_a_start_parameter_named_like_an_option_of_submit_is_refused(c, s, a, b):
+    with pytest.raises(TypeError, match=r"TakesAName.start\(\) has the parameter\(s\) "
+                                        r"\['name', 'priority'\], which submit\(\)"):
+        dask_services.submit(TakesAName, [c.submit(abs, 1)], outputs=1, client=c,
+                             priority=5)
+    assert not s.extensions["dask_services"].machines
+
+
 def test_a_lazy_parameter_fails_at_graph_construction():
     # a Delayed, a collection or a Future given as a parameter reached start() as it was,
     # an object standing for a value nothing computed
