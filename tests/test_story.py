@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import dask
+import numpy as np
 import pytest
 from distributed import Client, LocalCluster
 from distributed.utils_test import async_poll_for, poll_for
@@ -51,6 +52,9 @@ async def test_story_of_a_service_task_and_of_a_run_with_an_async_client(c, s, a
     assert all(e["stimulus_id"] for e in entries)
     assert await dask_services.story(c, run_id) == [e for e in entries
                                                     if e["run_id"] == run_id]
+    # the run id as ``status()``'s table gives it (a numpy integer) is a run id too
+    assert await dask_services.story(c, np.int64(run_id)) == [e for e in entries
+                                                              if e["run_id"] == run_id]
     assert await dask_services.story(c, "no-such-key") == []
 
 
