@@ -289,13 +289,19 @@ def status(client: Any = None, table: str = "runs") -> pd.DataFrame:
     client = client or default_client()
     if not client.asynchronous:
         install(client)
-    # with an asynchronous client ``sync`` gives a coroutine: awaited, it gives the frame
-    return client.sync(_status_frame, client, table)
+    # with an asynchronous client ``sync`` gives a coroutine: awaited, it installs first
+    # (as ``install()`` does for a synchronous one) and gives the frame
+    return client.sync(_status_frame, client, table, install_first=client.asynchronous)
 
 
-async def _status_frame(client: Any, table: str) -> pd.DataFrame:
+async def _status_frame(client: Any, table: str, install_first: bool = False
+                        ) -> pd.DataFrame:
     import pandas as pd
 
+    from dask_services.client import install_async
+
+    if install_first:
+        await install_async(client)
     result = await client.scheduler.service_status(tables=[table])
     if table not in result:
         known = await client.scheduler.service_status(tables=None)

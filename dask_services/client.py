@@ -302,11 +302,14 @@ def story(client: Any = None, key_or_run: Any = None) -> Any:
     client = client or default_client()
     if not client.asynchronous:
         install(client)
+    first = client.asynchronous  # awaited, it installs first (as install() does above)
     if isinstance(key_or_run, numbers.Integral) and not isinstance(key_or_run, bool):
         # (a numpy integer too: the run ids of ``status()``'s table are)
-        return client.sync(_story, client, run_id=int(key_or_run))
-    return client.sync(_story, client, key=getattr(key_or_run, "key", key_or_run))
+        return client.sync(_story, client, first, run_id=int(key_or_run))
+    return client.sync(_story, client, first, key=getattr(key_or_run, "key", key_or_run))
 
 
-async def _story(client: Any, **query: Any) -> list[dict[str, Any]]:
+async def _story(client: Any, install_first: bool, **query: Any) -> list[dict[str, Any]]:
+    if install_first:
+        await install_async(client)
     return [dict(entry) for entry in await client.scheduler.service_story(**query)]

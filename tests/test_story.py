@@ -8,7 +8,7 @@ import dask
 import numpy as np
 import pytest
 from distributed import Client, LocalCluster
-from distributed.utils_test import async_poll_for, poll_for
+from distributed.utils_test import async_poll_for, captured_logger, gen_cluster, poll_for
 from services import AllReduce, SlowSum
 from utils import DASHBOARD, kill, pull_tables, service_cluster
 
@@ -175,3 +175,18 @@ async def test_the_dashboard_shows_the_story_of_a_selected_run(c, s, a, b):
     story = tables["dask-services-story"]  # the newest run is selected
     assert "StartInstances" in story["what"] and "RunNeeded" in story["what"]
     assert story["kind"][story["what"].index("RunNeeded")] == "received"
+
+
+@gen_cluster(client=True)
+async def test_an_async_client_reads_status_and_story_of_a_cluster_not_installed_yet(
+        c, s, a, b):
+    # the synchronous calls install first; awaited ones raised TypeError on the
+    # scheduler's None (no handler yet) and the scheduler logged a missing handler
+    assert "dask_services" not in s.extensions
+    with captured_logger("distributed.core") as log:
+        frame = await dask_services.status(c)
+        assert len(frame) == 0 and "service" in frame.columns
+        assert await dask_services.story(c, 1) == []
+        assert await dask_services.story(c, "no-such-key") == []
+    assert "No handler" not in log.getvalue()
+    assert "dask_services" in s.extensions
