@@ -228,22 +228,33 @@ class ReplicaTotals:
 
     A replica's worker counts from zero for each incarnation, and a replaced incarnation's
     figures leave the ``replicas`` table; this keeps what every incarnation counted, as of
-    the last time the table was read.  A service no longer deployed is forgotten.
+    the last time the table was read.  The totals belong to a deployment: they go on
+    while the service is scaled to zero (no replica row), start from zero when it is shut
+    down and deployed again under its name, and are forgotten once it is not deployed.
     """
 
     def __init__(self) -> None:
         self.last: dict[str, dict[str, float]] = {}  # incarnation id -> figures seen
         self.totals: dict[str, dict[str, float]] = {}  # service -> cumulative figures
+        self.deployment: dict[str, Any] = {}  # service -> the deployment totals are of
 
-    def update(self, rows: Iterable[Mapping[str, Any]]) -> None:
+    def update(self, rows: Iterable[Mapping[str, Any]],
+               deployed: Mapping[str, Mapping[str, Any]]) -> None:
+        """Take the ``replicas`` rows, and ``deployed``: every deployed service (rows or
+        not) -> its facts, ``deployment`` among them."""
+        for service, facts in deployed.items():
+            if service not in self.totals or \
+                    self.deployment.get(service) != facts.get("deployment"):
+                self.totals[service] = dict.fromkeys(CALL_FIGURES, 0.0)
+                self.deployment[service] = facts.get("deployment")
         seen: set[str] = set()
-        services: set[str] = set()
         for row in rows:
             service, rid = str(row.get("service")), str(row.get("replica"))
+            totals = self.totals.get(service)
+            if totals is None:
+                continue  # shut down since the rows were read
             seen.add(rid)
-            services.add(service)
             before = self.last.setdefault(rid, dict.fromkeys(CALL_FIGURES, 0.0))
-            totals = self.totals.setdefault(service, dict.fromkeys(CALL_FIGURES, 0.0))
             for name in CALL_FIGURES:
                 value = _number(row.get(name))
                 if value is None or value <= before[name]:
@@ -252,8 +263,9 @@ class ReplicaTotals:
                 before[name] = value
         for rid in [r for r in self.last if r not in seen]:
             del self.last[rid]
-        for service in [s for s in self.totals if s not in services]:
+        for service in [s for s in self.totals if s not in deployed]:
             del self.totals[service]
+            self.deployment.pop(service, None)
 
 
 def _number(value: Any) -> float | None:
@@ -262,19 +274,25 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
-def replica_families(parts: Iterable[tuple[list[Mapping[str, Any]], ReplicaTotals]]
+def replica_families(parts: Iterable[tuple[list[Mapping[str, Any]], ReplicaTotals,
+                                            Mapping[str, Mapping[str, Any]]]]
                      ) -> Iterator[Any]:
     """The replicated-service metric families, from the rows of the ``replicas`` table of
-    each scheduler plugin (normally one) and the plugin's :class:`ReplicaTotals`."""
+    each scheduler plugin (normally one), the plugin's :class:`ReplicaTotals` and its
+    deployed services (name -> class and deployment: one at zero has no row, but its
+    families go on)."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     by_service: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
     cumulative: dict[str, dict[str, float]] = {}
-    for rows, totals in parts:
-        totals.update(rows)
+    for rows, totals, deployed in parts:
+        totals.update(rows, deployed)
+        for service, facts in deployed.items():
+            by_service.setdefault((service, str(facts.get("class"))), [])
         for row in rows:
-            by_service.setdefault((str(row.get("service")), str(row.get("class"))),
-                                  []).append(row)
+            if str(row.get("service")) in deployed:
+                by_service.setdefault((str(row.get("service")), str(row.get("class"))),
+                                      []).append(row)
         for service, figures in totals.totals.items():
             mine = cumulative.setdefault(service, dict.fromkeys(CALL_FIGURES, 0.0))
             for name in CALL_FIGURES:
@@ -344,7 +362,8 @@ class ServicesCollector:
         replica_table = _status.TABLES.get("replicas")
         if replica_table is not None:
             parts = [(_safe_rows(replica_table, p),
-                      self.replica_totals.setdefault(p, ReplicaTotals())) for p in plugins]
+                      self.replica_totals.setdefault(p, ReplicaTotals()),
+                      _safe_subjects(replica_table, p)) for p in plugins]
             yield from _guarded("replicas", replica_families, parts)
         for table in _status.TABLES.values():
             if table.name in AGGREGATED:
@@ -378,6 +397,18 @@ def _safe_rows(table: StatusTable, plugin: ServiceDiagnostics) -> list[dict]:
     except Exception:
         logger.exception("dask_services: status table %s failed", table.name)
         return []
+
+
+def _safe_subjects(table: StatusTable, plugin: ServiceDiagnostics) -> dict[str, dict]:
+    """What ``table``'s rows belong to, rows or not: every service named in its rows, at
+    least (a table without ``subjects``: the rows are all there is)."""
+    if table.subjects is not None:
+        try:
+            return dict(table.subjects(plugin))
+        except Exception:
+            logger.exception("dask_services: status table %s failed", table.name)
+    return {str(r.get("service")): {"class": r.get("class"), "deployment": None}
+            for r in _safe_rows(table, plugin)}
 
 
 _collector: ServicesCollector | None = None

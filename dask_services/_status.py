@@ -55,6 +55,9 @@ class StatusTable:
     rows: Callable[[ServiceDiagnostics], list[dict[str, Any]]]
     # brings figures that come with heartbeats up to date before status() reads them
     refresh: Callable[[ServiceDiagnostics], Awaitable[None]] | None = None
+    # what the rows belong to, by name, rows or not (a replicated service scaled to zero
+    # has no replica row but is deployed): name -> facts (``/metrics`` aggregates)
+    subjects: Callable[[ServiceDiagnostics], dict[str, dict[str, Any]]] | None = None
 
 
 TABLES: dict[str, StatusTable] = {}

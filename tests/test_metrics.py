@@ -274,12 +274,17 @@ def replica(service: str, rid: str, state: str = "healthy", **figures) -> dict:
     return row
 
 
-def replica_series(rows: list[dict], totals: _metrics.ReplicaTotals) -> dict:
+def replica_series(rows: list[dict], totals: _metrics.ReplicaTotals,
+                   deployed: dict | None = None) -> dict:
+    """The series scraped; ``deployed``: the services deployed (by default those of the
+    rows, each in its first deployment)."""
     registry = prometheus_client.CollectorRegistry()
+    if deployed is None:
+        deployed = {r["service"]: {"class": r["class"], "deployment": "d1"} for r in rows}
 
     class One:
         def collect(self):
-            return _metrics.replica_families([(rows, totals)])
+            return _metrics.replica_families([(rows, totals, deployed)])
 
     registry.register(One())
     text = prometheus_client.generate_latest(registry).decode()
@@ -323,6 +328,28 @@ def test_replica_metrics_are_per_service_and_count_every_incarnation():
 
     assert replica_series([], totals) == {}  # shut down: nothing left, nothing kept
     assert totals.totals == {} and totals.last == {}
+
+
+def test_replica_counters_go_on_at_zero_and_start_again_with_a_new_deployment():
+    totals = _metrics.ReplicaTotals()
+    model = {"class": "Model"}
+    first = {"m": {"class": "Model", "deployment": "d1"}}
+    series = replica_series([replica("m", "r1", calls=50)], totals, first)
+    assert value(series, "dask_services_replica_calls_total", service="m", **model) == 50
+    # scaled to zero: no replica row, but the service is deployed: its series stay
+    series = replica_series([], totals, first)
+    assert value(series, "dask_services_replica_calls_total", service="m", **model) == 50
+    assert value(series, "dask_services_replicas", service="m", state="healthy",
+                 **model) == 0
+    assert value(series, "dask_services_replica_calls_in_flight", service="m",
+                 **model) == 0
+    # woken again: a new incarnation counts on from the total, not from zero
+    series = replica_series([replica("m", "r2", calls=5)], totals, first)
+    assert value(series, "dask_services_replica_calls_total", service="m", **model) == 55
+    # shut down and deployed again under the name, no scrape in between: from zero
+    again = {"m": {"class": "Model", "deployment": "d2"}}
+    series = replica_series([replica("m", "r3", calls=2)], totals, again)
+    assert value(series, "dask_services_replica_calls_total", service="m", **model) == 2
 
 
 def test_a_failing_part_does_not_hide_the_others(caplog):

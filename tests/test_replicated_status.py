@@ -135,6 +135,22 @@ def test_status_dataframe_of_replicas(small_cluster):
     assert df.empty and list(df.columns) == list(COLUMNS)
 
 
+def test_status_of_replicas_shows_the_calls_made_just_before(small_cluster):
+    # it asked only the workers whose figures were older than 50 ms: calls made within
+    # 50 ms of a heartbeat or of the last status() were missed (35 rounds in 40)
+    _, client, _ = small_cluster
+    svc = Adder.options(replicas=2, name="counted").as_service(0, client=client)
+    try:
+        made = 0
+        for _ in range(20):
+            assert [c.result(timeout=30) for c in [svc.add.route(i) for i in range(4)]] \
+                == [0, 1, 2, 3]
+            made += 4
+            assert dask_services.status(client, table="replicas").calls.sum() == made
+    finally:
+        svc.shutdown()
+
+
 def test_dashboard_does_not_resend_a_table_with_nan_figures():
     from dask_services.dashboard import _same
 
