@@ -438,10 +438,10 @@ class ServiceWorkerPlugin(WorkerPlugin):
     def _service_inputs_done(self, id: str, **_: Any) -> None:
         self._spawn(self.host.all_inputs_done(ServiceId(id)))
 
-    def _service_stop(self, id: str, **_: Any) -> None:
-        self._spawn(self._stop(ServiceId(id)))
+    def _service_stop(self, id: str, reason: str = "", **_: Any) -> None:
+        self._spawn(self._stop(ServiceId(id), finished=reason == "finished"))
 
-    async def _stop(self, sid: ServiceId) -> None:
+    async def _stop(self, sid: ServiceId, finished: bool = False) -> None:
         inst = self.host.instances.get(sid)
         await self.host.stop(sid)
         if not self.host.instances and self.lane is not None:
@@ -449,14 +449,21 @@ class ServiceWorkerPlugin(WorkerPlugin):
         if inst is not None:
             self.counter_reports.stopped(instance_counters(inst, final=True))
             del inst
-            self._collect_if_pressed()
+            if finished:
+                self._collect_if_pressed()
+            else:
+                gc.collect()  # failed, cancelled or restarted: see _collect_if_pressed
 
     def _collect_if_pressed(self) -> None:
         """A stopped instance's memory may live on in reference cycles (an exception out
-        of a hook holds the hook's frames, which hold its data) until Python's garbage
-        collector runs, which distributed never asks for: a worker paused for memory
-        could stay paused for a minute.  Collect at once when memory is above the
-        worker's target (distributed.worker.memory.target, else spill)."""
+        of a hook holds the hook's frames, which hold its data; a transfer cancelled mid-
+        message holds its arrays so) until Python's garbage collector runs, which
+        distributed never asks for and which counts allocations, not bytes: a worker
+        paused for memory could stay paused for a minute, and one with room held a
+        cancelled 200 MB transfer (1 run in 4).  A run that did not finish (failed,
+        cancelled, restarted) is collected at once; a finished one when memory is above
+        the worker's target (distributed.worker.memory.target, else spill): many small
+        finished runs would each pay for a collection."""
         mm = self.worker.memory_manager
         limit = mm.memory_limit
         target = mm.memory_target_fraction or mm.memory_spill_fraction
