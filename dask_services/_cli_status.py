@@ -3,7 +3,9 @@
 The same rows as ``dask_services.status(client, table=...)`` (``_status.py``), for a
 cluster the caller reaches by its scheduler's address, a scheduler file, or the dask
 config's ``scheduler-address`` (``DASK_SCHEDULER_ADDRESS``), as ``dask worker`` finds its
-scheduler.  It only reads: the rows are the scheduler's, as of its last heartbeats.
+scheduler.  Like ``status()``, it first installs dask_services' plugins on a cluster that
+has not got them yet (the tables are theirs: nothing else changes); then it only reads:
+the rows are the scheduler's, as of its last heartbeats.
 """
 
 from __future__ import annotations

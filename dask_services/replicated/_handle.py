@@ -608,12 +608,14 @@ class ReplicatedService:
                         if in_flight_losses > allowed:
                             self._drop(target.id)
                             raise ServiceUnavailable(
-                                f"{self.name}.{method}: the connection to "
-                                f"{in_flight_losses} replicas broke while they had the "
-                                "call (their workers died?), more than distributed."
-                                f"scheduler.allowed-failures={allowed} allows: the call "
-                                "itself may be what kills them (as KilledWorker says "
-                                f"of a task); last failure: {failure}") from None
+                                f"{self.name}.{method}: the call was lost on "
+                                f"{in_flight_losses} replicas while they had it (a "
+                                "worker died, or its replica stopped answering its "
+                                "health probes, frozen or blocked, and was replaced), "
+                                "more than distributed.scheduler.allowed-failures="
+                                f"{allowed} allows: the call itself may be what kills "
+                                "or freezes them (as KilledWorker says of a task); "
+                                f"last failure: {failure}") from None
                 else:
                     status = resp.get("status") if isinstance(resp, dict) else None
                     if status == "ok":
