@@ -384,7 +384,7 @@ class ServiceHost:
         self._creation = asyncio.Event()
         return inst
 
-    async def _created(self, target: ServiceId, run_id: int) -> Instance | None:
+    async def created(self, target: ServiceId, run_id: int) -> Instance | None:
         """The instance ``target`` once created here; None if a later run came first or it
         did not come within the connect timeout."""
         timeout = parse_timedelta(dask.config.get("distributed.comm.timeouts.connect", "30s"))
@@ -623,7 +623,7 @@ class ServiceHost:
         from the same peer goes on: every error is the caller's, never the channel's."""
         inst = self.instances.get(target)
         if inst is None and run_id > self.latest_run:
-            inst = await self._created(target, run_id)
+            inst = await self.created(target, run_id)
         if inst is None or inst.stopping:
             raise StaleRunError(
                 f"no instance {target} here: the run it belonged to is no longer current"

@@ -197,7 +197,8 @@ class ServiceTaskMachine:
         self.lost_since_finished = None
         return [
             StopInstances(run.snapshot(), "finished"),
-            Log("finished", run.run_id, f"{len(run.produced)} outputs produced"),
+            Log("finished", run.run_id, f"{len(run.produced)} output"
+                f"{'s' if len(run.produced) != 1 else ''} produced"),
             *self._maybe_conclude(run),
         ]
 
@@ -277,11 +278,13 @@ class ServiceTaskMachine:
             # erred with TooManyRestarts, then run again by distributed (an input it had
             # was lost and recomputed): errs again, or the losses go on for ever
             return self._fail(None, self.exhausted)
+        again = ""
         if self.lost_since_finished is not None:
             # Produced once, then lost with a worker: counted as a restart, whatever
             # finished in between, so that outputs lost again and again (a worker killed
             # each time it holds one) end in TooManyRestarts instead of running for ever.
             reason, self.lost_since_finished = self.lost_since_finished, None
+            again = f", again: {reason} (counted as a restart)"
             self.restarts += 1
             if self.restarts > self.max_restarts:
                 self.exhausted = self._too_many_restarts(reason)
@@ -307,7 +310,8 @@ class ServiceTaskMachine:
         )
         self.run = run
         return [StartInstances(run.snapshot()),
-                Log("started", run.run_id, f"on {len(ids)} workers")]
+                Log("started", run.run_id,
+                    f"on {len(ids)} worker{'s' if len(ids) != 1 else ''}{again}")]
 
     def _on_HandOffScheduled(self, ev: HandOffScheduled) -> list[Action]:
         return [PrepareRun()] if self._may_start() else []
@@ -529,7 +533,8 @@ class ServiceTaskMachine:
                     "the service task was lost before it reached memory, after its run "
                     "had finished", over_id)]
             return []
-        return self._cancel(run, "")
+        return self._cancel(run, f"nothing wants its outputs any more ({len(run.produced)} "
+                                 f"of {len(run.wanted)} produced)")
 
     def _cancel(self, run: Run, detail: str) -> list[Action]:
         run.phase = Phase.FAILED

@@ -732,11 +732,26 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             result[key] = worker
         return result
 
-    def run_info(self, service_key: Key) -> dict | None:
+    def run_info(self, service_key: Key, handoff_key: Key | None = None,
+                 worker: str | None = None) -> dict | None:
+        """The live run's id and instances, for a hand-off on a worker without an
+        instance, which pushes its input to one; None if there is no live run, or if
+        ``handoff_key`` is no longer processing on ``worker``.  The worker learns that its
+        hand-off was released (a restart) through its stream, which this answer may
+        overtake: a stale execution would then push its input to the next run, whose own
+        execution of the hand-off gives it to another instance, and the shuffle's
+        outputs got those rows twice (4 runs in 8 of a persisted shuffle whose worker
+        died after it finished).  The run created after the release is what tells it
+        here, so no stale push gets a run."""
         machine = self.machines.get(service_key)
         run = machine.live_run if machine is not None else None
         if run is None:
             return None
+        if handoff_key is not None:
+            hts = self.scheduler.tasks.get(handoff_key)
+            if hts is None or hts.state != "processing" or hts.processing_on is None \
+                    or hts.processing_on.address != worker:
+                return None
         return {"run_id": run.run_id, "peers": {str(sid): w for w, sid in run.ids.items()}}
 
     # ------------------------------------------------------------- worker messages

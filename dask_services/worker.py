@@ -34,7 +34,7 @@ from dask_services._bulk import BulkLane, LaneUnreachable, Turn, lane_host
 from dask_services._config_check import as_count
 from dask_services._counters import CounterReports, Traffic, instance_counters, size_of
 from dask_services._directory import directory_in
-from dask_services._host import Environment, InstanceSpec, ServiceHost
+from dask_services._host import Environment, Instance, InstanceSpec, ServiceHost
 from dask_services._memory import release_freed_memory
 from dask_services._messages import dumps_exception, loads_exception, unwrap
 from dask_services._payload import known_arguments_nbytes, pack, unpack
@@ -640,28 +640,28 @@ class ServiceWorkerPlugin(WorkerPlugin):
             return None
         inst = self.host.current.get(service_key)
         if inst is not None and not inst.stopping:
-            if nbytes is None:
-                ts = self.worker.state.tasks.get(input_key)
-                nbytes = (ts.nbytes if ts is not None and ts.nbytes is not None
-                          else size_of(value))  # the worker's own measure, if it has one
-            if self.pending_inputs.admit(nbytes):
-                # Returned at once: the worker runs its next task while the instance takes
-                # the input (the scheduler's barrier waits for the report, not for this
-                # task).  The bytes waiting so are bounded (``hand-off-buffer``).
-                def not_released() -> bool:
-                    ts = self.worker.state.tasks.get(handoff_key)
-                    return ts is not None and ts.state in (
-                        "executing", "long-running", "resumed", "memory")
-
-                self._spawn(self._add_input(inst.spec, input_key, value, not_released,
-                                            nbytes, admitted=True))
-                return inst.spec.run_id
-            await self._add_input(inst.spec, input_key, value, still_wanted, nbytes)
-            return inst.spec.run_id
+            return await self._give_locally(inst, handoff_key, input_key, value, nbytes,
+                                            still_wanted)
+        # No instance here (yet): ask the scheduler for the live run.
+        info = await self.worker.scheduler.service_run_info(
+            service_key=service_key, handoff_key=handoff_key, worker=self.worker.address)
+        if not info or not still_wanted():
+            # no live run (a new run will ask for this input again), or this execution is
+            # stale (released by a restart: the next run gets the input from its new one)
+            return None
+        mine = [sid for sid, address in info["peers"].items()
+                if address == self.worker.address]
+        if mine:
+            # This worker takes part in the run, but its instance has not started yet:
+            # the input goes to it once created, as its other hand-offs' do, not to a
+            # peer.  (Pushed to a peer, a second execution of the hand-off for the same
+            # run, given the input locally, made its rows count twice.)
+            inst = await self.host.created(ServiceId(mine[0]), info["run_id"])
+            if inst is None or inst.stopping or not still_wanted():
+                return None
+            return await self._give_locally(inst, handoff_key, input_key, value, nbytes,
+                                            still_wanted)
         # This worker takes no part in the current run: push the input to a participant.
-        info = await self.worker.scheduler.service_run_info(service_key=service_key)
-        if not info:
-            return None  # no live run: a new run will ask for this input again
         peers = sorted(info["peers"].items())
         target, address = peers[hash(str(input_key)) % len(peers)]
         try:
@@ -676,6 +676,29 @@ class ServiceWorkerPlugin(WorkerPlugin):
             return await self.hand_off(handoff_key, service_key, input_key, value, nbytes,
                                        attempt + 1)
         return info["run_id"]
+
+    async def _give_locally(self, inst: Instance, handoff_key: Key, input_key: Key,
+                            value: Any, nbytes: int | None,
+                            still_wanted: Callable[[], bool]) -> int:
+        """Give the input to ``inst``, this worker's instance of the run; its run id."""
+        if nbytes is None:
+            ts = self.worker.state.tasks.get(input_key)
+            nbytes = (ts.nbytes if ts is not None and ts.nbytes is not None
+                      else size_of(value))  # the worker's own measure, if it has one
+        if self.pending_inputs.admit(nbytes):
+            # Returned at once: the worker runs its next task while the instance takes
+            # the input (the scheduler's barrier waits for the report, not for this
+            # task).  The bytes waiting so are bounded (``hand-off-buffer``).
+            def not_released() -> bool:
+                ts = self.worker.state.tasks.get(handoff_key)
+                return ts is not None and ts.state in (
+                    "executing", "long-running", "resumed", "memory")
+
+            self._spawn(self._add_input(inst.spec, input_key, value, not_released,
+                                        nbytes, admitted=True))
+            return inst.spec.run_id
+        await self._add_input(inst.spec, input_key, value, still_wanted, nbytes)
+        return inst.spec.run_id
 
     async def _push_input(self, address: str, target: str, key: Key, value: Any) -> None:
         await self.worker.rpc(address).service_add_key(

@@ -249,7 +249,11 @@ def test_cancel_and_task_worker_lost():
     m = machine()
     need(m)
     m.handle(run_events.ServiceTaskProcessing(WORKERS[0]))
-    assert kinds(m.handle(run_events.ServiceTaskReleased())) == ["StopInstances", "Log"]
+    stop, log = m.handle(run_events.ServiceTaskReleased())
+    assert (type(stop), type(log)) == (run_events.StopInstances, run_events.Log)
+    # the status says why, and how far the run got (its detail was empty)
+    assert log.action == "cancelled" and log.detail == stop.reason == (
+        f"nothing wants its outputs any more (0 of {len(stop.run.wanted)} produced)")
     assert m.run is None and m.restarts == 0
     need(m, run_id=2)
     m.handle(run_events.ServiceTaskProcessing(WORKERS[0]))
@@ -615,8 +619,12 @@ def test_outputs_lost_again_and_again_after_finishing_end_in_too_many_restarts()
     need(m)
     finish(m, 1)
     assert m.handle(run_events.WorkerLost(WORKERS[1])) == []  # nothing live: the next run counts
-    assert kinds(need(m, run_id=2)) == ["StartInstances", "Log"]
+    _, log = need(m, run_id=2)
     assert m.restarts == 1
+    # its start says why it runs, and that it counts (no run ended "restarted")
+    assert log.action == "started" and log.detail == (
+        f"on 2 workers, again: worker {WORKERS[1]} left the cluster after the run had "
+        "finished, with what it held (counted as a restart)")
     finish(m, 2)
     m.handle(run_events.WorkerLost(WORKERS[1]))
     m.handle(run_events.ServiceTaskProcessing(WORKERS[0]))
