@@ -5,7 +5,8 @@ cluster the caller reaches by its scheduler's address, a scheduler file, or the 
 config's ``scheduler-address`` (``DASK_SCHEDULER_ADDRESS``), as ``dask worker`` finds its
 scheduler.  Like ``status()``, it first installs dask_services' plugins on a cluster that
 has not got them yet (the tables are theirs: nothing else changes); then it only reads:
-the rows are the scheduler's, as of its last heartbeats.
+the rows are the scheduler's, as of its last heartbeats (the ``replicas`` table's call
+figures as of a question to the workers holding replicas, as ``status()`` asks them).
 """
 
 from __future__ import annotations

@@ -237,11 +237,14 @@ class ReplicaTotals:
         self.last: dict[str, dict[str, float]] = {}  # incarnation id -> figures seen
         self.totals: dict[str, dict[str, float]] = {}  # service -> cumulative figures
         self.deployment: dict[str, Any] = {}  # service -> the deployment totals are of
+        # service -> its facts as last given (what a scrape whose list failed goes on with)
+        self.facts: dict[str, Mapping[str, Any]] = {}
 
     def update(self, rows: Iterable[Mapping[str, Any]],
                deployed: Mapping[str, Mapping[str, Any]]) -> None:
         """Take the ``replicas`` rows, and ``deployed``: every deployed service (rows or
         not) -> its facts, ``deployment`` among them."""
+        self.facts = dict(deployed)
         for service, facts in deployed.items():
             if service not in self.totals or \
                     self.deployment.get(service) != facts.get("deployment"):
@@ -275,7 +278,7 @@ def _number(value: Any) -> float | None:
 
 
 def replica_families(parts: Iterable[tuple[list[Mapping[str, Any]], ReplicaTotals,
-                                            Mapping[str, Mapping[str, Any]]]]
+                                            Mapping[str, Mapping[str, Any]] | None]]
                      ) -> Iterator[Any]:
     """The replicated-service metric families, from the rows of the ``replicas`` table of
     each scheduler plugin (normally one), the plugin's :class:`ReplicaTotals` and its
@@ -286,6 +289,8 @@ def replica_families(parts: Iterable[tuple[list[Mapping[str, Any]], ReplicaTotal
     by_service: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
     cumulative: dict[str, dict[str, float]] = {}
     for rows, totals, deployed in parts:
+        if deployed is None:  # the list of deployments failed: the last one stands
+            deployed = totals.facts
         totals.update(rows, deployed)
         for service, facts in deployed.items():
             by_service.setdefault((service, str(facts.get("class"))), [])
@@ -399,14 +404,17 @@ def _safe_rows(table: StatusTable, plugin: ServiceDiagnostics) -> list[dict]:
         return []
 
 
-def _safe_subjects(table: StatusTable, plugin: ServiceDiagnostics) -> dict[str, dict]:
+def _safe_subjects(table: StatusTable, plugin: ServiceDiagnostics
+                   ) -> dict[str, dict] | None:
     """What ``table``'s rows belong to, rows or not: every service named in its rows, at
-    least (a table without ``subjects``: the rows are all there is)."""
+    least (a table without ``subjects``: the rows are all there is); None if
+    ``subjects`` failed."""
     if table.subjects is not None:
         try:
             return dict(table.subjects(plugin))
         except Exception:
             logger.exception("dask_services: status table %s failed", table.name)
+            return None  # the deployments known from the last scrape stand
     return {str(r.get("service")): {"class": r.get("class"), "deployment": None}
             for r in _safe_rows(table, plugin)}
 

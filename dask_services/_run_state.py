@@ -9,7 +9,9 @@ a cluster.  Modelled on distributed's ``worker_state_machine``: every event and 
 carries a ``stimulus_id``; the machine keeps a bounded story per run of what it received,
 decided and sent (``story()``); ``validate()`` checks its invariants, after every event when
 ``validating`` (``distributed.scheduler.validate``); actions carry immutable
-:class:`RunSnapshot` objects, never the live :class:`Run`.
+:class:`RunSnapshot` objects, never the live :class:`Run`.  The events and actions are
+defined in ``_run_events``, the run's data in ``_run_model`` and its story in
+``_run_story``; this module is the machine.
 
 Lifecycle of one run::
 

@@ -105,18 +105,12 @@ def _output_names(outputs: int | Sequence[Key], name: str, token: str) -> tuple[
     return names
 
 
-# keywords ``service_task`` and ``submit`` take as their own options, never as service
-# parameters (``submit`` passes its task options on as annotations)
-SERVICE_TASK_OPTIONS = ("outputs", "placement", "name", "participants")
-SUBMIT_OPTIONS = ("client", "retries", "priority", "workers", "resources",
-                  "allow_other_workers")
-
-
 def _check_start_parameters(service_class: type[Service], params: dict,
-                            options: Sequence[str], function: str) -> None:
-    """Refuse parameters that clash with the arguments of every ``start()``, and a
-    ``start()`` naming a parameter that ``function`` takes as its own option (given there,
-    it would never reach ``start()``; left out, ``start()`` would take its default)."""
+                            given: Sequence[str], function: str) -> None:
+    """Refuse parameters that clash with the arguments of every ``start()``, and options
+    of ``function`` in ``given`` (those given, not left at their defaults) that
+    ``start()`` names as parameters: given there, they are ``function``'s and would never
+    reach ``start()``, which would silently take its default."""
     clashes = sorted(set(params) & set(START_ARGUMENTS))
     if clashes:
         raise TypeError(
@@ -126,21 +120,22 @@ def _check_start_parameters(service_class: type[Service], params: dict,
         declared = inspect.signature(service_class.start).parameters
     except (TypeError, ValueError):  # pragma: no cover - a builtin or odd callable
         return
-    taken = [p for p in options if p in declared
-             and declared[p].kind not in (inspect.Parameter.VAR_KEYWORD,
-                                          inspect.Parameter.VAR_POSITIONAL)]
+    taken = [p for p in given if p in declared
+             and declared[p].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                      inspect.Parameter.KEYWORD_ONLY)]
     if taken:
         raise TypeError(
-            f"{service_class.__name__}.start() has the parameter(s) {taken}, which "
-            f"{function}() takes as its own option(s) ({', '.join(options)}): a value "
-            f"given as {taken[0]}= would never reach start(); rename the parameter(s) of "
-            "start()")
+            f"{', '.join(f'{p}=' for p in taken)} given to {function}() is its own "
+            f"option, but {service_class.__name__}.start() has a parameter of that name, "
+            "which would never receive it; rename the parameter of start() (and pass "
+            "the value under the new name)")
 
 
 def _definition(service_class: type[Service], input_keys: Sequence[Key],
                 outputs: int | Sequence[Key], params: dict, placement: str | None,
                 name: str | None, participants: str = "all"
                 ) -> tuple[Key, ServiceDefinition]:
+    _check_start_parameters(service_class, params, (), "service_task")
     lazy = lazy_arguments((), params)
     if lazy:
         raise TypeError(
@@ -185,7 +180,10 @@ def service_task(service_class: type[Service], inputs: Sequence[Any] | Any, *,
     """
     check_config()
     _check_service_class(service_class)
-    _check_start_parameters(service_class, params, SERVICE_TASK_OPTIONS, "service_task")
+    given = {"outputs": True, "placement": placement is not None, "name": name is not None,
+             "participants": participants != "all"}
+    _check_start_parameters(service_class, params, [o for o, g in given.items() if g],
+                            "service_task")
     if is_dask_collection(inputs):
         inputs = [inputs]
     inputs = list(inputs)
@@ -237,7 +235,12 @@ def submit(service_class: type[Service], inputs: Sequence[Any], *,
     from distributed import Future, default_client
 
     _check_service_class(service_class)
-    _check_start_parameters(service_class, params, SERVICE_TASK_OPTIONS + SUBMIT_OPTIONS,
+    given = {"outputs": True, "client": client is not None, "placement": placement is not None,
+             "name": name is not None, "participants": participants != "all",
+             "retries": retries is not None, "priority": bool(priority),
+             "workers": workers is not None, "resources": resources is not None,
+             "allow_other_workers": bool(allow_other_workers)}
+    _check_start_parameters(service_class, params, [o for o, g in given.items() if g],
                             "submit")
     if isinstance(inputs, Future):
         inputs = [inputs]

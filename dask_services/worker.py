@@ -14,6 +14,7 @@ import concurrent.futures
 import contextlib
 import gc
 import logging
+import math
 import shutil
 import weakref
 from collections.abc import Awaitable, Callable
@@ -74,13 +75,14 @@ _STALE = "dask-services-stale-run"  # reply of service_rpc for an instance no lo
 _TAKEN = "dask-services-taken"  # ... and whether the call had taken its turn there
 _RAISED = "dask-services-raised"  # reply of service_rpc for a call that raised
 _RESULT = "dask-services-result"  # reply of a call on the bulk lane: its pickled result
-# Worker task states in which a service task cannot be waiting for its outcome.
+COLLECT_EVERY_S = 1.0  # at most one garbage collection a second after runs that failed
 # a hand-off pushing its input to a participant of a run this worker takes no part in
 # tries this many more times when the connection fails (the participant left: the
 # scheduler restarts the run, and releases the hand-off or names other participants),
 # waiting PUSH_RETRY_DELAY seconds, doubled each time up to a second, in between
 PUSH_ATTEMPTS = 8
 PUSH_RETRY_DELAY = 0.05
+# Worker task states in which a service task cannot be waiting for its outcome.
 _NOT_RUNNING = frozenset({"cancelled", "released", "forgotten", "memory", "error"})
 
 
@@ -369,6 +371,10 @@ class ServiceWorkerPlugin(WorkerPlugin):
         worker.metrics["dask_services_managed_bytes"] = lambda w: self.host.managed_bytes()
         worker.metrics["dask_services_spilled_bytes"] = lambda w: self.host.spilled_bytes()
         self._evicting = False
+        # garbage collections after runs that did not finish: the loop time of the last,
+        # and the one planned (at most one a second: ``_collect_soon``)
+        self._collected_at = -math.inf
+        self._collection: asyncio.TimerHandle | None = None
         self._spilling = asyncio.Lock()
         self._spill_failed = False  # the last write of produced outputs failed (warned)
         self._memory_check = PeriodicCallback(self._check_memory, 500)
@@ -380,6 +386,9 @@ class ServiceWorkerPlugin(WorkerPlugin):
         self._memory_check.stop()
         with as_worker(worker):
             await self.host.stop_all()
+        if self._collection is not None:
+            self._collection.cancel()
+            self._collection = None
         for fut in self.outcomes.values():
             if not fut.done():
                 fut.set_result(("cancelled", None))
@@ -452,7 +461,26 @@ class ServiceWorkerPlugin(WorkerPlugin):
             if finished:
                 self._collect_if_pressed()
             else:
-                gc.collect()  # failed, cancelled or restarted: see _collect_if_pressed
+                self._collect_soon()  # failed, cancelled or restarted: see below
+
+    def _collect_soon(self) -> None:
+        """Collect garbage now, or, if the last collection was less than a second ago,
+        once that second is over (one collection for all the runs stopped meanwhile: a
+        full collection of a large heap holds the event loop for a while)."""
+        if self._collection is not None:
+            return
+        loop = asyncio.get_running_loop()
+
+        def collect() -> None:
+            self._collection = None
+            self._collected_at = loop.time()
+            gc.collect()
+
+        wait = self._collected_at + COLLECT_EVERY_S - loop.time()
+        if wait <= 0:
+            collect()
+        else:
+            self._collection = loop.call_later(wait, collect)
 
     def _collect_if_pressed(self) -> None:
         """A stopped instance's memory may live on in reference cycles (an exception out
@@ -657,8 +685,16 @@ class ServiceWorkerPlugin(WorkerPlugin):
             # peer.  (Pushed to a peer, a second execution of the hand-off for the same
             # run, given the input locally, made its rows count twice.)
             inst = await self.host.created(ServiceId(mine[0]), info["run_id"])
+            if inst is None and self.host.latest_run < info["run_id"] and still_wanted():
+                # not created within the connect timeout (its start message lost): fail
+                # the hand-off, as a push to a peer without it would, rather than finish
+                # it with the run never getting the input
+                raise StaleRunError(
+                    f"instance {mine[0]} of run {info['run_id']} was not created on "
+                    f"{self.worker.address} within distributed.comm.timeouts.connect: "
+                    f"the hand-off of {input_key!r} cannot give it its input")
             if inst is None or inst.stopping or not still_wanted():
-                return None
+                return None  # a later run came first: this execution is stale
             return await self._give_locally(inst, handoff_key, input_key, value, nbytes,
                                             still_wanted)
         # This worker takes no part in the current run: push the input to a participant.

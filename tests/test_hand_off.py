@@ -226,3 +226,30 @@ async def test_an_adaptive_cluster_does_not_close_a_worker_a_running_service_tas
     assert len(s.workers_to_close(n=2)) == 2  # the run is over
     del outs, futs
     await assert_nothing_left(s, [a, b])
+
+
+@service_cluster()
+async def test_a_run_is_named_to_a_pushing_hand_off_only_while_it_runs_there(c, s, a, b,
+                                                                            gated):
+    # ``service_run_info`` is how a hand-off on a worker without an instance finds one
+    # to push its input to; a stale execution (its release not yet known on its worker)
+    # must not be told the run that release led to, or its input reaches two instances
+    futs = c.map(block, range(4))
+    await wait(futs)
+    outs = dask_services.submit(gated, futs, outputs=1, client=c)
+    await async_poll_for(lambda: handoff_states(s) and all(
+        st == "memory" for st in handoff_states(s)), timeout=30)
+    plugin = s.extensions["dask_services"]
+    (service_key,) = plugin.machines
+    info = plugin.run_info(service_key)  # the live run, to whoever asks
+    assert info is not None and set(info["peers"].values()) <= {a.address, b.address}
+    handoffs = [k for k in s.tasks if "handoff" in str(k)]
+    for key in handoffs:  # finished: not processing anywhere
+        for worker in (a.address, b.address):
+            assert plugin.run_info(service_key, handoff_key=key, worker=worker) is None
+    assert plugin.run_info(service_key, handoff_key="no-such-task", worker=a.address) is None
+    gated.gate.set()
+    expected = np.sum([block(i) for i in range(4)], axis=0)
+    np.testing.assert_array_equal((await c.gather(outs))[0], expected)
+    del outs, futs
+    await assert_nothing_left(s, [a, b])

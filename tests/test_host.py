@@ -52,7 +52,7 @@ def test_a_call_for_a_run_not_created_yet_waits_for_it(tmp_path):
         s = spec(3)
         call = asyncio.create_task(host.deliver(s.id, s.id, 3, 0, "ping", arguments((1,))))
         # the start message has not arrived yet: the call waits for the instance
-        await until(lambda: suspended_in(call, "ServiceHost._created", host))
+        await until(lambda: suspended_in(call, "ServiceHost.created", host))
         assert not call.done()
         await host.start(host.create(s))
         assert await call == 2

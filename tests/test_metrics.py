@@ -275,11 +275,11 @@ def replica(service: str, rid: str, state: str = "healthy", **figures) -> dict:
 
 
 def replica_series(rows: list[dict], totals: _metrics.ReplicaTotals,
-                   deployed: dict | None = None) -> dict:
+                   deployed: dict | None | str = "from rows") -> dict:
     """The series scraped; ``deployed``: the services deployed (by default those of the
-    rows, each in its first deployment)."""
+    rows, each in its first deployment; None: their list failed)."""
     registry = prometheus_client.CollectorRegistry()
-    if deployed is None:
+    if deployed == "from rows":
         deployed = {r["service"]: {"class": r["class"], "deployment": "d1"} for r in rows}
 
     class One:
@@ -346,6 +346,11 @@ def test_replica_counters_go_on_at_zero_and_start_again_with_a_new_deployment():
     # woken again: a new incarnation counts on from the total, not from zero
     series = replica_series([replica("m", "r2", calls=5)], totals, first)
     assert value(series, "dask_services_replica_calls_total", service="m", **model) == 55
+    # the list of deployments failing once changes nothing (no reset, series stay)
+    series = replica_series([replica("m", "r2", calls=6)], totals, None)
+    assert value(series, "dask_services_replica_calls_total", service="m", **model) == 56
+    series = replica_series([], totals, None)
+    assert value(series, "dask_services_replica_calls_total", service="m", **model) == 56
     # shut down and deployed again under the name, no scrape in between: from zero
     again = {"m": {"class": "Model", "deployment": "d2"}}
     series = replica_series([replica("m", "r3", calls=2)], totals, again)

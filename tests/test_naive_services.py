@@ -1367,14 +1367,16 @@ class TakesAName(dask_services.Service):
                 await self.concierge.produce_key(out, self.tag)
 
 
-def test_a_start_parameter_named_like_an_option_of_service_task_fails_at_graph_construction():
+def test_an_option_of_service_task_that_start_names_fails_at_graph_construction():
     # ``name=`` named the output keys and never reached start(), silently
-    for given in ({"name": "resnet50"}, {}):
-        with pytest.raises(TypeError, match=re.escape(
-                "TakesAName.start() has the parameter(s) ['name'], which service_task() "
-                "takes as its own option(s) (outputs, placement, name, participants): a "
-                "value given as name= would never reach start(); rename")):
-            dask_services.service_task(TakesAName, [dask.delayed(1)], outputs=1, **given)
+    with pytest.raises(TypeError, match=re.escape(
+            "name= given to service_task() is its own option, but TakesAName.start() has "
+            "a parameter of that name, which would never receive it; rename")):
+        dask_services.service_task(TakesAName, [dask.delayed(1)], outputs=1,
+                                   name="resnet50")
+    # not given, start() takes its default, as it would with any other parameter
+    (out,) = dask_services.service_task(TakesAName, [dask.delayed(1)], outputs=1)
+    assert dask.compute(out, scheduler="sync") == ("<default>",)
     # keyword parameters caught by **params are the service's: any name but the options
     outs = dask_services.service_task(ProducesNothing, [dask.delayed(1)], outputs=1,
                                       model="resnet50")
@@ -1383,8 +1385,8 @@ def test_a_start_parameter_named_like_an_option_of_service_task_fails_at_graph_c
 
 @service_cluster()
 async def test_a_start_parameter_named_like_an_option_of_submit_is_refused(c, s, a, b):
-    with pytest.raises(TypeError, match=r"TakesAName.start\(\) has the parameter\(s\) "
-                                        r"\['name', 'priority'\], which submit\(\)"):
+    with pytest.raises(TypeError, match=r"priority= given to submit\(\) is its own "
+                                        r"option, but TakesAName.start\(\)"):
         dask_services.submit(TakesAName, [c.submit(abs, 1)], outputs=1, client=c,
                              priority=5)
     assert not s.extensions["dask_services"].machines

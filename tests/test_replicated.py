@@ -7,6 +7,7 @@ import collections
 import gc
 import pickle
 
+import numpy as np
 import pytest
 from distributed import Client
 from distributed.core import Status
@@ -734,8 +735,13 @@ async def test_a_retired_workers_replica_finishes_the_call_it_had_started(c, s, 
     plugin = leaving.extensions["dask_services_replicated"]
     call = asyncio.ensure_future(svc.count_and_wait.route("drained-gate", "drained"))
     await async_poll_for(lambda: STARTS.get("drained") == 1, timeout=10)
+    # data to move first: the scheduler removes the worker only then, which breaks the
+    # connection of the replica's stop while the replica still drains there
+    held = await c.scatter([np.full(5_000_000, i) for i in range(4)],
+                           workers=[leaving.address])
     assert leaving.address in await asyncio.wait_for(c.retire_workers([leaving.address]),
                                                      30)
+    await async_poll_for(lambda: leaving.address not in s.workers, timeout=20)
     await async_poll_for(lambda: healthy_count(s, svc) == 1, timeout=20)
     await async_poll_for(lambda: plugin.closed, timeout=20)  # closing its replicas
     aborted: list[str] = []
@@ -745,6 +751,7 @@ async def test_a_retired_workers_replica_finishes_the_call_it_had_started(c, s, 
     GATES.setdefault("drained-gate", asyncio.Event()).set()
     assert await asyncio.wait_for(call, 20) == "drained"
     assert STARTS["drained"] == 1  # not re-sent to the new replica
+    assert [int(x[0]) for x in await c.gather(held)] == [0, 1, 2, 3]  # moved
     await async_poll_for(lambda: leaving.status == Status.closed, timeout=20)
     assert await svc.add.route(1) == 1
     await svc.shutdown()

@@ -127,8 +127,9 @@ def test_the_next_pass_waits_for_the_calls_the_last_one_moved_to_land():
         await fake.settle()
         assert rebalancer.moved_landed_by == 6
         rebalancer.soon()  # the calls are still with their callers
-        while fake.stats_calls < 4:  # the pass polls: not landed yet
-            await asyncio.sleep(0.01)
+        async with asyncio.timeout(5):
+            while fake.stats_calls < 4:  # the pass polls: not landed yet
+                await asyncio.sleep(0.01)
         assert fake.sheds == [("a", 6)]
         fake.land()
         await fake.settle()

@@ -864,7 +864,7 @@ class Deployments(SchedulerPlugin):
                     stop = self._spawn(dep, self._stop(
                         worker, action.id, drain if action.drain else 0, reason))
                     if action.drain and drain > 0:
-                        self._count_drain(dep, str(action.id), stop)
+                        self._count_drain(dep, str(action.id), worker, drain, stop)
                     stops.append(stop)
             elif isinstance(action, lc.StateChanged):
                 if action.state is ReplicaState.UNHEALTHY:  # holds no worker any more
@@ -890,15 +890,29 @@ class Deployments(SchedulerPlugin):
             self.reports.prune(self.placed())
         return stops
 
-    @staticmethod
-    def _count_drain(dep: Deployment, sid: str, stop: asyncio.Task) -> None:
-        """Incarnation ``sid`` drains until ``stop`` ends (``Deployment.draining``)."""
+    def _count_drain(self, dep: Deployment, sid: str, worker: str, drain: float,
+                     stop: asyncio.Task) -> None:
+        """Incarnation ``sid`` on ``worker`` drains until ``stop`` ends
+        (``Deployment.draining``), or, if the worker left the cluster meanwhile, until its
+        drain time is over: ``retire_workers`` removes the worker once its data has moved,
+        which breaks the stop's connection while the replica still drains there (its
+        worker's close waits for it), and its calls must not be re-sent meanwhile."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + drain + 1.0
         dep.draining[sid] += 1
 
-        def done(_: asyncio.Task) -> None:
+        def release() -> None:
             dep.draining[sid] -= 1
             if dep.draining[sid] <= 0:
                 del dep.draining[sid]
+
+        def done(_: asyncio.Task) -> None:
+            left = until - loop.time()
+            if self.scheduler is not None and worker not in self.scheduler.workers \
+                    and left > 0 and not dep.stopping:
+                loop.call_later(left, release)
+            else:
+                release()
 
         stop.add_done_callback(done)
 

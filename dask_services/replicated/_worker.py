@@ -122,7 +122,11 @@ class ReplicaWorker(WorkerPlugin):
         before the scheduler closes it.  A worker plugin has no hook of its own for this:
         the worker's handler is wrapped, and restored at teardown."""
         original = worker.stream_handlers.get(STATUS_CHANGE)
-        if original is None or self._status_watch is not None:
+        if self._status_watch is not None:
+            return
+        if original is None:  # (``tests/test_hooks.py`` checks distributed has it)
+            logger.warning("dask_services: the worker has no %r handler: replicas on a "
+                           "retired worker will not drain their calls", STATUS_CHANGE)
             return
 
         def status_changed(status: str, **kwargs: Any) -> Any:
