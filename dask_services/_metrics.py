@@ -236,20 +236,19 @@ class ReplicaTotals:
     def __init__(self) -> None:
         self.last: dict[str, dict[str, float]] = {}  # incarnation id -> figures seen
         self.totals: dict[str, dict[str, float]] = {}  # service -> cumulative figures
-        self.deployment: dict[str, Any] = {}  # service -> the deployment totals are of
-        # service -> its facts as last given (what a scrape whose list failed goes on with)
+        # service -> its facts as last given (``deployment``: whose totals these are; what
+        # a scrape whose list failed goes on with)
         self.facts: dict[str, Mapping[str, Any]] = {}
 
     def update(self, rows: Iterable[Mapping[str, Any]],
                deployed: Mapping[str, Mapping[str, Any]]) -> None:
         """Take the ``replicas`` rows, and ``deployed``: every deployed service (rows or
         not) -> its facts, ``deployment`` among them."""
-        self.facts = dict(deployed)
+        before, self.facts = self.facts, dict(deployed)
         for service, facts in deployed.items():
             if service not in self.totals or \
-                    self.deployment.get(service) != facts.get("deployment"):
+                    before.get(service, {}).get("deployment") != facts.get("deployment"):
                 self.totals[service] = dict.fromkeys(CALL_FIGURES, 0.0)
-                self.deployment[service] = facts.get("deployment")
         seen: set[str] = set()
         for row in rows:
             service, rid = str(row.get("service")), str(row.get("replica"))
@@ -268,7 +267,6 @@ class ReplicaTotals:
             del self.last[rid]
         for service in [s for s in self.totals if s not in deployed]:
             del self.totals[service]
-            self.deployment.pop(service, None)
 
 
 def _number(value: Any) -> float | None:

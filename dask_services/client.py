@@ -105,17 +105,11 @@ def _output_names(outputs: int | Sequence[Key], name: str, token: str) -> tuple[
     return names
 
 
-def _check_start_parameters(service_class: type[Service], params: dict,
-                            given: Sequence[str], function: str) -> None:
-    """Refuse parameters that clash with the arguments of every ``start()``, and options
-    of ``function`` in ``given`` (those given, not left at their defaults) that
-    ``start()`` names as parameters: given there, they are ``function``'s and would never
-    reach ``start()``, which would silently take its default."""
-    clashes = sorted(set(params) & set(START_ARGUMENTS))
-    if clashes:
-        raise TypeError(
-            f"parameter(s) {clashes} of {service_class.__name__} clash with the arguments "
-            f"every start() receives ({', '.join(START_ARGUMENTS)}); rename them")
+def _check_options_given(service_class: type[Service], given: Sequence[str],
+                         function: str) -> None:
+    """Refuse options of ``function`` in ``given`` (those given, not left at their
+    defaults) that ``start()`` names as parameters: given there, they are ``function``'s
+    and would never reach ``start()``, which would silently take its default."""
     try:
         declared = inspect.signature(service_class.start).parameters
     except (TypeError, ValueError):  # pragma: no cover - a builtin or odd callable
@@ -135,7 +129,11 @@ def _definition(service_class: type[Service], input_keys: Sequence[Key],
                 outputs: int | Sequence[Key], params: dict, placement: str | None,
                 name: str | None, participants: str = "all"
                 ) -> tuple[Key, ServiceDefinition]:
-    _check_start_parameters(service_class, params, (), "service_task")
+    clashes = sorted(set(params) & set(START_ARGUMENTS))
+    if clashes:
+        raise TypeError(
+            f"parameter(s) {clashes} of {service_class.__name__} clash with the arguments "
+            f"every start() receives ({', '.join(START_ARGUMENTS)}); rename them")
     lazy = lazy_arguments((), params)
     if lazy:
         raise TypeError(
@@ -182,8 +180,7 @@ def service_task(service_class: type[Service], inputs: Sequence[Any] | Any, *,
     _check_service_class(service_class)
     given = {"outputs": True, "placement": placement is not None, "name": name is not None,
              "participants": participants != "all"}
-    _check_start_parameters(service_class, params, [o for o, g in given.items() if g],
-                            "service_task")
+    _check_options_given(service_class, [o for o, g in given.items() if g], "service_task")
     if is_dask_collection(inputs):
         inputs = [inputs]
     inputs = list(inputs)
@@ -240,8 +237,7 @@ def submit(service_class: type[Service], inputs: Sequence[Any], *,
              "retries": retries is not None, "priority": bool(priority),
              "workers": workers is not None, "resources": resources is not None,
              "allow_other_workers": bool(allow_other_workers)}
-    _check_start_parameters(service_class, params, [o for o, g in given.items() if g],
-                            "submit")
+    _check_options_given(service_class, [o for o, g in given.items() if g], "submit")
     if isinstance(inputs, Future):
         inputs = [inputs]
     client = client or default_client()
