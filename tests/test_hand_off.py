@@ -221,8 +221,13 @@ async def test_an_adaptive_cluster_does_not_close_a_worker_a_running_service_tas
     assert s.workers_to_close(n=2) == []
     async with Worker(s.address, nthreads=1) as extra:
         assert s.workers_to_close(n=3) == [extra.address]
+    (service_key,) = s.extensions["dask_services"].machines
     gated.gate.set()
     await c.gather(outs)
+    # the service task (long-running: distributed keeps its worker) returns once every
+    # output has landed, which may come after the client has them
+    await async_poll_for(lambda: service_key not in s.tasks
+                         or s.tasks[service_key].state != "processing", timeout=10)
     assert len(s.workers_to_close(n=2)) == 2  # the run is over
     del outs, futs
     await assert_nothing_left(s, [a, b])
