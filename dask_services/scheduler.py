@@ -24,7 +24,7 @@ import logging
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dask.typing import Key
@@ -35,6 +35,7 @@ from distributed.protocol.serialize import ToPickle
 
 from dask_services import _run_events as run_events
 from dask_services import _run_model as run_model
+from dask_services import _run_placement as placement
 from dask_services import _run_state as rs
 from dask_services import _run_story as run_story
 from dask_services._host import InstanceSpec
@@ -95,16 +96,6 @@ class RunObserver:
         """The current run of service task ``key`` changed (an event was handled)."""
 
 
-@dataclass
-class PlacementGroup:
-    """The agreement of the service tasks sharing a ``placement=`` name: output index ->
-    worker, and where its round-robin starts; kept while ``service_tasks`` are known."""
-
-    start: int
-    by_index: dict[int, str] = field(default_factory=dict)
-    service_tasks: int = 0
-
-
 class ServiceSchedulerPlugin(SchedulerPlugin):
     """Scheduler plugin (and extension) that carries out service tasks."""
 
@@ -129,7 +120,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         self.produced_at: dict[Key, str] = {}  # produced output -> worker that may hold it
         self.restrictions: dict[Key, tuple] = {}  # output -> its own restrictions while cut
         # placement group -> its mapping, while a service task of the group is known
-        self.placements: dict[str, PlacementGroup] = {}
+        self.placements: dict[str, placement.PlacementGroup] = {}
         # a plain number, not an ``itertools.count``: the plugin travels pickled from the
         # client, and itertools objects stop pickling in Python 3.14 (3.12 warns)
         self._last_run_id = 0
@@ -287,7 +278,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             if group is None:
                 # its round-robin starts where the last one stopped, as runs without a
                 # group do: many small groups (shuffles into one partition) spread out
-                group = self.placements[definition.placement] = PlacementGroup(
+                group = self.placements[definition.placement] = placement.PlacementGroup(
                     start=self._next_owner)
                 self._next_owner += len(definition.output_keys)
             group.service_tasks += 1
@@ -612,43 +603,6 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
 
     # ------------------------------------------------------------- runs
 
-    def _participants(self, service_key: Key) -> tuple[list[str], frozenset[str] | None]:
-        """The workers a run may take part on, in placement order, and for
-        ``participants="involved"`` the input holders among them (``None`` while an input
-        has no worker: then every one takes part)."""
-        ts = self.scheduler.tasks[service_key]
-        running = {ws.address for ws in self.scheduler.running}
-        if ts.worker_restrictions:
-            restricted = running & set(ts.worker_restrictions)
-            if restricted or not ts.loose_restrictions:
-                running = restricted
-        mode = self.definitions[service_key].participants
-        if mode == "input-holders":
-            running = self._input_holders(service_key, running) or running
-        elif mode == "involved":
-            holders = self._input_holders(service_key, running)
-            if holders:  # outputs go to the input holders first: fewer workers take part
-                return sorted(holders) + sorted(running - holders), frozenset(holders)
-        return sorted(running), None
-
-    def _input_holders(self, service_key: Key, candidates: set[str]) -> set[str]:
-        """The ``candidates`` that hold an input of ``service_key`` in memory or compute
-        one; none where an input has no worker yet (then every candidate takes part, as
-        a hand-off on a worker outside the run would have to send its input on)."""
-        tasks = self.scheduler.tasks
-        holders: set[str] = set()
-        for key in self.definitions[service_key].input_keys:
-            ts = tasks.get(key)
-            if ts is None:
-                return set()
-            if ts.state == "memory" and ts.who_has:
-                holders.update(ws.address for ws in ts.who_has)
-            elif ts.processing_on is not None:
-                holders.add(ts.processing_on.address)
-            else:  # (in memory with no holder: lost with a worker, being released)
-                return set()
-        return holders & candidates
-
     def _wanted(self, service_key: Key) -> list[Key]:
         ts = self.scheduler.tasks[service_key]
         pending = [d for d in ts.dependents
@@ -661,13 +615,17 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         machine = self.machines.get(service_key)
         if machine is None or service_key not in self.scheduler.tasks:
             return
-        participants, input_holders = self._participants(service_key)
-        placement = None
-        group = self.definitions[service_key].placement
-        if group is not None and participants:
-            placement = self._placement(group, service_key, participants)
-        elif self.definitions[service_key].affinity and participants:
-            placement = self._near_inputs(service_key, participants)
+        definition = self.definitions[service_key]
+        tasks = self.scheduler.tasks
+        participants, input_holders = placement.participants(
+            tasks[service_key], {ws.address for ws in self.scheduler.running},
+            definition.participants, definition.input_keys, tasks)
+        places = None
+        if definition.placement is not None and participants:
+            places = self.placements[definition.placement].place(
+                definition.output_keys, participants, self.scheduler.workers)
+        elif definition.affinity and participants:
+            places = placement.near_inputs(tasks, definition.affinity, participants)
         wanted = self._wanted(service_key)
         first_owner = 0
         if input_holders is None and participants:
@@ -681,56 +639,12 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             id_prefix=self._prefix,
             participants=participants,
             wanted=wanted,
-            placement=placement,
+            placement=places,
             input_holders=input_holders,
             first_owner=first_owner,
             stimulus_id=stimulus_id,
         )
         self._event(service_key, event)
-
-    def _near_inputs(self, service_key: Key, participants: list[str]) -> dict[Key, str]:
-        """Output -> the worker holding the input it needs most, where that input is in
-        memory already; no worker gets more than its share of the outputs (rounded up),
-        plus one: a service task of a few outputs, one of many small ones, then keeps each
-        next to its input, as their inputs are spread already."""
-        affinity = self.definitions[service_key].affinity or {}
-        tasks = self.scheduler.tasks
-        share = -(-len(affinity) // len(participants)) + 1
-        load = dict.fromkeys(participants, 0)
-        placement = {}
-        for out, key in affinity.items():
-            ts = tasks.get(key)
-            if ts is None or ts.state != "memory" or not ts.who_has:
-                continue  # (in memory with no holder: lost with a worker, being released)
-            holders = [ws.address for ws in ts.who_has if load.get(ws.address, share) < share]
-            if holders:
-                worker = min(holders)
-                placement[out] = worker
-                load[worker] += 1
-        return placement
-
-    def _placement(self, name: str, service_key: Key, participants: list[str]) -> dict:
-        """Output index -> worker, shared by every service task of one placement group.
-
-        An index is mapped to a worker once, and again only when that worker has left the
-        cluster: a run whose participants leave out a worker of the group (fewer inputs,
-        ``participants="input-holders"``) places such an output among its own for itself
-        alone, and later runs of the group agree with the earlier ones again.  The mapping
-        lasts while a service task of the group is known to the scheduler (the two sides
-        of a merge are, together): the next group of the name maps the indices over the
-        workers of its own time, so a cluster that grew, a worker paused or a run
-        restricted to some workers shapes no later shuffle's placement."""
-        group = self.placements[name]
-        result = {}
-        for i, key in enumerate(self.definitions[service_key].output_keys):
-            worker = group.by_index.get(i)
-            if worker is None or worker not in self.scheduler.workers:
-                worker = group.by_index[i] = participants[(group.start + i)
-                                                          % len(participants)]
-            elif worker not in participants:
-                worker = participants[(group.start + i) % len(participants)]
-            result[key] = worker
-        return result
 
     def run_info(self, service_key: Key, handoff_key: Key | None = None,
                  worker: str | None = None) -> dict | None:

@@ -1,0 +1,119 @@
+"""Where a run takes place: which workers take part, and which of them makes each output.
+
+Functions of the scheduler's task and worker states (read, never changed), used by the
+scheduler plugin when it prepares a run (``PrepareRun``).  They take the ``tasks`` mapping
+and worker addresses rather than the scheduler, so the tests drive them with plain objects
+that have the few attributes of distributed's ``TaskState`` they read: ``state``,
+``who_has`` (workers with an ``address``), ``processing_on``, ``worker_restrictions`` and
+``loose_restrictions``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dask.typing import Key
+
+__all__ = ["PlacementGroup", "input_holders", "near_inputs", "participants"]
+
+
+def participants(service_ts: Any, running: Collection[str], mode: str,
+                 input_keys: Sequence[Key], tasks: Mapping[Key, Any]
+                 ) -> tuple[list[str], frozenset[str] | None]:
+    """The workers a run of ``service_ts`` may take part on, in placement order, and for
+    ``participants="involved"`` the input holders among them (``None`` while an input has
+    no worker: then every one takes part).
+
+    ``running`` are the workers running tasks.  The service task's own worker
+    restrictions narrow them (loose ones only while a restricted worker runs);
+    ``"input-holders"`` narrows them to the workers holding or computing an input, where
+    every input has one; ``"involved"`` puts those first."""
+    running = set(running)
+    if service_ts.worker_restrictions:
+        restricted = running & set(service_ts.worker_restrictions)
+        if restricted or not service_ts.loose_restrictions:
+            running = restricted
+    if mode == "input-holders":
+        running = input_holders(tasks, input_keys, running) or running
+    elif mode == "involved":
+        holders = input_holders(tasks, input_keys, running)
+        if holders:  # outputs go to the input holders first: fewer workers take part
+            return sorted(holders) + sorted(running - holders), frozenset(holders)
+    return sorted(running), None
+
+
+def input_holders(tasks: Mapping[Key, Any], input_keys: Sequence[Key],
+                  candidates: Collection[str]) -> set[str]:
+    """The ``candidates`` that hold one of ``input_keys`` in memory or compute one; none
+    where an input has no worker yet (then every candidate takes part, as a hand-off on a
+    worker outside the run would have to send its input on)."""
+    holders: set[str] = set()
+    for key in input_keys:
+        ts = tasks.get(key)
+        if ts is None:
+            return set()
+        if ts.state == "memory" and ts.who_has:
+            holders.update(ws.address for ws in ts.who_has)
+        elif ts.processing_on is not None:
+            holders.add(ts.processing_on.address)
+        else:  # (in memory with no holder: lost with a worker, being released)
+            return set()
+    return holders & set(candidates)
+
+
+def near_inputs(tasks: Mapping[Key, Any], affinity: Mapping[Key, Key],
+                participants: Sequence[str]) -> dict[Key, str]:
+    """Output -> the worker holding the input it needs most (``affinity``: output ->
+    that input), where that input is in memory already; no worker gets more than its
+    share of the outputs (rounded up), plus one: a service task of a few outputs, one of
+    many small ones, then keeps each next to its input, as their inputs are spread
+    already."""
+    share = -(-len(affinity) // len(participants)) + 1
+    load = dict.fromkeys(participants, 0)
+    placement = {}
+    for out, key in affinity.items():
+        ts = tasks.get(key)
+        if ts is None or ts.state != "memory" or not ts.who_has:
+            continue  # (in memory with no holder: lost with a worker, being released)
+        holders = [ws.address for ws in ts.who_has if load.get(ws.address, share) < share]
+        if holders:
+            worker = min(holders)
+            placement[out] = worker
+            load[worker] += 1
+    return placement
+
+
+@dataclass
+class PlacementGroup:
+    """The agreement of the service tasks sharing a ``placement=`` name: output index ->
+    worker, and where its round-robin starts; kept while ``service_tasks`` are known."""
+
+    start: int
+    by_index: dict[int, str] = field(default_factory=dict)
+    service_tasks: int = 0
+
+    def place(self, output_keys: Sequence[Key], participants: Sequence[str],
+              workers: Collection[str]) -> dict[Key, str]:
+        """Output key -> worker for a run among ``participants``; ``workers`` are those in
+        the cluster.
+
+        An index is mapped to a worker once, and again only when that worker has left the
+        cluster: a run whose participants leave out a worker of the group (fewer inputs,
+        ``participants="input-holders"``) places such an output among its own for itself
+        alone, and later runs of the group agree with the earlier ones again.  The
+        mapping lasts while a service task of the group is known to the scheduler (the
+        two sides of a merge are, together): the next group of the name maps the indices
+        over the workers of its own time, so a cluster that grew, a worker paused or a
+        run restricted to some workers shapes no later shuffle's placement."""
+        result = {}
+        for i, key in enumerate(output_keys):
+            worker = self.by_index.get(i)
+            if worker is None or worker not in workers:
+                worker = self.by_index[i] = participants[(self.start + i)
+                                                         % len(participants)]
+            elif worker not in participants:
+                worker = participants[(self.start + i) % len(participants)]
+            result[key] = worker
+        return result
