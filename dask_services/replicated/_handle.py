@@ -365,6 +365,7 @@ class ReplicatedService:
         self._table_time = -1.0
         self._scales_to_zero = False  # and back, on a call (from the table)
         self._draining: frozenset[str] = frozenset()  # incarnations draining (the table)
+        self._why_none_healthy: str | None = None  # what the table said, none healthy
         self._min_replicas: int | None = None  # its autoscaling's (from the table)
         self._stale_at = 0.0  # monotonic time after which the table is refreshed
         self._refreshing: asyncio.Future | None = None
@@ -477,6 +478,7 @@ class ReplicatedService:
         # incarnations draining their calls in flight: a call on one is answered there,
         # though its slot has a successor (a retired worker's replica, ``ReplacementWatch``)
         self._draining = frozenset(info.get("draining", ()))
+        self._why_none_healthy = info.get("why_none_healthy")
         self._min_replicas = info.get("min_replicas")
         # Loads replicas reported in their answers are forgotten as the table ages: a
         # replica reported busy and then no longer chosen would never report again.
@@ -484,6 +486,13 @@ class ReplicatedService:
         # when to refresh next (read here, not on every call: parsing it costs)
         self._stale_at = fetched + config_seconds("refresh-interval")
         self._table_time = fetched
+
+    def _no_healthy_replica(self) -> str:
+        """The failure of a call that found no healthy replica, with what the replicas
+        wait for as the last table said (a gang's ranks waiting for workers, a setup
+        still running)."""
+        why = self._why_none_healthy
+        return f"no healthy replica ({why})" if why else "no healthy replica"
 
     def _maybe_refresh(self) -> None:
         """Refresh the table in the background once it is older than refresh-interval."""
@@ -656,7 +665,7 @@ class ReplicatedService:
                 if not woken and await self._wake():
                     woken = True  # not a failure: the service was at zero replicas
                     continue
-                failure = "no healthy replica"
+                failure = self._no_healthy_replica()
             failures.append(failure)
             if delay < 0:
                 retries = int(setting("replicated.call-retries"))
@@ -778,7 +787,7 @@ class ReplicatedService:
         if not targets and await self._wake():
             targets = [r.id for r in self._healthy()]
         if not targets:
-            raise ServiceUnavailable(f"{self.name} has no healthy replica")
+            raise ServiceUnavailable(f"{self.name} has {self._no_healthy_replica()}")
         return list(await asyncio.gather(
             *(self._call(method, args, kwargs, pin=sid) for sid in targets)))
 

@@ -346,17 +346,23 @@ class Deployments(SchedulerPlugin):
                 pass
 
     def table(self, comm: Any, name: str, uid: str | None = None) -> dict | None:
-        """The replica table handles cache: id, worker and state of each replica."""
+        """The replica table handles cache: id, worker and state of each replica (and,
+        while none is healthy, what they wait for)."""
         dep = self._deployment(name, uid)
         if dep is None:
             return None
-        return {"stopping": dep.stopping, "scales_to_zero": dep.scales_to_zero(),
+        active = [m for m in dep.slots.values() if m.state is not ReplicaState.STOPPED]
+        info = {"stopping": dep.stopping, "scales_to_zero": dep.scales_to_zero(),
                 "draining": sorted(dep.draining),
                 "min_replicas": (dep.autoscaling.config.min_replicas
                                  if dep.autoscaling is not None else None), "replicas": [
-            {"id": str(m.id), "worker": m.worker, "state": m.state.value}
-            for m in dep.slots.values() if m.state is not ReplicaState.STOPPED
+            {"id": str(m.id), "worker": m.worker, "state": m.state.value} for m in active
         ]}
+        if active and not any(m.state is ReplicaState.HEALTHY for m in active):
+            # for the error of a call that finds none healthy (a gang waiting for workers)
+            info["why_none_healthy"] = "; ".join(f"{m.id}: {_why_not_healthy(m)}"
+                                                 for m in active)
+        return info
 
     async def wake(self, comm: Any, name: str, timeout: float,
                    uid: str | None = None, callers: int = 1, asker: str | None = None,

@@ -470,7 +470,7 @@ class Stream:
                 if not woken and await h._wake():
                     woken = True  # not a failure: the service was at zero replicas
                     continue
-                failure = "no healthy replica"
+                failure = h._no_healthy_replica()
             failures.append(failure)
             if len(failures) > retries:
                 states = collections.Counter(r.state for r in h._table)
