@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 import weakref
 from collections import deque
@@ -492,7 +493,13 @@ def services_doc(scheduler: Scheduler, extra: dict, doc: Any) -> None:
 
 
 def add_page(scheduler: Scheduler) -> bool:
-    """Serve the page from the scheduler's dashboard; False when there is no dashboard."""
+    """Serve the page from the scheduler's dashboard; False when there is no dashboard.
+
+    A scheduler serving its dashboard has imported bokeh's server; one without (started
+    with ``dashboard_address=None``, or bokeh not installed) has not, and importing it
+    here would block its event loop for most of a second to add a page nothing serves."""
+    if "bokeh.server.server" not in sys.modules:
+        return False
     try:
         from bokeh.server.server import BokehTornado
         from distributed.dashboard import scheduler as dashboard

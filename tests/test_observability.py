@@ -244,6 +244,40 @@ async def test_no_dashboard_and_no_prometheus_client_are_fine(c, s, a, b, monkey
     assert runs(s)[0]["state"] == "finished"
 
 
+SCHEDULER_WITHOUT_DASHBOARD = """
+import sys
+import dask
+from distributed import Client, LocalCluster
+import dask_services
+from dask_services.examples import AllReduce
+
+if __name__ == "__main__":
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster, \\
+            Client(cluster) as client:
+        assert "bokeh.server.server" not in sys.modules
+        out, = dask_services.service_task(AllReduce, [dask.delayed(1), dask.delayed(2)], outputs=1)
+        assert out.compute() == 3
+        assert "dask_services_diagnostics" in client.run_on_scheduler(
+            lambda dask_scheduler: list(dask_scheduler.extensions))
+        print("bokeh server imported:", "bokeh.server.server" in sys.modules)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_scheduler_without_a_dashboard_does_not_import_bokeh(tmp_path):
+    """Installing on a scheduler that serves no dashboard adds no page, and does not
+    import bokeh's server to find that out (most of a second of its event loop)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_dashboard.py"
+    script.write_text(SCHEDULER_WITHOUT_DASHBOARD)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=100)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "bokeh server imported: False" in done.stdout, done.stdout
+
+
 # ------------------------------------------------------------------ client side
 
 
