@@ -56,6 +56,8 @@ class SpillBuffer:
         self._counter = itertools.count()
         self.memory_bytes = 0
         self.writing_bytes = 0  # of pieces handed to the I/O thread, not yet written
+        # the same, by partition: a partition being written is still held (``nbytes``)
+        self._writing: defaultdict[Partition, int] = defaultdict(int)
         self._written = asyncio.Event()  # set whenever no write is under way
         self._written.set()
         self.spilled_total = 0  # bytes ever written to disk
@@ -85,24 +87,34 @@ class SpillBuffer:
             return 0
         memory, self._memory = self._memory, defaultdict(list)
         freed, self.memory_bytes = self.memory_bytes, 0
-        self._memory_bytes.clear()
+        writing, self._memory_bytes = self._memory_bytes, defaultdict(int)
         for partition in memory:
             if partition not in self._files:
                 name = f"part-{next(self._counter)}"
                 self._files[partition] = os.path.join(self.directory, name)
         paths = {p: self._files[p] for p in memory}
         self.writing_bytes += freed
+        for partition, nbytes in writing.items():
+            self._writing[partition] += nbytes
         self._written.clear()
         try:
             sizes = await self._run(self._write, memory, paths)
-            self.spilled_total += sum(n - self._file_sizes.get(p, 0) for p, n in sizes.items())
-            self._file_sizes.update(sizes)
+            for partition, size in sizes.items():
+                self.spilled_total += size - self._file_sizes.get(partition, 0)
+                if self._files.get(partition) == paths[partition]:  # not taken meanwhile
+                    self._file_sizes[partition] = size
             del memory
             # the pieces are gone, but the allocator would keep their memory: give it back,
             # so that the worker's process memory (which pauses and spills) sees it
             await self._run(release_freed_memory)
         finally:
             self.writing_bytes -= freed
+            for partition, nbytes in writing.items():
+                if self._files.get(partition) != paths[partition]:
+                    continue  # taken (or cleared) meanwhile: its count went with it
+                self._writing[partition] -= nbytes
+                if self._writing[partition] <= 0:
+                    del self._writing[partition]
             if not self.writing_bytes:
                 self._written.set()
         return freed
@@ -132,8 +144,15 @@ class SpillBuffer:
         return sizes
 
     def nbytes(self, partition: Partition) -> int:
-        """Bytes buffered for ``partition``: in memory (as estimated when added) and on disk."""
-        return self._memory_bytes.get(partition, 0) + self._file_sizes.get(partition, 0)
+        """Bytes buffered for ``partition``: in memory (as estimated when added), being
+        written, and on disk."""
+        return (self._memory_bytes.get(partition, 0) + self._writing.get(partition, 0)
+                + self._file_sizes.get(partition, 0))
+
+    def holds(self, partition: Partition) -> bool:
+        """Whether ``take(partition)`` would return pieces: in memory, being written (the
+        file is named when the write starts) or on disk, whatever their sizes."""
+        return partition in self._memory or partition in self._files
 
     async def take(self, partition: Partition) -> list[Any]:
         """Every piece of ``partition`` (from memory and disk); the buffer forgets them."""
@@ -141,6 +160,7 @@ class SpillBuffer:
         self.memory_bytes -= self._memory_bytes.pop(partition, 0)
         path = self._files.pop(partition, None)
         self._file_sizes.pop(partition, None)
+        self._writing.pop(partition, None)  # read once written (one I/O thread, in order)
         if path is None:
             return pieces
         return await self._run(self._read, path) + pieces
@@ -170,5 +190,6 @@ class SpillBuffer:
                 pass
         self._files.clear()
         self._file_sizes.clear()
+        self._writing.clear()
         self.memory_bytes = 0
         self._io.shutdown(wait=True)

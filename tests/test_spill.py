@@ -90,6 +90,43 @@ def test_a_write_under_way_holds_back_batches_over_the_limit(tmp_path, monkeypat
     run(main())
 
 
+def test_a_partition_being_written_is_still_held(tmp_path, monkeypatch):
+    """While a spill writes a partition's pieces, the buffer still holds them: its
+    ``nbytes`` counts them and ``holds`` says so.  The shuffle's assembly reads the
+    sizes to find the partitions with pieces of their own: one that read 0 then (a spill
+    asked for by the worker's memory check, under way as a window was assembled) made
+    its output without those pieces, losing rows silently."""
+    release = threading.Event()
+    write = SpillBuffer._write
+
+    def held_up_write(memory, paths):
+        assert release.wait(10)
+        return write(memory, paths)
+
+    monkeypatch.setattr(SpillBuffer, "_write", staticmethod(held_up_write))
+
+    async def main():
+        buf = SpillBuffer(str(tmp_path), limit=10**9)
+        await buf.add_batch([("p0", b"x" * 10, 600), ("p1", b"y", 50)])
+        spilling = asyncio.create_task(buf.spill())
+        await until(lambda: buf.writing_bytes == 650)
+        assert buf.nbytes("p0") == 600 and buf.nbytes("p1") == 50
+        assert buf.holds("p0") and buf.holds("p1") and not buf.holds("p2")
+        taking = asyncio.create_task(buf.take("p1"))  # read after the write
+        await asyncio.sleep(0)
+        release.set()
+        assert await asyncio.wait_for(taking, 10) == [b"y"]
+        await asyncio.wait_for(spilling, 10)
+        # what was taken while it was written is not counted again once written
+        assert buf.nbytes("p1") == 0 and not buf.holds("p1")
+        assert buf.nbytes("p0") > 0 and buf.holds("p0")
+        assert await buf.take("p0") == [b"x" * 10]
+        assert buf.nbytes("p0") == 0 and buf.disk_bytes == 0
+        buf.clear()
+
+    run(main())
+
+
 def test_huge_page_advice_is_off_while_any_thread_is_inside_and_restored_after():
     """Overlapping ``without_huge_page_advice`` blocks in two threads: the advice stays off
     until the last one leaves, then is what it was before the first entered."""

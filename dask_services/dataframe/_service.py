@@ -597,7 +597,9 @@ class DataFrameShuffle(PeerExchange):
         """Produce the outputs ``partitions`` of the groups ``window``."""
         assert self.buffer is not None
         large = {p: self.buffer.nbytes(p) for p in partitions}
-        if not any(large.values()):
+        # by presence, not size: a spill under way counts its pieces, but a piece
+        # estimated at 0 bytes must not be left behind either
+        if not any(self.buffer.holds(p) for p in partitions):
             uniform = not self.mixed_groups.intersection(window)
             frames = await self.concierge.run_in_executor(
                 measured, assemble_group, small, partitions, self.meta, self.ignore_index,
