@@ -96,6 +96,36 @@ class RunObserver:
         """The current run of service task ``key`` changed (an event was handled)."""
 
 
+class OwnEdgeCollisions(logging.Filter):
+    """Drops distributed's warning of a key collision ("Detected different `run_spec`")
+    for an output whose claim runs: the plugin cut its edge to its service task, so the
+    same graph submitted again (the same collection computed twice at once) differs from
+    the claim in that edge alone.  distributed keeps the running claim, which is right;
+    its warning that this "can cause failures and deadlocks" would be noise.  Any other
+    difference is logged as distributed logs it."""
+
+    PREFIX = "Detected different `run_spec` for key "
+
+    def __init__(self, plugin: ServiceSchedulerPlugin) -> None:
+        super().__init__()
+        self.plugin = plugin
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        cut = self.plugin.cut
+        if not cut or not isinstance(record.msg, str) or not record.msg.startswith(
+                self.PREFIX):
+            return True
+        message = record.getMessage()
+        shown = message[len(self.PREFIX):].split(" between two consecutive", 1)[0]
+        for key in cut:
+            if repr(key) == shown:
+                edge = frozenset({self.plugin.output_of.get(key)})
+                return not ("old dependencies: set()" in message
+                            and any(f"new dependencies: {deps!r}" in message
+                                    for deps in (edge, set(edge))))
+        return True
+
+
 class ServiceSchedulerPlugin(SchedulerPlugin):
     """Scheduler plugin (and extension) that carries out service tasks."""
 
@@ -131,12 +161,16 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         # stories of forgotten service tasks: key -> their machine's stories
         self.archive: OrderedDict[Key, OrderedDict[int | None, run_story.RunStory]] = OrderedDict()
         self.timers: set[asyncio.TimerHandle] = set()  # WatchUnproduced waits under way
+        self.collisions: OwnEdgeCollisions | None = None  # the log filter, while started
 
     # ------------------------------------------------------------- set-up
 
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         scheduler.extensions[EXTENSION] = self
+        if self.collisions is None:
+            self.collisions = OwnEdgeCollisions(self)
+            logging.getLogger("distributed.scheduler").addFilter(self.collisions)
         install_order()  # service tasks' graphs are ordered without a walk per pair
         scheduler.stream_handlers.update({
             "service-started": self._guard(self._on_started),
@@ -173,6 +207,9 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
 
     async def close(self) -> None:
         self.observers.clear()
+        if self.collisions is not None:
+            logging.getLogger("distributed.scheduler").removeFilter(self.collisions)
+            self.collisions = None
         for timer in self.timers:
             timer.cancel()
         self.timers.clear()

@@ -396,3 +396,70 @@ def test_a_claim_lost_while_its_consumer_runs_is_produced_and_consumed_again(sma
     # the output lost with the worker came from a run after the kill
     starts = [e for e in service_events(client) if e["action"] == "started"]
     assert len(starts) >= 2, service_events(client)
+
+
+@service_cluster(timeout=90)
+async def test_the_same_graph_again_while_claims_run_is_no_collision(c, s, a, b, caplog):
+    """A running claim has no edge to its service task (its value is produced): the same
+    graph submitted again differs from it in that edge, which distributed logged as a key
+    collision that "can cause failures and deadlocks".  The edge is the framework's own
+    and the running claim is kept, as it should be: nothing is logged, the result is
+    right."""
+    import asyncio
+    import logging
+    from unittest import mock
+
+    from dask_services import graph as graph_module
+
+    x = c.persist(da.from_array(A, chunks=(50, A.shape[1])))
+    y = x.rechunk((A.shape[0], 50), method="service")
+    gate = asyncio.Event()  # the workers are in this process, on this loop
+    claim = graph_module._claim_output_async
+
+    async def held_claim(*args):
+        await gate.wait()
+        return await claim(*args)
+
+    plugin = s.extensions["dask_services"]
+    with mock.patch.object(graph_module, "_claim_output_async", held_claim):
+        first = c.compute(y)
+        await async_poll_for(lambda: plugin.cut, timeout=20)
+        with caplog.at_level(logging.WARNING, logger="distributed.scheduler"):
+            second = c.compute(y)
+            await async_poll_for(lambda: sum(isinstance(k, str) and k.startswith("finalize")
+                                             for k in s.tasks) == 2, timeout=10)
+        gate.set()
+        got = await second
+    collisions = [r.getMessage()[-300:] for r in caplog.records
+                  if "Detected different `run_spec`" in r.getMessage()]
+    assert not collisions, collisions
+    np.testing.assert_array_equal(got, A)
+    np.testing.assert_array_equal(await first, A)
+    del first, second, x, y
+    await assert_nothing_left(s, [a, b])
+
+
+def test_a_collision_other_than_the_cut_edge_is_still_logged():
+    """The filter drops only the collision of a running claim's cut edge."""
+    import logging
+
+    from dask_services.scheduler import OwnEdgeCollisions
+
+    plugin = type("Plugin", (), {})()
+    plugin.cut = {("out", 0): "tcp://w"}
+    plugin.output_of = {("out", 0): "service-1"}
+    drop = OwnEdgeCollisions(plugin)
+
+    def record(key, old, new):
+        msg = (f"{OwnEdgeCollisions.PREFIX}{key!r} between two consecutive calls to "
+               f"`update_graph`. ... old dependencies: {old}\nnew dependencies: {new}\n")
+        return logging.LogRecord("distributed.scheduler", logging.WARNING, __file__, 1,
+                                 msg, None, None)
+
+    assert not drop.filter(record(("out", 0), set(), frozenset({"service-1"})))
+    assert not drop.filter(record(("out", 0), set(), {"service-1"}))
+    assert drop.filter(record(("out", 0), set(), frozenset({"service-1", "other"})))
+    assert drop.filter(record(("out", 0), {"x"}, {"service-1"}))
+    assert drop.filter(record(("out", 1), set(), {"service-1"}))
+    plugin.cut = {}
+    assert drop.filter(record(("out", 0), set(), {"service-1"}))
