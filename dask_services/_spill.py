@@ -10,6 +10,9 @@ partition, from memory and disk, and forgets them.
 Pieces being written still take memory until their write ends: ``held_bytes`` counts them,
 and ``add_batch`` does not return while what is held is over the limit and a write is under
 way, so a receiver stops taking more (and its senders wait) until the disk has caught up.
+A partition being written is still held: ``nbytes`` counts its pieces, and ``holds`` says
+by presence whether ``take`` would return any (a spill can start at any moment, asked for
+by the worker's memory check).
 
 All bookkeeping happens on the event loop; file I/O runs in the buffer's own I/O thread
 (never in a task slot, which may be held by a hand-off waiting on this very buffer).
@@ -56,8 +59,9 @@ class SpillBuffer:
         self._counter = itertools.count()
         self.memory_bytes = 0
         self.writing_bytes = 0  # of pieces handed to the I/O thread, not yet written
-        # the same, by partition: a partition being written is still held (``nbytes``)
-        self._writing: defaultdict[Partition, int] = defaultdict(int)
+        # the same, by file: a partition being written is still held (``nbytes``)
+        self._writing: dict[str, int] = {}
+        self._closed = False
         self._written = asyncio.Event()  # set whenever no write is under way
         self._written.set()
         self.spilled_total = 0  # bytes ever written to disk
@@ -83,7 +87,7 @@ class SpillBuffer:
 
     async def spill(self) -> int:
         """Write every piece held in memory to disk; returns the bytes freed."""
-        if not self._memory:
+        if not self._memory or self._closed:
             return 0
         memory, self._memory = self._memory, defaultdict(list)
         freed, self.memory_bytes = self.memory_bytes, 0
@@ -95,26 +99,29 @@ class SpillBuffer:
         paths = {p: self._files[p] for p in memory}
         self.writing_bytes += freed
         for partition, nbytes in writing.items():
-            self._writing[partition] += nbytes
+            path = paths[partition]
+            self._writing[path] = self._writing.get(path, 0) + nbytes
         self._written.clear()
         try:
             sizes = await self._run(self._write, memory, paths)
-            for partition, size in sizes.items():
-                self.spilled_total += size - self._file_sizes.get(partition, 0)
+            for partition, (size, appended) in sizes.items():
+                self.spilled_total += appended
                 if self._files.get(partition) == paths[partition]:  # not taken meanwhile
                     self._file_sizes[partition] = size
             del memory
             # the pieces are gone, but the allocator would keep their memory: give it back,
             # so that the worker's process memory (which pauses and spills) sees it
-            await self._run(release_freed_memory)
+            if not self._closed:
+                await self._run(release_freed_memory)
         finally:
             self.writing_bytes -= freed
             for partition, nbytes in writing.items():
-                if self._files.get(partition) != paths[partition]:
-                    continue  # taken (or cleared) meanwhile: its count went with it
-                self._writing[partition] -= nbytes
-                if self._writing[partition] <= 0:
-                    del self._writing[partition]
+                path = paths[partition]
+                left = self._writing.get(path, 0) - nbytes
+                if left > 0:
+                    self._writing[path] = left
+                else:
+                    self._writing.pop(path, None)
             if not self.writing_bytes:
                 self._written.set()
         return freed
@@ -128,15 +135,18 @@ class SpillBuffer:
 
     @staticmethod
     def _write(memory: dict[Partition, list[Any]], paths: dict[Partition, str]) -> dict:
+        """Append each partition's pieces to its file: partition -> (the file's size, the
+        bytes appended)."""
         sizes = {}
         directory = os.path.dirname(next(iter(paths.values())))
         for partition, pieces in memory.items():
             path = paths[partition]
             try:
                 with open(path, "ab") as f:
+                    start = f.tell()
                     for piece in pieces:
                         pickle.dump(piece, f, protocol=5)
-                    sizes[partition] = f.tell()
+                    sizes[partition] = (f.tell(), f.tell() - start)
             except OSError as e:
                 if e.errno == errno.ENOSPC:
                     raise OutOfDiskError.writing("while spilling to", directory) from e
@@ -146,7 +156,9 @@ class SpillBuffer:
     def nbytes(self, partition: Partition) -> int:
         """Bytes buffered for ``partition``: in memory (as estimated when added), being
         written, and on disk."""
-        return (self._memory_bytes.get(partition, 0) + self._writing.get(partition, 0)
+        path = self._files.get(partition)
+        writing = self._writing.get(path, 0) if path is not None else 0
+        return (self._memory_bytes.get(partition, 0) + writing
                 + self._file_sizes.get(partition, 0))
 
     def holds(self, partition: Partition) -> bool:
@@ -160,7 +172,6 @@ class SpillBuffer:
         self.memory_bytes -= self._memory_bytes.pop(partition, 0)
         path = self._files.pop(partition, None)
         self._file_sizes.pop(partition, None)
-        self._writing.pop(partition, None)  # read once written (one I/O thread, in order)
         if path is None:
             return pieces
         return await self._run(self._read, path) + pieces
@@ -180,7 +191,10 @@ class SpillBuffer:
         return pieces
 
     def clear(self) -> None:
-        """Forget everything and remove the files."""
+        """Forget everything and remove the files, once the writes under way have ended
+        (a write queued after the removal would make its file again)."""
+        self._closed = True
+        self._io.shutdown(wait=True)
         self._memory.clear()
         self._memory_bytes.clear()
         for path in self._files.values():
@@ -192,4 +206,3 @@ class SpillBuffer:
         self._file_sizes.clear()
         self._writing.clear()
         self.memory_bytes = 0
-        self._io.shutdown(wait=True)

@@ -17,7 +17,7 @@ from dask.utils import key_split
 from distributed import wait
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from utils import assert_nothing_left, service_cluster
+from utils import assert_nothing_left, held_up_spill_writes, service_cluster
 
 import dask_services
 from dask_services._run_placement import PlacementGroup
@@ -534,33 +534,36 @@ async def test_a_spill_under_way_as_outputs_are_assembled_loses_no_rows(c, s, a,
     rows of big input partitions, silently: 12 of 15 runs of a merge, shuffle and groupby
     chain on workers over their memory target)."""
     import asyncio
-    import threading
 
     from dask_services._spill import SpillBuffer
+    from dask_services.dataframe._service import DataFrameShuffle
 
     pdf = pd.DataFrame({"k": np.arange(40_000) % 997, "x": np.arange(40_000.0)})
     ddf = dd.from_pandas(pdf, npartitions=4)  # 10,000 rows each: large pieces
-    take, write = SpillBuffer.take, SpillBuffer._write
-    release = threading.Event()
-    spills = []
+    take, assemble = SpillBuffer.take, DataFrameShuffle._assemble_window
+    spills: dict[int, asyncio.Future] = {}  # buffer -> its spill
 
-    def held_up_write(memory, paths):
-        assert release.wait(10)
-        return write(memory, paths)
+    with held_up_spill_writes() as release:
 
-    async def take_then_spill(self, partition):
-        pieces = await take(self, partition)
-        if isinstance(partition, tuple) and not spills:
-            # the first window's small pieces are out: a spill starts, writing slowly
-            spills.append(asyncio.ensure_future(self.spill()))
-            await asyncio.sleep(0)
-            asyncio.get_running_loop().call_later(0.2, release.set)
-        return pieces
+        async def spill_then_assemble(self, *args):
+            if not spills:
+                # the first window's small pieces are out: a spill starts, its write held
+                # up until the buffer's next take, once the window chose how to assemble
+                spills[id(self.buffer)] = asyncio.ensure_future(self.buffer.spill())
+                await asyncio.sleep(0)  # (the spill hands its pieces to the I/O thread)
+            return await assemble(self, *args)
 
-    with mock.patch.object(SpillBuffer, "take", take_then_spill), \
-            mock.patch.object(SpillBuffer, "_write", staticmethod(held_up_write)):
-        ours = await c.compute(ddf.shuffle("k", npartitions=4, shuffle_method="service"))
-    assert spills
+        async def released_take(self, partition):
+            if id(self) in spills:
+                release.set()
+            return await take(self, partition)
+
+        with mock.patch.object(DataFrameShuffle, "_assemble_window", spill_then_assemble), \
+                mock.patch.object(SpillBuffer, "take", released_take):
+            ours = await c.compute(ddf.shuffle("k", npartitions=4,
+                                               shuffle_method="service"))
+    (spill,) = spills.values()
+    assert await spill > 0  # it had pieces to write
     pd.testing.assert_frame_equal(ours.sort_values("x"), pdf)
     del ours
     await assert_nothing_left(s, [a, b])

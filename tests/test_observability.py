@@ -270,6 +270,7 @@ def test_a_scheduler_without_a_dashboard_does_not_import_bokeh(tmp_path):
     import subprocess
     import sys
 
+    pytest.importorskip("bokeh.server.server")  # (without bokeh there is nothing to test)
     script = tmp_path / "no_dashboard.py"
     script.write_text(SCHEDULER_WITHOUT_DASHBOARD)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,

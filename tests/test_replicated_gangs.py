@@ -126,10 +126,18 @@ async def test_gangs_competing_for_workers_wait_holding_none(c, s, *workers):
     (mb,) = machines(s, "b")
     assert mb.state is lc.ReplicaState.UNINITIALIZED and mb.workers == ()  # holds none
     assert "2 workers at once" in mb.last_error and "1 eligible" in mb.last_error
-    from dask_services.replicated import ReplicatedService
+    from dask_services.replicated import ReplicatedService, ServiceUnavailable
 
-    rows = await ReplicatedService("b", Sharded, {}, a._transport).replicas()
+    waiting = ReplicatedService("b", Sharded, {}, a._transport)
+    rows = await waiting.replicas()
     assert rows[0]["state"] == "uninitialized" and "2 workers" in rows[0]["last_error"]
+    # a call says what the replica waits for, as replicas() does
+    with dask.config.set({"dask_services.replicated.call-retries": 1}):
+        with pytest.raises(ServiceUnavailable, match=r"no healthy replica \(.*waiting for "
+                                                     r"2 workers at once.*1 eligible"):
+            await waiting.total.route(2)
+        with pytest.raises(ServiceUnavailable, match="waiting for 2 workers at once"):
+            await waiting.total.fanout(2)
     async with Worker(s.address, nthreads=1, resources={"slot": 1}) as extra:
         b = await deploying
         assert extra.address in machines(s, "b")[0].workers
@@ -137,33 +145,6 @@ async def test_gangs_competing_for_workers_wait_holding_none(c, s, *workers):
         await b.shutdown()
         await a.shutdown()
         await assert_nothing_left(s, [*workers, extra])
-
-
-@cluster(nthreads=[("127.0.0.1", 1, {"resources": {"slot": 1}})] * 3)
-async def test_a_call_to_a_gang_waiting_for_workers_says_what_it_waits_for(c, s, *workers):
-    """No healthy replica because the only one waits for workers: the call's error says
-    so, as ``replicas()`` does, not only that there is no healthy replica."""
-    from dask_services.replicated import ReplicatedService, ServiceUnavailable
-
-    a = await Sharded.options(procs_per_replica=2, resources={"slot": 1},
-                              name="a").as_service(client=c)
-    deploying = asyncio.ensure_future(Sharded.options(
-        procs_per_replica=2, resources={"slot": 1}, name="b").as_service(client=c))
-    await async_poll_for(lambda: "b" in s.extensions[EXT].deployments
-                         and machines(s, "b")[0].waiting_for_worker, timeout=10)
-    b = ReplicatedService("b", Sharded, {}, a._transport)
-    with dask.config.set({"dask_services.replicated.call-retries": 1}):
-        with pytest.raises(ServiceUnavailable, match=r"no healthy replica \(.*waiting for "
-                                                     r"2 workers at once.*1 eligible"):
-            await b.total.route(2)
-        with pytest.raises(ServiceUnavailable, match="waiting for 2 workers at once"):
-            await b.total.fanout(2)
-    deploying.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await deploying
-    await a.shutdown()
-    await b.shutdown()
-    await assert_nothing_left(s, workers)
 
 
 # ------------------------------------------------------------------ worker processes

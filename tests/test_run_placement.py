@@ -107,7 +107,7 @@ def test_a_placement_group_agrees_across_runs_and_remaps_only_departed_workers()
     assert first == {"x0": "w2", "x1": "w3", "x2": "w1", "x3": "w2"}
     # a run without w3 places x1 among its own participants for itself alone
     narrow = group.place(outputs, ["w1", "w2"], RUNNING)
-    assert narrow["x1"] in {"w1", "w2"} and group.by_index[1] == "w3"
+    assert narrow["x1"] == "w1" and group.by_index[1] == "w3"  # ((1 + 1) % 2), for once
     assert group.place(outputs, ["w1", "w2", "w3"], RUNNING) == first
     # w3 left the cluster: its indices are mapped again, for good
     again = group.place(outputs, ["w1", "w2"], RUNNING - {"w3"})

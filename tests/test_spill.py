@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from distributed.utils_test import gen_cluster
-from utils import suspended_in, until
+from utils import held_up_spill_writes, suspended_in, until
 
 from dask_services import _spill
 from dask_services._spill import OutOfDiskError, SpillBuffer
@@ -58,71 +58,96 @@ def test_out_of_disk_is_a_clear_error(tmp_path, monkeypatch):
     run(main())
 
 
-def test_a_write_under_way_holds_back_batches_over_the_limit(tmp_path, monkeypatch):
+def test_a_write_under_way_holds_back_batches_over_the_limit(tmp_path):
     """Pieces being written still take memory: a batch that brings what is held over the
     limit waits for the write (the receiver's senders with it); one that fits does not."""
-    release = threading.Event()
-    write = SpillBuffer._write
-
-    def held_up_write(memory, paths):
-        assert release.wait(10)
-        return write(memory, paths)
-
-    monkeypatch.setattr(SpillBuffer, "_write", staticmethod(held_up_write))
 
     async def main():
-        buf = SpillBuffer(str(tmp_path), limit=1000)
-        await buf.add_batch([("p0", b"x" * 10, 600)])
-        spilling = asyncio.create_task(buf.spill())
-        await until(lambda: buf.writing_bytes == 600)
-        assert buf.memory_bytes == 0 and buf.held_bytes == 600
-        await asyncio.wait_for(buf.add_batch([("p1", b"y", 300)]), 5)  # 900 held: fits
-        over = asyncio.create_task(buf.add_batch([("p1", b"z", 200)]))  # 1100 held
-        # it has added its piece, and waits for the write under way
-        await until(lambda: suspended_in(over, "Event.wait", buf._written))
-        assert buf.memory_bytes == 500 and not over.done()
-        release.set()
-        await asyncio.wait_for(asyncio.gather(spilling, over), 10)
-        assert buf.writing_bytes == 0 and buf.held_bytes == 500
-        assert await buf.take("p0") == [b"x" * 10]
-        buf.clear()
+        with held_up_spill_writes() as release:
+            buf = SpillBuffer(str(tmp_path), limit=1000)
+            await buf.add_batch([("p0", b"x" * 10, 600)])
+            spilling = asyncio.create_task(buf.spill())
+            await until(lambda: buf.writing_bytes == 600)
+            assert buf.memory_bytes == 0 and buf.held_bytes == 600
+            await asyncio.wait_for(buf.add_batch([("p1", b"y", 300)]), 5)  # 900 held: fits
+            over = asyncio.create_task(buf.add_batch([("p1", b"z", 200)]))  # 1100 held
+            # it has added its piece, and waits for the write under way
+            await until(lambda: suspended_in(over, "Event.wait", buf._written))
+            assert buf.memory_bytes == 500 and not over.done()
+            release.set()
+            await asyncio.wait_for(asyncio.gather(spilling, over), 10)
+            assert buf.writing_bytes == 0 and buf.held_bytes == 500
+            assert await buf.take("p0") == [b"x" * 10]
+            buf.clear()
 
     run(main())
 
 
-def test_a_partition_being_written_is_still_held(tmp_path, monkeypatch):
+def test_a_partition_being_written_is_still_held(tmp_path):
     """While a spill writes a partition's pieces, the buffer still holds them: its
     ``nbytes`` counts them and ``holds`` says so.  The shuffle's assembly reads the
     sizes to find the partitions with pieces of their own: one that read 0 then (a spill
     asked for by the worker's memory check, under way as a window was assembled) made
     its output without those pieces, losing rows silently."""
-    release = threading.Event()
-    write = SpillBuffer._write
-
-    def held_up_write(memory, paths):
-        assert release.wait(10)
-        return write(memory, paths)
-
-    monkeypatch.setattr(SpillBuffer, "_write", staticmethod(held_up_write))
 
     async def main():
-        buf = SpillBuffer(str(tmp_path), limit=10**9)
-        await buf.add_batch([("p0", b"x" * 10, 600), ("p1", b"y", 50)])
-        spilling = asyncio.create_task(buf.spill())
-        await until(lambda: buf.writing_bytes == 650)
-        assert buf.nbytes("p0") == 600 and buf.nbytes("p1") == 50
-        assert buf.holds("p0") and buf.holds("p1") and not buf.holds("p2")
-        taking = asyncio.create_task(buf.take("p1"))  # read after the write
-        await asyncio.sleep(0)
-        release.set()
-        assert await asyncio.wait_for(taking, 10) == [b"y"]
-        await asyncio.wait_for(spilling, 10)
-        # what was taken while it was written is not counted again once written
-        assert buf.nbytes("p1") == 0 and not buf.holds("p1")
-        assert buf.nbytes("p0") > 0 and buf.holds("p0")
-        assert await buf.take("p0") == [b"x" * 10]
-        assert buf.nbytes("p0") == 0 and buf.disk_bytes == 0
-        buf.clear()
+        with held_up_spill_writes() as release:
+            buf = SpillBuffer(str(tmp_path), limit=10**9)
+            await buf.add_batch([("p0", b"x" * 10, 600), ("p1", b"y", 50)])
+            spilling = asyncio.create_task(buf.spill())
+            await until(lambda: buf.writing_bytes == 650)
+            assert buf.nbytes("p0") == 600 and buf.nbytes("p1") == 50
+            assert buf.holds("p0") and buf.holds("p1") and not buf.holds("p2")
+            taking = asyncio.create_task(buf.take("p1"))  # read after the write
+            await until(lambda: not buf.holds("p1"))  # forgotten at once
+            assert buf.nbytes("p1") == 0
+            release.set()
+            assert await asyncio.wait_for(taking, 10) == [b"y"]
+            await asyncio.wait_for(spilling, 10)
+            # what was taken while it was written is not counted again once written
+            assert buf.nbytes("p1") == 0 and not buf.holds("p1")
+            assert buf.nbytes("p0") > 0 and buf.holds("p0")
+            assert await buf.take("p0") == [b"x" * 10]
+            assert buf.nbytes("p0") == 0 and buf.disk_bytes == 0 and not buf._writing
+            buf.clear()
+
+    run(main())
+
+
+def test_a_partition_taken_while_written_then_spilled_again(tmp_path):
+    """Taken during a write that appends to its file, then spilled again into a new file:
+    the pieces come back once each, sizes and bytes spilled count each byte once."""
+    import pickle
+
+    def written(*pieces):
+        return sum(len(pickle.dumps(p, protocol=5)) for p in pieces)
+
+    async def main():
+        with held_up_spill_writes() as release:
+            buf = SpillBuffer(str(tmp_path), limit=10**9)
+            await buf.add_batch([("p", b"a" * 100, 100)])
+            release.set()
+            await buf.spill()  # the partition has a file
+            assert buf.disk_bytes == written(b"a" * 100)
+            release.clear()
+            await buf.add_batch([("p", b"b" * 200, 200)])
+            first = asyncio.create_task(buf.spill())  # appends to the file, held up
+            await until(lambda: buf.writing_bytes == 200)
+            taking = asyncio.create_task(buf.take("p"))
+            await until(lambda: not buf.holds("p"))
+            await buf.add_batch([("p", b"c" * 300, 300)])
+            second = asyncio.create_task(buf.spill())  # a new file
+            await until(lambda: buf.writing_bytes == 500)
+            assert buf.nbytes("p") == 300
+            release.set()
+            assert await asyncio.wait_for(taking, 10) == [b"a" * 100, b"b" * 200]
+            await asyncio.wait_for(asyncio.gather(first, second), 10)
+            assert buf.nbytes("p") == buf.disk_bytes == written(b"c" * 300)
+            assert not buf._writing and buf.writing_bytes == 0
+            assert buf.spilled_total == written(b"a" * 100, b"b" * 200, b"c" * 300)
+            assert await buf.take("p") == [b"c" * 300]
+            assert not os.listdir(tmp_path)
+            buf.clear()
 
     run(main())
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import gc
 import inspect
@@ -127,6 +128,28 @@ def spill_files(root) -> list[str]:
     """Files under ``root`` in dask-services directories (spill files, instance dirs)."""
     return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs
             if "dask-services" in d]
+
+
+@contextlib.contextmanager
+def held_up_spill_writes():
+    """``SpillBuffer`` writes wait for the event yielded to be set (set on the way out,
+    so that a failing test leaves no I/O thread waiting)."""
+    from unittest import mock
+
+    from dask_services._spill import SpillBuffer
+
+    release = threading.Event()
+    write = SpillBuffer._write
+
+    def held_up_write(memory, paths):
+        assert release.wait(10)
+        return write(memory, paths)
+
+    with mock.patch.object(SpillBuffer, "_write", staticmethod(held_up_write)):
+        try:
+            yield release
+        finally:
+            release.set()
 
 
 def pid_of(client, address: str) -> int:

@@ -596,7 +596,6 @@ class DataFrameShuffle(PeerExchange):
                                trim: TrimAfter, held: int) -> None:
         """Produce the outputs ``partitions`` of the groups ``window``."""
         assert self.buffer is not None
-        large = {p: self.buffer.nbytes(p) for p in partitions}
         # by presence, not size: a spill under way counts its pieces, but a piece
         # estimated at 0 bytes must not be left behind either
         if not any(self.buffer.holds(p) for p in partitions):
@@ -613,7 +612,7 @@ class DataFrameShuffle(PeerExchange):
         # frames' rows for it, if any)
         rest = pieces_by_partition(small)
         del small
-        for batch in size_batches(partitions, large.__getitem__, ASSEMBLY_BATCH_BYTES):
+        for batch in size_batches(partitions, self.buffer.nbytes, ASSEMBLY_BATCH_BYTES):
             held = self.buffer.memory_bytes
             pieces = [await self.buffer.take(p) + rest.pop(p, []) for p in batch]
             frames = await self.concierge.run_in_executor(

@@ -17,7 +17,7 @@ import asyncio
 import collections
 import logging
 import uuid
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -335,8 +335,8 @@ class Deployments(SchedulerPlugin):
                 return {"status": "ok"}
             left = deadline - loop.time()
             if left <= 0:
-                late = "; ".join(f"{m.id}: {_why_not_healthy(m)}" for m in machines.values()
-                                 if m.state is not ReplicaState.HEALTHY)
+                late = _why_not_all_healthy(m for m in machines.values()
+                                            if m.state is not ReplicaState.HEALTHY)
                 return {"status": "error", "late": True, "error": (
                     f"replicas of {name} not healthy after {timeout} s (the timeout "
                     f"given, by default dask_services.replicated.deploy-timeout): {late}")}
@@ -360,8 +360,7 @@ class Deployments(SchedulerPlugin):
         ]}
         if active and not any(m.state is ReplicaState.HEALTHY for m in active):
             # for the error of a call that finds none healthy (a gang waiting for workers)
-            info["why_none_healthy"] = "; ".join(f"{m.id}: {_why_not_healthy(m)}"
-                                                 for m in active)
+            info["why_none_healthy"] = _why_not_all_healthy(active)
         return info
 
     async def wake(self, comm: Any, name: str, timeout: float,
@@ -419,8 +418,8 @@ class Deployments(SchedulerPlugin):
                     self._autoscale(dep, loop.time())
                 left = deadline - loop.time()
                 if left <= 0 or superseded:
-                    return {"status": "pending", "why": "; ".join(
-                        f"{m.id}: {_why_not_healthy(m)}" for m in active.values())}
+                    return {"status": "pending",
+                            "why": _why_not_all_healthy(active.values())}
                 await _first_set((dep.changed, entry.superseded), left)
         finally:
             if dep.waiting.get(key) is entry:
@@ -1119,6 +1118,11 @@ class Deployments(SchedulerPlugin):
         self.scheduler.log_event(EVENT_TOPIC, msg)
         logger.info("replicated service %s: replica %s on %s %s %s", name, sid, worker, what,
                     detail or "")
+
+
+def _why_not_all_healthy(machines: Iterable[lc.ReplicaMachine]) -> str:
+    """What each of ``machines`` waits for, in words: ``"<id>: <why>; ..."``."""
+    return "; ".join(f"{m.id}: {_why_not_healthy(m)}" for m in machines)
 
 
 def _why_not_healthy(m: lc.ReplicaMachine) -> str:
