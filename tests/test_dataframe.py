@@ -17,7 +17,7 @@ from dask.utils import key_split
 from distributed import wait
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from utils import assert_nothing_left, held_up_spill_writes, service_cluster
+from utils import assert_nothing_left, held_up_spill_writes, service_cluster, until
 
 import dask_services
 from dask_services._run_placement import PlacementGroup
@@ -550,7 +550,7 @@ async def test_a_spill_under_way_as_outputs_are_assembled_loses_no_rows(c, s, a,
                 # the first window's small pieces are out: a spill starts, its write held
                 # up until the buffer's next take, once the window chose how to assemble
                 spills[id(self.buffer)] = asyncio.ensure_future(self.buffer.spill())
-                await asyncio.sleep(0)  # (the spill hands its pieces to the I/O thread)
+                await until(lambda: self.buffer.writing_bytes)  # handed to the I/O thread
             return await assemble(self, *args)
 
         async def released_take(self, partition):
