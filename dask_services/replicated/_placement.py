@@ -11,7 +11,7 @@ from distributed.core import Status
 if TYPE_CHECKING:
     from distributed.scheduler import WorkerState
 
-    from dask_services.replicated._scheduler import Deployment
+    from dask_services.replicated._deployment import Deployment
 
 
 def resources_held(deployments: Iterable[Deployment],

@@ -18,7 +18,6 @@ import collections
 import logging
 import uuid
 from collections.abc import Coroutine, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from distributed.core import Status
@@ -31,7 +30,9 @@ from dask_services._run_model import new_stimulus_id
 from dask_services.config import setting
 from dask_services.replicated import _adaptive, _placement
 from dask_services.replicated import _lifecycle as lc
+from dask_services.replicated import _replica_rpc as _rpc
 from dask_services.replicated._autoscale import AutoscalePolicy, AutoscalingConfig, Decision
+from dask_services.replicated._deployment import Deployment, WakeAsk, first_set
 from dask_services.replicated._gang import incarnation_of, rank_id
 from dask_services.replicated._lifecycle import ReplicaState
 from dask_services.replicated._options import config_seconds
@@ -49,93 +50,6 @@ EVENT_TOPIC = "dask_services"
 HANDLERS = ("replicated_deploy", "replicated_wait", "replicated_table", "replicated_replicas",
             "replicated_metrics", "replicated_scale", "replicated_shutdown", "replicated_story",
             "replicated_wake")
-
-
-@dataclass
-class WakeAsk:
-    """A handle's ask for a replica of a service at zero (``Deployments.wake``)."""
-
-    seq: int  # the handle's count of its asks: a newer one replaces an older one
-    callers: int  # calls waiting through the handle when it asked
-    superseded: asyncio.Event = field(default_factory=asyncio.Event)  # by a newer ask
-
-
-async def _first_set(events: tuple[asyncio.Event, ...], timeout: float) -> None:
-    """Wait until one of ``events`` is set, at most ``timeout`` seconds."""
-    waits = [asyncio.ensure_future(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()
-
-
-@dataclass(eq=False)
-class Deployment:
-    """One deployed service: its options and its replica slots."""
-
-    name: str
-    blob: bytes  # pickled (class, setup args, setup kwargs, options): never unpickled here
-    max_concurrency: int
-    max_queued: int
-    workers: tuple[str, ...] | None
-    resources: Mapping[str, float] | None
-    cls: str = ""  # the service class's name, for the status table
-    procs_per_replica: int = 1  # ranks of each replica, each on a worker of its own
-    max_replicas_per_worker: int | None = None  # ranks of this service a worker may hold
-    autoscaling: AutoscalePolicy | None = None
-    floor: int = 0  # the last svc.scale(n): autoscaling never goes below it
-    last_decision: str = ""  # the last autoscaling decision, with its reason
-    # calls waiting for a replica of a service at zero (``wake``): the newest ask of each
-    # handle asking for them
-    waiting: dict[object, WakeAsk] = field(default_factory=dict)
-    # each replica's call count, the time of the report it came with, and whether it grew
-    # over the report before (``_called``: calls made between samples keep a service from
-    # scaling to zero, though none is under way when a sample is taken)
-    calls_seen: dict[str, tuple[float, float | None, bool]] = field(default_factory=dict)
-    deploying_client: str | None = None  # the client whose as_service() still waits
-    # stopping replicas whose setup failed on waking (``wake``)
-    failed_removal: asyncio.Task | None = None
-    # this deployment, apart from any other deployed under the same name before or after:
-    # a handle carries it, so that a handle of a shut-down service never reaches another
-    uid: str = field(default_factory=lambda: uuid.uuid4().hex)
-    slots: dict[int, lc.ReplicaMachine] = field(default_factory=dict)
-    errors: dict[int, bytes] = field(default_factory=dict)  # slot -> last setup exception
-    next_slot: int = 0
-    stopping: bool = False
-    stopped: asyncio.Event = field(default_factory=asyncio.Event)  # its shutdown is over
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-    tasks: set[asyncio.Task] = field(default_factory=set)
-    moves: dict[int, int] = field(default_factory=dict)  # new slot -> slot it replaces
-    # incarnations draining their calls in flight (a stop with a drain under way, one
-    # count a rank): replaced or not, their calls are not to be re-sent (``table``)
-    draining: collections.Counter[str] = field(default_factory=collections.Counter)
-    spread_pending: bool = False  # a spreading check is due (``_spread_soon``)
-    # spreads queued calls over the replicas (``_rebalancer.py``; set by the plugin)
-    rebalancer: Rebalancer = field(init=False)
-
-    @property
-    def callers_waiting(self) -> int:
-        """Calls waiting for a replica of a service at zero, as the handles asking for
-        them counted them."""
-        return sum(ask.callers for ask in self.waiting.values())
-
-    def notify(self) -> None:
-        """Wake whoever waits for a change of state."""
-        self.changed.set()
-        self.changed = asyncio.Event()
-
-    def scales_to_zero(self) -> bool:
-        """Whether the service scales to zero replicas and back: its autoscaling allows
-        none (``min_replicas: 0``, no ``svc.scale(n)`` floor)."""
-        return self.autoscaling is not None and self.autoscaling.bounds(self.floor)[0] == 0
-
-    def active(self) -> dict[int, lc.ReplicaMachine]:
-        """The replica slots that are not stopped, nor being replaced by a move's new
-        replica (which counts in their place)."""
-        leaving = set(self.moves.values())
-        return {s: m for s, m in self.slots.items()
-                if m.state is not ReplicaState.STOPPED and s not in leaving}
 
 
 class Deployments(SchedulerPlugin):
@@ -420,7 +334,7 @@ class Deployments(SchedulerPlugin):
                 if left <= 0 or superseded:
                     return {"status": "pending",
                             "why": _why_not_all_healthy(active.values())}
-                await _first_set((dep.changed, entry.superseded), left)
+                await first_set((dep.changed, entry.superseded), left)
         finally:
             if dep.waiting.get(key) is entry:
                 del dep.waiting[key]
@@ -457,23 +371,8 @@ class Deployments(SchedulerPlugin):
         return rows
 
     async def _stats(self, placed: Mapping[str, str]) -> dict[str, dict]:
-        """The figures now of the replicas ``placed`` (id -> worker), one message per
-        worker (none for a worker that does not answer within 5 s)."""
-        by_worker: dict[str, list[str]] = {}
-        for rid, worker in placed.items():
-            by_worker.setdefault(worker, []).append(rid)
-
-        async def ask(worker: str, ids: list[str]) -> dict:
-            try:
-                return await asyncio.wait_for(
-                    self.scheduler.rpc(worker).replicated_stats(ids=ids), 5)
-            except (OSError, TimeoutError):
-                return {}
-
-        found: dict[str, dict] = {}
-        for part in await asyncio.gather(*(ask(w, ids) for w, ids in by_worker.items())):
-            found.update(part)
-        return found
+        """The figures now of the replicas ``placed`` (``_replica_rpc.replica_stats``)."""
+        return await _rpc.replica_stats(self.scheduler.rpc, placed)
 
     async def scale(self, comm: Any, name: str, n: int, timeout: float,
                     uid: str | None = None) -> dict:
@@ -929,13 +828,7 @@ class Deployments(SchedulerPlugin):
                     if m.state is ReplicaState.HEALTHY and m.worker is not None}
 
         async def shed(worker: str, rid: str, keep: int, table: list) -> int:
-            # replica ``rid`` gives back its queued calls beyond ``keep`` (with ``table``,
-            # the healthy replicas, for their callers); none if it does not answer in 5 s
-            try:
-                return await asyncio.wait_for(self.scheduler.rpc(worker).replicated_shed(
-                    id=rid, keep=keep, replicas=table), 5)
-            except (OSError, TimeoutError):
-                return 0
+            return await _rpc.shed_calls(self.scheduler.rpc, worker, rid, keep, table)
 
         return Rebalancer(
             dep.name, healthy=healthy, stats=self._stats, shed=shed,
@@ -967,27 +860,8 @@ class Deployments(SchedulerPlugin):
 
     async def _start_rank(self, dep: Deployment, sid: Any, rank: int,
                           ranks: list[tuple[str, str]]) -> dict:
-        gang = {"rank": rank, "ranks": ranks} if len(ranks) > 1 else {}
-        worker = ranks[rank][1]
-        for attempt in range(50):
-            try:
-                resp = await self.scheduler.rpc(worker).replicated_start(
-                    id=ranks[rank][0], name=dep.name, blob=dep.blob,
-                    max_concurrency=dep.max_concurrency, max_queued=dep.max_queued,
-                    setup_timeout=config_seconds("setup-timeout"), peers_of=dep.name,
-                    uid=dep.uid, **gang,
-                )
-            except Exception as e:  # lost connection, worker closing
-                return {"status": "lost", "error": f"{type(e).__name__}: {e}"}
-            if isinstance(resp, dict):
-                return resp
-            # No answer: the worker has no such handler yet.  A joining worker is announced
-            # (add_worker) before it has set up the worker plugins the scheduler sent it.
-            if worker not in self.scheduler.workers:
-                break
-            await asyncio.sleep(0.05 * min(attempt + 1, 4))
-        return {"status": "lost", "error": f"{worker} has no replicated_start handler "
-                                          "(is the dask_services_replicated plugin there?)"}
+        return await _rpc.start_rank(self.scheduler.rpc, dep, rank, ranks,
+                                     known=lambda worker: worker in self.scheduler.workers)
 
     async def _start_gang(self, dep: Deployment, sid: Any,
                           workers: tuple[str, ...]) -> dict:
@@ -1053,12 +927,7 @@ class Deployments(SchedulerPlugin):
         try:
             if worker not in self.scheduler.workers:
                 return
-            await asyncio.wait_for(self.scheduler.rpc(worker).replicated_stop(
-                id=str(sid), timeout=timeout, reason=reason), timeout + 40)
-        except Exception as e:
-            # the worker may be frozen: once it reports the replica again, it is stopped
-            # as an orphan (_stop_orphans)
-            logger.info("stopping replica %s on %s: %r", sid, worker, e)
+            await _rpc.stop_rank(self.scheduler.rpc, worker, sid, timeout, reason)
         finally:
             self._stops_under_way[under_way] -= 1
             if self._stops_under_way[under_way] <= 0:
@@ -1083,20 +952,10 @@ class Deployments(SchedulerPlugin):
     async def _probe_one(self, dep: Deployment, slot: int, sid: Any,
                          workers: tuple[str, ...], timeout: float) -> None:
         """Probe every rank; the first failure is the replica's."""
-        async def probe(rank: int, worker: str) -> str | None:
-            rid = str(rank_id(str(sid), rank))
-            try:
-                resp = await asyncio.wait_for(
-                    self.scheduler.rpc(worker).replicated_health(id=rid, timeout=timeout),
-                    timeout + 1)
-                return None if resp["status"] == "ok" else resp["error"]
-            except TimeoutError:
-                return f"no answer from {rid} within {timeout} s"
-            except Exception as e:
-                return f"{type(e).__name__}: {e}"
-
         try:
-            errors = await asyncio.gather(*(probe(r, w) for r, w in enumerate(workers)))
+            errors = await asyncio.gather(*(
+                _rpc.probe_rank(self.scheduler.rpc, sid, r, w, timeout)
+                for r, w in enumerate(workers)))
             error = next((e for e in errors if e is not None), None)
             machine = dep.slots.get(slot)
             if error is not None and machine is not None and machine.id == sid \
