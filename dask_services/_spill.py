@@ -12,7 +12,8 @@ and ``add_batch`` does not return while what is held is over the limit and a wri
 way, so a receiver stops taking more (and its senders wait) until the disk has caught up.
 A partition being written is still held: ``nbytes`` counts its pieces, and ``holds`` says
 by presence whether ``take`` would return any (a spill can start at any moment, asked for
-by the worker's memory check).
+by the worker's memory check).  A write is counted when it ends, also where the
+spill that started it was cancelled meanwhile (the write goes on in the I/O thread).
 
 All bookkeeping happens on the event loop; file I/O runs in the buffer's own I/O thread
 (never in a task slot, which may be held by a hand-off waiting on this very buffer).
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import errno
+import functools
 import itertools
 import os
 import pickle
@@ -102,29 +104,37 @@ class SpillBuffer:
             path = paths[partition]
             self._writing[path] = self._writing.get(path, 0) + nbytes
         self._written.clear()
-        try:
-            sizes = await self._run(self._write, memory, paths)
-            for partition, (size, appended) in sizes.items():
+        write = asyncio.get_running_loop().run_in_executor(self._io, self._write, memory, paths)
+        del memory  # the write holds the pieces until they are on disk
+        # counted as written when the write ends, not when this call does: a spill whose
+        # caller is cancelled goes on writing in the I/O thread
+        write.add_done_callback(functools.partial(self._write_ended, freed, writing, paths))
+        await asyncio.shield(write)
+        # the pieces are gone, but the allocator would keep their memory: give it back,
+        # so that the worker's process memory (which pauses and spills) sees it
+        if not self._closed:
+            await self._run(release_freed_memory)
+        return freed
+
+    def _write_ended(self, freed: int, writing: dict[Partition, int],
+                     paths: dict[Partition, str], write: asyncio.Future) -> None:
+        """A spill's write ended (written, failed or its caller cancelled): its bytes are
+        no longer being written, and those written are counted on disk."""
+        if not write.cancelled() and write.exception() is None:
+            for partition, (size, appended) in write.result().items():
                 self.spilled_total += appended
                 if self._files.get(partition) == paths[partition]:  # not taken meanwhile
                     self._file_sizes[partition] = size
-            del memory
-            # the pieces are gone, but the allocator would keep their memory: give it back,
-            # so that the worker's process memory (which pauses and spills) sees it
-            if not self._closed:
-                await self._run(release_freed_memory)
-        finally:
-            self.writing_bytes -= freed
-            for partition, nbytes in writing.items():
-                path = paths[partition]
-                left = self._writing.get(path, 0) - nbytes
-                if left > 0:
-                    self._writing[path] = left
-                else:
-                    self._writing.pop(path, None)
-            if not self.writing_bytes:
-                self._written.set()
-        return freed
+        self.writing_bytes -= freed
+        for partition, nbytes in writing.items():
+            path = paths[partition]
+            left = self._writing.get(path, 0) - nbytes
+            if left > 0:
+                self._writing[path] = left
+            else:
+                self._writing.pop(path, None)
+        if not self.writing_bytes:
+            self._written.set()
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)

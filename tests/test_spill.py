@@ -114,6 +114,38 @@ def test_a_partition_being_written_is_still_held(tmp_path):
     run(main())
 
 
+def test_a_spill_cancelled_while_writing_still_counts_what_it_writes(tmp_path):
+    """A spill whose caller is cancelled (the memory check's eviction, say) while its
+    write runs in the I/O thread: the write goes on, so its partitions stay counted as
+    being written, and once it ends their sizes on disk are counted; the pieces come back
+    from the file.  Counted as ended at the cancellation, the partitions read 0 bytes
+    while still being written and ever after, which the shuffle's assembly took for
+    partitions with no pieces of their own."""
+    import pickle
+
+    async def main():
+        with held_up_spill_writes() as release:
+            buf = SpillBuffer(str(tmp_path), limit=10**9)
+            await buf.add_batch([("p", b"a" * 100, 100)])
+            spilling = asyncio.create_task(buf.spill())
+            await until(lambda: buf.writing_bytes == 100)
+            spilling.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await spilling
+            assert buf.writing_bytes == 100 and buf.nbytes("p") == 100
+            assert buf.holds("p")
+            release.set()
+            await until(lambda: not buf.writing_bytes)
+            size = len(pickle.dumps(b"a" * 100, protocol=5))
+            assert buf.nbytes("p") == buf.disk_bytes == buf.spilled_total == size
+            assert not buf._writing and buf._written.is_set()
+            assert await buf.take("p") == [b"a" * 100]
+            assert buf.disk_bytes == 0 and not os.listdir(tmp_path)
+            buf.clear()
+
+    run(main())
+
+
 def test_a_partition_taken_while_written_then_spilled_again(tmp_path):
     """Taken during a write that appends to its file, then spilled again into a new file:
     the pieces come back once each, sizes and bytes spilled count each byte once."""
