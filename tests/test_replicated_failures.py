@@ -69,6 +69,30 @@ def test_worker_killed_while_calls_are_in_flight(cluster):
         dask_scheduler.extensions["dask_services_replicated"].deployments))
 
 
+def test_a_fanout_whose_replica_is_killed_says_which_was_lost(cluster):
+    """Each call of a fanout is bound to its replica: one whose worker dies is not re-sent
+    to another replica (which has had its own call), the fanout raises naming the lost
+    replica, and a fanout asked again reaches the replacement."""
+    cluster, client = cluster
+    client.wait_for_workers(3, timeout=60)
+    svc = Adder.options(replicas=2).as_service(1000, client=client)
+    victim = svc.replicas()[0]
+    call = svc.slow_add.fanout(1, 20)
+    poll_for(lambda: all(r["in_flight"] == 1 for r in svc.replicas()), timeout=30)
+    kill(client, victim["worker"])
+    with pytest.raises(ServiceUnavailable,
+                       match=f"replica {victim['id']} of {svc.name} was lost during "
+                             "the call"):
+        call.result(timeout=60)
+    poll_for(lambda: all_healthy(svc, 2, avoid=victim["worker"]), timeout=60)
+    answers = svc.slow_add.fanout(1, 0).result(timeout=30)
+    assert sorted(value for _, value in answers) == [1001, 1001]
+    assert victim["id"] not in {rid for rid, _ in answers}
+    validate_scheduler(client)
+    svc.shutdown(timeout=0)
+    poll_for(lambda: not any(hosted(client).values()), timeout=30)
+
+
 def test_a_call_that_kills_its_workers_is_not_resent_for_ever(cluster):
     """Calls are re-sent when their replica's worker dies; one that kills every worker it
     runs on is given up after distributed.scheduler.allowed-failures of them, as a task
