@@ -111,6 +111,24 @@ async def test_output_produced_by_two_instances_fails_the_task(c, s, a, b):
     await assert_nothing_left(s, [a, b])
 
 
+@service_cluster()
+async def test_outputs_produced_before_a_failure_keep_their_values(c, s, a, b):
+    """A run that fails errs its outputs not yet produced; one produced before keeps its
+    value (its downstream tasks may have used it already), as a task finished before
+    another fails keeps its result."""
+    class ProducesThenFails(dask_services.Service):
+        async def all_inputs_done(self):
+            if self.id == self.leader:
+                assert await self.concierge.produce_key(self.output_keys[0], "first")
+                raise ValueError("boom after the first output")
+
+    outs = c.compute(dask_services.service_task(ProducesThenFails, [], outputs=2))
+    await assert_errs(outs[1], ValueError, "boom after the first output")
+    assert await outs[0] == "first"
+    del outs
+    await assert_nothing_left(s, [a, b])
+
+
 async def produced_while_paused(c, s, paused: list, gate: str) -> list:
     """A service task's two outputs, produced while the workers ``paused`` are paused by the
     test (after every input reached the instances, which then wait at ``gate``)."""
