@@ -34,6 +34,7 @@ from dask_services._payload import known_arguments_nbytes
 from dask_services._threads import cancel_unstarted
 from dask_services.config import setting
 from dask_services.service import (
+    INSTANCE_ATTRIBUTES,
     Concierge,
     PeerUnreachableError,
     ProduceKeyError,
@@ -43,6 +44,7 @@ from dask_services.service import (
     ServiceId,
     StaleRunError,
     is_rpc_method,
+    refuse_own_values,
 )
 
 logger = logging.getLogger("dask_services")
@@ -359,6 +361,8 @@ class ServiceHost:
         # first: a class that cannot be made, or whose attributes cannot be set (a
         # read-only property named like one of them), leaves nothing
         service = spec.service_class()
+        refuse_own_values(service, INSTANCE_ATTRIBUTES,
+                          "every instance of a service task")
         service.id = spec.id
         service.key = spec.service_key
         service.input_keys = tuple(spec.input_keys)

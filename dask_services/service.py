@@ -265,6 +265,24 @@ START_ARGUMENTS = ("id", "key", "peers", "input_keys", "output_keys", "concierge
 INSTANCE_ATTRIBUTES = (*START_ARGUMENTS, "params")
 
 
+def refuse_own_values(service: object, names: Sequence[str], what: str) -> None:
+    """Refuse an instance whose ``__init__`` set one of ``names`` (attributes the framework
+    sets on each instance right after making it, ``what`` says which): the framework's
+    value would replace the service's own without a word, and the service fail later, far
+    from the cause."""
+    own = getattr(service, "__dict__", {})
+    clashes = [name for name in names if name in own]
+    if clashes:
+        cls = type(service).__name__
+        listed = ", ".join(f"self.{name}" for name in clashes)
+        raise TypeError(
+            f"{cls}.__init__ sets {listed}, but dask_services sets "
+            f"{'these' if len(clashes) > 1 else 'this'} on {what} right after making it "
+            f"(it sets {', '.join(names)}), which would replace yours; rename "
+            f"{'them' if len(clashes) > 1 else 'it'}, e.g. with a leading underscore "
+            f"(self._{clashes[0]})")
+
+
 def check_instance_attributes(cls: type, names: Sequence[str], what: str) -> None:
     """Refuse a class that defines one of ``names`` (attributes the framework sets on each
     of its instances, ``what`` says when) as a method, a property without a setter or a

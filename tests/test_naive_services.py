@@ -924,6 +924,40 @@ def test_a_method_or_property_named_like_a_framework_attribute_is_refused_at_onc
                                                        True),)
 
 
+class SetsItsParamsInInit(Service):
+    """Keeps a value of its own as ``self.params``, set in ``__init__``: the framework
+    sets ``params`` (the service task's keyword parameters) right after making the
+    instance, which replaced it without a word before."""
+
+    def __init__(self):
+        self.params = {"weights": None}
+
+    async def add_key(self, key, data):
+        pass
+
+
+@service_cluster()
+async def test_an_attribute_of_the_framework_set_in_init_fails_the_run_naming_it(c, s, a, b):
+    outs = c.compute(dask_services.service_task(SetsItsParamsInInit, [dask.delayed(1)],
+                                                outputs=2, lr=0.5))
+    for out in outs:
+        await assert_errs(out, TypeError, "SetsItsParamsInInit.__init__ sets self.params, "
+                                          "but dask_services sets this on every instance "
+                                          "of a service task")
+    exc = await assert_errs(outs[0], TypeError, "rename it, e.g. with a leading "
+                                                "underscore (self._params)")
+    assert "(it sets id, key, peers, input_keys, output_keys, concierge, leader, " \
+        "params)" in str(exc)
+    del outs, out
+    await assert_nothing_left(s, [a, b])  # no instance directory either
+
+
+def test_an_attribute_of_the_framework_set_in_init_under_the_local_scheduler():
+    outs = dask_services.service_task(SetsItsParamsInInit, [dask.delayed(1)], outputs=1)
+    with pytest.raises(TypeError, match=r"SetsItsParamsInInit.__init__ sets self.params"):
+        dask.compute(*outs, scheduler="sync")
+
+
 @service_cluster()
 async def test_a_class_attribute_named_like_a_framework_attribute_is_a_default(c, s, a, b):
     outs = c.compute(dask_services.service_task(DefaultsALeader, [dask.delayed(1)],

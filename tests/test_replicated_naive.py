@@ -368,3 +368,27 @@ async def test_a_worker_named_by_an_int_hosts_the_replica(c, s, a, b, w3):
     assert row["worker"] == b.address
     await svc.shutdown()
     await assert_nothing_left(s, [a, b, w3])
+
+
+class SetsItsRankInInit(dask_services.Service):
+    """Keeps ``self.rank`` of its own from ``__init__``: the framework sets ``rank`` on
+    every replica right after making it."""
+
+    def __init__(self):
+        self.rank = "mine"
+
+    def setup(self):
+        pass
+
+    @dask_services.endpoint
+    def ping(self):
+        return self.rank
+
+
+@cluster()
+async def test_a_replica_attribute_of_the_framework_set_in_init_is_refused(c, s, *workers):
+    with pytest.raises(TypeError, match=r"SetsItsRankInInit.__init__ sets self.rank, but "
+                                        r"dask_services sets this on every replica"):
+        await SetsItsRankInInit.options(replicas=2).as_service(client=c)
+    await assert_nothing_left(s, workers)
+

@@ -14,14 +14,14 @@ from dask_services._messages import loads_exception
 from dask_services.replicated._background import consume
 from dask_services.replicated._errors import DeploymentError, ServiceShutdown
 from dask_services.replicated._handle import ReplicatedService, check_names
-from dask_services.replicated._options import ReplicaOptions, config_seconds, unconfigured
+from dask_services.replicated._options import (
+    REPLICA_ATTRIBUTES,
+    ReplicaOptions,
+    config_seconds,
+    unconfigured,
+)
 from dask_services.replicated._transport import ClientTransport
 from dask_services.service import Service, check_instance_attributes
-
-# What the framework sets on every replica (``_worker.py``; ``rank``, ``world_size`` and
-# ``ranks`` on the ranks of a gang, ``_gang.py``).
-REPLICA_ATTRIBUTES = ("id", "key", "params", "service", "peers", "rank", "world_size",
-                      "ranks")
 
 
 def as_service(cls: type, args: tuple, kwargs: dict, client: Any = None) -> Any:

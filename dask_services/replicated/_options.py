@@ -12,6 +12,11 @@ from dask.utils import parse_timedelta
 from dask_services.config import setting
 from dask_services.replicated._routing import check_router
 
+# What the framework sets on every replica (``_worker.py``; ``rank``, ``world_size`` and
+# ``ranks`` on the ranks of a gang, ``_gang.py``).
+REPLICA_ATTRIBUTES = ("id", "key", "params", "service", "peers", "rank", "world_size",
+                      "ranks")
+
 
 def config_seconds(name: str) -> float:
     """``dask_services.replicated.<name>`` (a duration) in seconds."""

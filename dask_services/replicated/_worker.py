@@ -35,10 +35,15 @@ from dask_services.replicated._errors import (
     ServiceShutdown,
 )
 from dask_services.replicated._metrics import ReplicaMetrics
-from dask_services.replicated._options import config_seconds, endpoint_spec, is_endpoint
+from dask_services.replicated._options import (
+    REPLICA_ATTRIBUTES,
+    config_seconds,
+    endpoint_spec,
+    is_endpoint,
+)
 from dask_services.replicated._queue import CallGate, ThreadCall, not_admitted
 from dask_services.replicated._wire import pack, unpack
-from dask_services.service import Service, ServiceId
+from dask_services.service import Service, ServiceId, refuse_own_values
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -199,6 +204,7 @@ class ReplicaWorker(WorkerPlugin):
         try:
             cls, args, kwargs, options = pickle.loads(blob)
             service = cls()
+            refuse_own_values(service, REPLICA_ATTRIBUTES, "every replica")
             handle = ReplicatedService(peers_of, cls, options, WorkerTransport(self.worker),
                                        uid=uid)  # its own deployment's, never another's
             service.id = sid
