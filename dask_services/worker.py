@@ -76,6 +76,9 @@ _TAKEN = "dask-services-taken"  # ... and whether the call had taken its turn th
 _RAISED = "dask-services-raised"  # reply of service_rpc for a call that raised
 _RESULT = "dask-services-result"  # reply of a call on the bulk lane: its pickled result
 COLLECT_EVERY_S = 1.0  # at most one garbage collection a second after runs that failed
+# while a worker is paused with a run live or outputs held here, the heap's freed memory
+# goes back to the OS at most this often (``_trim_while_paused``)
+TRIM_WHILE_PAUSED_EVERY_S = 1.0
 # a hand-off pushing its input to a participant of a run this worker takes no part in
 # tries this many more times when the connection fails (the participant left: the
 # scheduler restarts the run, and releases the hand-off or names other participants),
@@ -377,6 +380,8 @@ class ServiceWorkerPlugin(WorkerPlugin):
         self._collection: asyncio.TimerHandle | None = None
         self._spilling = asyncio.Lock()
         self._spill_failed = False  # the last write of produced outputs failed (warned)
+        self._trimmed_at = -math.inf  # loop time of the last trim while paused
+        self.trims_while_paused = 0
         self._memory_check = PeriodicCallback(self._check_memory, 500)
         self._memory_check.start()
 
@@ -762,6 +767,8 @@ class ServiceWorkerPlugin(WorkerPlugin):
             return
         if self.worker.status == Status.paused and self.produced.in_memory():
             await self.spill_produced()
+        if self.worker.status == Status.paused and (self.host.instances or len(self.produced)):
+            await self._trim_while_paused()
         if not self.host.instances:
             return
         mm = self.worker.memory_manager
@@ -780,6 +787,22 @@ class ServiceWorkerPlugin(WorkerPlugin):
         finally:
             self._evicting = False
 
+
+    async def _trim_while_paused(self) -> None:
+        """Give the heap's freed memory back to the OS, at most once every
+        ``TRIM_WHILE_PAUSED_EVERY_S``.  What pauses a worker is its process memory, and
+        what a run here waits for (its inputs, its claims) cannot run until it falls; but
+        the memory freed by the tasks and runs before (decompressed chunks, received
+        pieces) stays in glibc's heap, counted, until something trims it, which
+        distributed never does: workers paused for good with little managed memory (an
+        xarray groupby-anomaly of 234 MB through 500 MB workers stayed paused for over
+        ten minutes at 330-400 MB, with 4-60 MB managed)."""
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._trimmed_at < TRIM_WHILE_PAUSED_EVERY_S:
+            return
+        self._trimmed_at = loop.time()
+        self.trims_while_paused += 1
+        await loop.run_in_executor(self.executor, release_freed_memory)
 
     async def spill_produced(self) -> int:
         """Write the outputs held for their claims to disk (a paused worker runs no

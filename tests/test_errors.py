@@ -209,3 +209,44 @@ async def test_an_output_waits_for_a_paused_worker_only_so_long(c, s, a, b, monk
     assert await c.gather(outs) == [10, 10]
     del outs
     await assert_nothing_left(s, [a, b])
+
+
+@service_cluster(timeout=60, config={"distributed.worker.memory.pause": False})
+async def test_a_paused_worker_with_a_run_live_gives_freed_memory_back(c, s, a, b,
+                                                                       monkeypatch):
+    """Process memory pauses a worker, and a run live on it waits until it resumes; the
+    memory freed before stays counted in glibc's heap until trimmed, which distributed
+    never does.  While paused with a run live (or outputs held), the memory check trims,
+    at most once a second; not while running, nor once nothing of dask_services is there."""
+    from distributed.core import Status
+
+    from dask_services import worker as worker_module
+
+    trims = []
+    monkeypatch.setattr(worker_module, "release_freed_memory", lambda: trims.append(1))
+    ext = a.extensions["dask_services"]
+    for w in (a, b):  # only the checks this test makes
+        w.extensions["dask_services"]._memory_check.stop()
+    xs = [dask.delayed(inc)(i) for i in range(4)]
+    outs = c.compute(dask_services.service_task(Recorder, xs, outputs=2, gate="trim"))
+    await async_poll_for(lambda: len(events_of("all_inputs_done")) == 2, timeout=20)
+    await ext._check_memory()
+    assert not trims  # running
+    a.status = Status.paused
+    await ext._check_memory()
+    assert len(trims) == ext.trims_while_paused == 1
+    await ext._check_memory()
+    assert len(trims) == 1  # not again within the second
+    ext._trimmed_at -= worker_module.TRIM_WHILE_PAUSED_EVERY_S
+    await ext._check_memory()
+    assert len(trims) == 2
+    a.status = Status.running
+    Recorder.gates["trim"].set()
+    assert await c.gather(outs) == [10, 10]
+    del outs
+    await assert_nothing_left(s, [a, b])
+    a.status = Status.paused  # nothing of dask_services here any more
+    ext._trimmed_at -= worker_module.TRIM_WHILE_PAUSED_EVERY_S
+    await ext._check_memory()
+    assert len(trims) == 2
+    a.status = Status.running
