@@ -76,8 +76,8 @@ _TAKEN = "dask-services-taken"  # ... and whether the call had taken its turn th
 _RAISED = "dask-services-raised"  # reply of service_rpc for a call that raised
 _RESULT = "dask-services-result"  # reply of a call on the bulk lane: its pickled result
 COLLECT_EVERY_S = 1.0  # at most one garbage collection a second after runs that failed
-# while a worker is paused with a run live or outputs held here, the heap's freed memory
-# goes back to the OS at most this often (``_trim_while_paused``)
+# while a worker is paused, the heap's freed memory goes back to the OS at most this often
+# (``_trim_while_paused``)
 TRIM_WHILE_PAUSED_EVERY_S = 1.0
 # a hand-off pushing its input to a participant of a run this worker takes no part in
 # tries this many more times when the connection fails (the participant left: the
@@ -767,7 +767,7 @@ class ServiceWorkerPlugin(WorkerPlugin):
             return
         if self.worker.status == Status.paused and self.produced.in_memory():
             await self.spill_produced()
-        if self.worker.status == Status.paused and (self.host.instances or len(self.produced)):
+        if self.worker.status == Status.paused:
             await self._trim_while_paused()
         if not self.host.instances:
             return
@@ -791,12 +791,13 @@ class ServiceWorkerPlugin(WorkerPlugin):
     async def _trim_while_paused(self) -> None:
         """Give the heap's freed memory back to the OS, at most once every
         ``TRIM_WHILE_PAUSED_EVERY_S``.  What pauses a worker is its process memory, and
-        what a run here waits for (its inputs, its claims) cannot run until it falls; but
-        the memory freed by the tasks and runs before (decompressed chunks, received
-        pieces) stays in glibc's heap, counted, until something trims it, which
-        distributed never does: workers paused for good with little managed memory (an
-        xarray groupby-anomaly of 234 MB through 500 MB workers stayed paused for over
-        ten minutes at 330-400 MB, with 4-60 MB managed)."""
+        nothing runs there until it falls (a run's inputs and claims, its service task
+        itself, which must start on its worker to finish); but the memory freed by the
+        tasks and runs before (decompressed chunks, received pieces) stays in glibc's
+        heap, counted, until something trims it, which distributed never does: workers
+        paused for good with little managed memory (an xarray groupby-anomaly of 234 MB
+        through 500 MB workers stayed paused for over ten minutes at 386-408 MB, with
+        4-43 MB managed)."""
         loop = asyncio.get_running_loop()
         if loop.time() - self._trimmed_at < TRIM_WHILE_PAUSED_EVERY_S:
             return
