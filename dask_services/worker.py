@@ -795,9 +795,9 @@ class ServiceWorkerPlugin(WorkerPlugin):
         itself, which must start on its worker to finish); but the memory freed by the
         tasks and runs before (decompressed chunks, received pieces) stays in glibc's
         heap, counted, until something trims it, which distributed never does: workers
-        paused for good with little managed memory (an xarray groupby-anomaly of 234 MB
-        through 500 MB workers stayed paused for over ten minutes at 386-408 MB, with
-        4-43 MB managed)."""
+        stayed paused with little managed memory (an xarray groupby-anomaly of 234 MB
+        through 500 MB workers, for over ten minutes at 386-408 MB with 4-43 MB
+        managed; a trim by hand resumed them; ``design/architecture.md``)."""
         loop = asyncio.get_running_loop()
         if loop.time() - self._trimmed_at < TRIM_WHILE_PAUSED_EVERY_S:
             return
