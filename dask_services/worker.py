@@ -787,7 +787,6 @@ class ServiceWorkerPlugin(WorkerPlugin):
         finally:
             self._evicting = False
 
-
     async def _trim_while_paused(self) -> None:
         """Give the heap's freed memory back to the OS, at most once every
         ``TRIM_WHILE_PAUSED_EVERY_S``.  What pauses a worker is its process memory, and
@@ -798,9 +797,13 @@ class ServiceWorkerPlugin(WorkerPlugin):
         stayed paused with little managed memory (an xarray groupby-anomaly of 234 MB
         through 500 MB workers, for over ten minutes at 386-408 MB with 4-43 MB
         managed; a trim by hand resumed them; ``design/architecture.md``)."""
+        if asyncio.get_running_loop().time() - self._trimmed_at >= TRIM_WHILE_PAUSED_EVERY_S:
+            await self._trim()
+
+    async def _trim(self) -> None:
+        """Give the heap's freed memory back to the OS, in a service thread (a trim of a
+        large heap holds the thread for a while); counted as a trim while paused."""
         loop = asyncio.get_running_loop()
-        if loop.time() - self._trimmed_at < TRIM_WHILE_PAUSED_EVERY_S:
-            return
         self._trimmed_at = loop.time()
         self.trims_while_paused += 1
         await loop.run_in_executor(self.executor, release_freed_memory)
@@ -825,7 +828,7 @@ class ServiceWorkerPlugin(WorkerPlugin):
             else:
                 self._spill_failed = False
         if count:
-            release_freed_memory()
+            await self._trim()  # the values written are freed: the next check waits
             logger.info("dask_services: worker %s is paused; %d produced outputs (%d bytes) "
                         "written to disk until their claims run", self.worker.address, count,
                         nbytes)
