@@ -9,11 +9,9 @@ See the README for a tour, and ``design/architecture.md`` for how it works.
 
 from __future__ import annotations
 
-from dask_services import (
-    _auto_install,
-    _lazy_dataframe,
-    array,  # noqa: F401  (registers the "service" rechunk method)
-)
+import importlib
+
+from dask_services import _auto_install, _lazy_registration
 from dask_services import config as _config  # noqa: F401  (registers config defaults)
 from dask_services._buffers import Buffers, IncomingBuffers
 from dask_services._plugins import ExtensionError
@@ -51,16 +49,14 @@ from dask_services.service import (
 )
 
 _auto_install.install()  # clients sending service tasks install dask_services
-# the "service" shuffle method: registered now if dask.dataframe is imported, else as soon
-# as it is (pandas and pyarrow are not imported for it)
-_lazy_dataframe.install()
+# the "service" shuffle and rechunk methods: registered now if dask.dataframe or dask.array
+# is imported, else as soon as it is (neither is imported for them)
+_lazy_registration.install()
 
 
 def __getattr__(name: str):  # type: ignore[no-untyped-def]
-    if name == "dataframe":  # ``dask_services.dataframe.shuffle`` without an import
-        import dask_services.dataframe
-
-        return dask_services.dataframe
+    if name in ("dataframe", "array"):  # ``dask_services.array.rechunk`` without an import
+        return importlib.import_module(f"dask_services.{name}")
     raise AttributeError(f"module 'dask_services' has no attribute {name!r}")
 
 __version__ = "0.1.0"
@@ -104,11 +100,19 @@ __all__ = [
 ]
 
 
-def dask_setup(scheduler) -> None:  # type: ignore[no-untyped-def]
+def dask_setup(server) -> None:  # type: ignore[no-untyped-def]
     """``dask scheduler --preload dask_services`` installs the scheduler plugins (the
     service-task core and the extensions next to it, ``_plugins.py``), then those of
-    other packages."""
+    other packages.  On a worker or a nanny (``dask worker --preload dask_services``, the
+    ``distributed.worker.preload`` config) the import is all there is to do: the
+    scheduler's plugins register the worker side."""
+    from distributed import Scheduler
+
     from dask_services._plugins import extension_plugins, own_plugins
+
+    if not isinstance(server, Scheduler):
+        return
+    scheduler = server
 
     own = own_plugins()
     for plugin in own:
