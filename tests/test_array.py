@@ -518,7 +518,7 @@ async def test_pieces_for_a_peer_wait_for_its_call_in_flight_and_go_together(c, 
 
 
 def test_outputs_are_written_in_place_only_when_their_shapes_are_known_and_fit():
-    from dask_services.array._service import assembles_in_place
+    from dask_services.array._pieces import assembles_in_place
 
     chunks = ((4, 4), (10,))
     f8 = np.dtype("f8")
@@ -534,7 +534,7 @@ def test_outputs_are_written_in_place_only_when_their_shapes_are_known_and_fit()
 @given(old=st.lists(st.integers(0, 7), min_size=1, max_size=12),
        new_sizes=st.lists(st.integers(1, 9), min_size=1, max_size=12))
 def test_most_needed_input_is_the_largest_overlap(old, new_sizes):
-    from dask_services.array._service import AFFINITY_MAX_INPUTS, most_needed_inputs
+    from dask_services.array._plan import AFFINITY_MAX_INPUTS, most_needed_inputs
 
     total = sum(old)
     new, left = [], total
@@ -564,7 +564,7 @@ def test_most_needed_input_is_the_largest_overlap(old, new_sizes):
 
 
 def test_all_to_all_rechunk_has_no_affinity():
-    from dask_services.array._service import most_needed_inputs
+    from dask_services.array._plan import most_needed_inputs
 
     assert most_needed_inputs(((10,) * 8, (80,)), ((80,), (10,) * 8)) is None
 
@@ -573,7 +573,7 @@ def test_all_to_all_rechunk_has_no_affinity():
 async def test_outputs_are_placed_near_their_inputs_and_hand_offs_run_in_order(c, s, a, b):
     from distributed import wait
 
-    from dask_services.array._service import most_needed_inputs
+    from dask_services.array._plan import most_needed_inputs
 
     # persisted 100-row chunks to 150-row chunks: every output needs one or two inputs
     arr = np.arange(12000.0).reshape(6000, 2)
@@ -676,10 +676,10 @@ async def test_the_runs_of_many_regions_spread_their_outputs_over_the_workers(c,
 def test_large_output_chunks_are_plain_writeable_arrays(dtype, allocate):
     """Both ways output chunks are allocated (the service's assembly, the copy tasks')."""
     from dask_services._memory import HUGE_PAGE_ADVICE_FROM
-    from dask_services.array import _service
-    from dask_services.array._service import fill, output_shape
+    from dask_services.array import _pieces
+    from dask_services.array._pieces import fill, output_shape
 
-    new = getattr(_service, allocate)
+    new = getattr(_pieces, allocate)
     dtype = np.dtype(dtype)
     rows = HUGE_PAGE_ADVICE_FROM // (dtype.itemsize * 8) + 3  # above the size that maps
     source = np.zeros((rows, 8), dtype=dtype)
@@ -703,7 +703,7 @@ def test_large_output_chunks_leave_numpys_huge_page_advice_as_it_was():
         _get_madvise_hugepage,
         _set_madvise_hugepage,
     )
-    from dask_services.array._service import new_array
+    from dask_services.array._pieces import new_array
 
     shape = (HUGE_PAGE_ADVICE_FROM // 8 + 1,)
     before = _get_madvise_hugepage()

@@ -1,5 +1,5 @@
 """Small pieces of an input chunk for one peer travel packed in one buffer
-(``array._service.PackedPieces``): the same pieces come out, in one frame, and a receiver
+(``array._pieces.PackedPieces``): the same pieces come out, in one frame, and a receiver
 that keeps them gets arrays of their own."""
 
 from __future__ import annotations
@@ -10,10 +10,9 @@ from distributed.protocol import deserialize, serialize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dask_services.array._service import (
+from dask_services.array._pieces import (
     PACK_BELOW,
     PackedPieces,
-    axis_overlaps,
     batch_bytes,
     is_view,
     output_indices,
@@ -22,6 +21,7 @@ from dask_services.array._service import (
     unpacked,
     write_into,
 )
+from dask_services.array._plan import axis_overlaps
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -187,7 +187,7 @@ def test_a_chunk_written_in_place_gets_the_buffered_chunks_dtype_in_every_order(
     (``chunk_dtype``: numpy's promotion, else the declared dtype), values and dtype."""
     import itertools
 
-    from dask_services.array._service import fill, new_array, pieces_dtype, promoted
+    from dask_services.array._pieces import fill, new_array, pieces_dtype, promoted
 
     pieces = [((0, 2 * k), (np.arange(4) + 4 * k + 1).astype(dt).reshape(2, 2))
               for k, dt in enumerate(map(np.dtype, dtypes))]
@@ -208,7 +208,7 @@ def test_set_aside_regions_are_not_read_before_they_are_written():
     """``promoted`` copies the chunk into the new dtype before writing the pieces set
     aside: their regions, never written, must not be read (bytes left there by the
     allocator failed the cast of a bytes chunk to str)."""
-    from dask_services.array._service import promoted
+    from dask_services.array._pieces import promoted
 
     chunk = np.frombuffer(b"\xff" * 12, "S3").reshape(2, 2).copy()  # garbage, not ASCII
     chunk[:, 0] = [b"ab", b"cd"]

@@ -29,7 +29,7 @@ _optimization = importlib.import_module("dask.array.optimization")
 
 
 def _copies() -> frozenset[Callable]:
-    from dask_services.array._service import copy_part, copy_pieces
+    from dask_services.array._pieces import copy_part, copy_pieces
 
     return frozenset((copy_pieces, copy_part))
 

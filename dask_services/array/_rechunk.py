@@ -70,7 +70,7 @@ def service_rechunk(x: Array, chunks: Any = "auto", block_size_limit: Any = None
     if x.size == 0:
         # no element to move: new empty chunks, without the inputs (as ``tasks`` does)
         return da.empty(x.shape, chunks=chunks, dtype=x.dtype)
-    from dask_services.array._service import merge_plan
+    from dask_services.array._plan import merge_plan
 
     # the settings that cut the rechunk into tasks are part of its name: the same rechunk
     # cut another way must not share keys with the first (a service task of one graph
@@ -99,14 +99,14 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> RechunkLaye
     some of a service task's outputs, the layer takes only the inputs those need
     (``RechunkLayer``).
     """
-    from dask_services.array._service import (
-        ArrayRechunk,
+    from dask_services.array._plan import (
         axis_overlaps,
         inputs_by_output,
         max_inputs_per_output,
         most_needed_inputs,
         region_boxes,
     )
+    from dask_services.array._service import ArrayRechunk
 
     # Neighbouring regions share a service task while it connects at most this many
     # (input, output) pairs: each service task costs a run (an instance on every worker
@@ -200,7 +200,7 @@ def _copy_tasks(x: Array, name: str, token: str, chunks: tuple, by_output: list,
     """
     from dask._task_spec import Task, TaskRef
 
-    from dask_services.array._service import copy_pieces, take_slice
+    from dask_services.array._pieces import copy_pieces, take_slice
 
     tasks: dict = {}
     layout = []
@@ -225,7 +225,7 @@ def _copy_tasks(x: Array, name: str, token: str, chunks: tuple, by_output: list,
 def largest_region_bytes(old: tuple, new: tuple, dtype: np.dtype) -> float:
     """The bytes of the largest independent region of a rechunk (``inf`` with an axis of
     unknown size)."""
-    from dask_services.array._service import axis_regions
+    from dask_services.array._plan import axis_regions
 
     size = float(dtype.itemsize)
     for o, n in zip(old, new, strict=True):
@@ -245,7 +245,7 @@ def _merge_and_split_tasks(input_name: str, dtype: np.dtype, name: str,
     chunk starts, per axis, ``_starts``)."""
     from dask._task_spec import Task, TaskRef
 
-    from dask_services.array._service import copy_part, merge_blocks
+    from dask_services.array._pieces import copy_part, merge_blocks
 
     old_at, new_at = starts
     origin = [old_at[d][box.start] for d, box in enumerate(old_box)]
@@ -293,7 +293,7 @@ def _merge_rechunk(x: Array, chunks: tuple, name: str, plan: dict) -> Array:
     graph no larger than the ``tasks`` method's (``merge_plan``)."""
     from dask._task_spec import Task, TaskRef
 
-    from dask_services.array._service import merge_blocks
+    from dask_services.array._pieces import merge_blocks
 
     layer = {}
     for j, pieces in plan.items():
