@@ -69,8 +69,11 @@ class InstanceStarted:
 
 @dataclass(frozen=True)
 class InputHandedOff:
+    """Instance ``id`` of run ``run_id`` took input ``key``."""
+
     run_id: int
     key: Key
+    id: ServiceId | None = None
     stimulus_id: str = stimulus_field("input-handed-off")
 
 

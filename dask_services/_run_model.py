@@ -78,6 +78,7 @@ class Run:
     phase: Phase = Phase.STARTING
     started: set[ServiceId] = field(default_factory=set)
     handed_off: set[Key] = field(default_factory=set)
+    taken_by: dict[Key, ServiceId] = field(default_factory=dict)  # input -> its instance
     produced: dict[Key, str] = field(default_factory=dict)
     landed: set[Key] = field(default_factory=set)  # produced and in memory (or gone)
     # instances whose ``all_inputs_done`` returned (without failing)

@@ -145,6 +145,14 @@ class ServiceTaskMachine:
     def live_run(self) -> Run | None:
         return self.run if self.run is not None and self.run.live else None
 
+    def worker_that_took(self, input_key: Key) -> str | None:
+        """The worker of the live run's instance that took ``input_key``, if one did: a
+        hand-off of that input run again goes there, whose instance ignores a key it
+        took, rather than to another instance, which would take it a second time."""
+        run = self.live_run
+        sid = None if run is None else run.taken_by.get(input_key)
+        return None if sid is None else run.worker_of.get(sid)
+
     def workers_in_use(self) -> set[str]:
         """The workers this service task's run needs until it is over: every participant
         of a live run (its instances hold what they received, which the scheduler does
@@ -345,6 +353,15 @@ class ServiceTaskMachine:
         run = self._current(ev.run_id)
         if run is None or ev.key not in self.input_key_set:
             return []
+        if ev.id is not None:
+            first = run.taken_by.setdefault(ev.key, ev.id)
+            if first != ev.id and run.live:
+                # its hand-off ran again on another worker (its result lost with its
+                # worker, or its execution released) before the first instance's report
+                # came, and gave the input to a second instance: it would count twice
+                return self._restart(run, f"input {ev.key!r} was taken by two instances, "
+                                          f"{first} and {ev.id} (its hand-off ran again "
+                                          "on another worker)")
         run.handed_off.add(ev.key)
         return self._maybe_barrier(run) + self._maybe_finished(run)
 

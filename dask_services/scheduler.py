@@ -137,6 +137,10 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         self.machines: dict[Key, rs.ServiceTaskMachine] = {}
         self.definitions: dict[Key, ServiceDefinition] = {}
         self.handoff_of: dict[Key, Key] = {}  # hand-off key -> service key
+        self.input_of_handoff: dict[Key, Key] = {}  # hand-off key -> its input key
+        # hand-offs run again where their input was taken (``_pin_to_taker``) -> their
+        # own restrictions (workers, loose), given back once the run no longer needs it
+        self.pinned: dict[Key, tuple[set[str], bool]] = {}
         self.handoffs_of_input: dict[Key, set[Key]] = {}  # input key -> hand-off keys
         self.output_of: dict[Key, Key] = {}  # output key -> service key
         self.cut: dict[Key, str] = {}  # produced output not yet in memory -> its worker
@@ -326,6 +330,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         self.archive.pop(key, None)  # submitted again: its stories go on in the machine
         for h, i in zip(definition.handoff_keys, definition.input_keys, strict=True):
             self.handoff_of[h] = key
+            self.input_of_handoff[h] = i
             self.handoffs_of_input.setdefault(i, set()).add(h)
         tasks = self.scheduler.tasks
         for o in definition.output_keys:
@@ -385,7 +390,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
 
     def _restrict_handoff(self, hts: TaskState) -> None:
         """Make a hand-off run where its input already lives."""
-        if hts.state not in ("released", "waiting"):
+        if hts.state not in ("released", "waiting") or hts.key in self.pinned:
             return
         if len(hts.dependencies) != 1:
             return  # none, or a fused hand-off making its input from several
@@ -393,6 +398,31 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         if dep.who_has:
             self.scheduler.set_restrictions({hts.key: [ws.address for ws in dep.who_has]})
             hts.loose_restrictions = True  # no API for it: see design/architecture.md
+
+    def _pin_to_taker(self, handoff_key: Key) -> None:
+        """A hand-off about to run again (its result was lost with a worker outside the
+        run, or distributed released its execution) whose input the live run has taken:
+        it runs on the worker of the instance that took it, which ignores an input it has,
+        not where another instance would take it a second time.  Otherwise its own
+        restrictions are given back."""
+        hts = self.scheduler.tasks.get(handoff_key)
+        machine = self.machines.get(self.handoff_of[handoff_key])
+        input_key = self.input_of_handoff.get(handoff_key)
+        worker = None
+        if machine is not None and input_key is not None:
+            worker = machine.worker_that_took(input_key)
+        if hts is None or worker is None or worker not in self.scheduler.workers:
+            saved = self.pinned.pop(handoff_key, None)
+            if saved is not None and hts is not None:
+                self.scheduler.set_restrictions({handoff_key: list(saved[0])})
+                hts.loose_restrictions = saved[1]
+                self._restrict_handoff(hts)
+            return
+        if handoff_key not in self.pinned:
+            self.pinned[handoff_key] = (set(hts.worker_restrictions or ()),
+                                        hts.loose_restrictions)
+        self.scheduler.set_restrictions({handoff_key: [worker]})
+        hts.loose_restrictions = False
 
     # ------------------------------------------------------------- transitions
 
@@ -414,6 +444,8 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             if finish == "processing":
                 self._event(self.handoff_of[key],
                             run_events.HandOffScheduled(key, stimulus_id=stimulus_id))
+            elif finish == "waiting":
+                self._pin_to_taker(key)
         elif key in self.output_of:
             self._output_transition(key, start, finish, stimulus_id)
         if finish == "memory" and key in self.handoffs_of_input:
@@ -585,6 +617,8 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                     del self.placements[definition.placement]
             for h, i in zip(definition.handoff_keys, definition.input_keys, strict=True):
                 self.handoff_of.pop(h, None)
+                self.input_of_handoff.pop(h, None)
+                self.pinned.pop(h, None)
                 hs = self.handoffs_of_input.get(i)
                 if hs is not None:
                     hs.discard(h)
@@ -711,9 +745,11 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         self._event(service_key, run_events.InstanceStarted(
             run_id, ServiceId(id), stimulus_id=run_model.new_stimulus_id(f"service-started-{id}")))
 
-    def _on_handed_off(self, service_key: Key, run_id: int, key: Key, worker: str = "") -> None:
+    def _on_handed_off(self, service_key: Key, run_id: int, key: Key, worker: str = "",
+                       id: str | None = None) -> None:
         self._event(service_key, run_events.InputHandedOff(
-            run_id, key, stimulus_id=run_model.new_stimulus_id("service-handed-off")))
+            run_id, key, ServiceId(id) if id is not None else None,
+            stimulus_id=run_model.new_stimulus_id("service-handed-off")))
 
     def _on_produced(self, service_key: Key, run_id: int, key: Key, worker: str = "") -> None:
         self._event(service_key, run_events.OutputProduced(

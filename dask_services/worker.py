@@ -16,6 +16,7 @@ import logging
 import math
 import shutil
 import weakref
+import zlib
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -452,7 +453,8 @@ class ServiceWorkerPlugin(WorkerPlugin):
     def _report_handed_off(self, spec: InstanceSpec, key: Key) -> None:
         self.worker.batched_stream.send({"op": "service-handed-off",
                                          "service_key": spec.service_key,
-                                         "run_id": spec.run_id, "key": key})
+                                         "run_id": spec.run_id, "key": key,
+                                         "id": str(spec.id)})
 
     # ------------------------------------------------------------- called by tasks
 
@@ -502,9 +504,11 @@ class ServiceWorkerPlugin(WorkerPlugin):
                 return None  # a later run came first: this execution is stale
             return await self._give_locally(inst, handoff_key, input_key, value, nbytes,
                                             still_wanted)
-        # This worker takes no part in the current run: push the input to a participant.
+        # This worker takes no part in the current run: push the input to a participant,
+        # the same one from any worker (``hash()`` of a string differs between processes):
+        # a hand-off that runs again elsewhere gives it to the instance that took it.
         peers = sorted(info["peers"].items())
-        target, address = peers[hash(str(input_key)) % len(peers)]
+        target, address = peers[zlib.crc32(str(input_key).encode()) % len(peers)]
         try:
             await self._push_input(address, target, input_key, value)
         except OSError:

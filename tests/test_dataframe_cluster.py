@@ -166,6 +166,47 @@ def test_worker_joining_mid_shuffle_does_no_harm(small_cluster):
     validate_scheduler(client)
 
 
+def _held_back_until_killed(part, partition_info=None):
+    if partition_info is not None and partition_info["number"] == 0:
+        Event(KILLED).wait(timeout=120)  # the run cannot have every input before the kill
+    else:
+        time.sleep(0.3)  # inputs are still being made when the third worker joins
+    return part
+
+
+KILLED = "dask-services-test-joined-worker-killed"
+
+
+def test_a_worker_joining_mid_shuffle_then_killed_counts_no_row_twice(small_cluster):
+    """The joined worker takes no part in the run: its hand-offs push their inputs to
+    participants.  Killed, it loses their results, and they run again elsewhere, where
+    another instance would take the same rows a second time: the run restarts instead."""
+    cluster, client, _ = small_cluster
+    source = frame(60_000_000, npartitions=60)
+    df = source.map_partitions(_held_back_until_killed, meta=source._meta)
+    killed = Event(KILLED, client=client)
+    shuffled = client.persist(df.shuffle("key", shuffle_method="service"))
+    poll_for(lambda: live_run(client, lambda r: len(r.handed_off) >= 3), timeout=120)
+    participants = set(live_run(client).participants)
+    cluster.scale(3)
+    client.wait_for_workers(3)
+    (joined,) = set(client.scheduler_info()["workers"]) - participants
+
+    def hand_offs_held_by(address, dask_scheduler=None) -> int:
+        return sum(1 for ts in dask_scheduler.workers[address].has_what
+                   if "handoff" in str(ts.key))
+
+    poll_for(lambda: client.run_on_scheduler(hand_offs_held_by, joined) >= 3, timeout=120)
+    assert live_run(client) is not None  # still waiting for partition 0
+    kill(client, joined)
+    poll_for(lambda: joined not in client.scheduler_info()["workers"], timeout=60)
+    killed.set()
+    wait(shuffled)
+    result = pd.concat(client.gather(client.futures_of(shuffled)))
+    assert_same_rows(result, rows_of(client, df))
+    validate_scheduler(client)
+
+
 def test_unresponsive_peer_delays_but_does_not_fail_the_shuffle(small_cluster):
     cluster, client, _ = small_cluster
     df = frame(40_000_000, npartitions=40)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 
 import dask
 import numpy as np
@@ -193,6 +194,71 @@ async def test_a_joining_worker_pushes_its_input_again_when_a_push_fails(c, s, a
         assert pushes == ["on-late", "on-late"]  # the path under test was taken
         del outs, first, late_input
         await assert_nothing_left(s, [a, b, late])
+
+
+@service_cluster(nthreads=[("127.0.0.1", 2)] * 2)
+async def test_a_hand_off_lost_with_a_worker_outside_the_run_runs_again_where_its_input_went(
+        c, s, a, b, monkeypatch):
+    """A worker that joined after the run started pushed its input to a participant, then
+    died before the run had all its inputs: the hand-off's result is lost and it runs
+    again.  Run on the other participant (where the test's restrictions would put it), that
+    one's instance would take the input a second time (a shuffle's rows twice, a
+    rechunk's sums wrong); it runs where the input went instead, whose instance ignores
+    it, and every input counts once, without a restart."""
+    from distributed import Worker
+    from services import Recorder
+
+    from dask_services.worker import ServiceWorkerPlugin
+
+    Recorder.reset()
+    HELD.clear()
+    with socket.socket() as sock:  # the joining worker's address, known beforehand
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    late_address = f"tcp://127.0.0.1:{port}"
+    first = c.submit(inc_one, 1, workers=[a.address], key="on-a")
+    late_input = c.submit(inc_one, 10, workers=[late_address], key="on-late")
+    last = c.submit(held_back, 100, key="held")  # keeps the run from having every input
+    outs = dask_services.submit(Recorder, [first, late_input, last], outputs=2, client=c)
+    await async_poll_for(lambda: len(events_of("add_key")) == 1, timeout=10)
+    service_key = s.tasks[outs[0].key].run_spec.service_key
+    handoff = s.tasks[service_key].run_spec.definition.handoff_keys[1]
+    s.set_restrictions({handoff: late_address})
+    monkeypatch.setattr(s.extensions["dask_services"], "_restrict_handoff", lambda hts: None)
+    pushed_to = []
+    push = ServiceWorkerPlugin._push_input
+
+    async def recorded(self, address, *args, **kwargs):
+        pushed_to.append(address)
+        # run again, the hand-off can only go to the participant the push did not reach
+        other = a.address if address == b.address else b.address
+        s.set_restrictions({handoff: {late_address, other}})
+        await push(self, address, *args, **kwargs)
+
+    monkeypatch.setattr(ServiceWorkerPlugin, "_push_input", recorded)
+    async with Worker(s.address, nthreads=1, name="late", host="127.0.0.1",
+                      port=port) as late:
+        await async_poll_for(lambda: len(events_of("add_key")) == 2
+                             and s.tasks[handoff].state == "memory", timeout=10)
+        assert len(pushed_to) == 1  # the path under test was taken
+        s.tasks["on-late"].loose_restrictions = True  # lost, it is made again elsewhere
+        await late.close()  # not retired: what it held is lost
+    await async_poll_for(lambda: s.tasks[handoff].state == "memory", timeout=10)
+    ran_again_on = {ws.address for ws in s.tasks[handoff].who_has}
+    HELD.set()
+    assert await c.gather(outs) == [2 + 11 + 101] * 2
+    assert ran_again_on == set(pushed_to)
+    assert s.extensions["dask_services"].machines[service_key].restarts == 0
+    del outs, first, late_input, last
+    await assert_nothing_left(s, [a, b])
+
+
+HELD = threading.Event()  # in-process workers: released by the test
+
+
+def held_back(x: int) -> int:
+    HELD.wait(30)
+    return x + 1
 
 
 def inc_one(x: int) -> int:

@@ -245,6 +245,40 @@ def test_worker_not_participating_does_not_restart():
     assert m.handle(run_events.WorkerLost("tcp://other:1")) == []
 
 
+def test_the_worker_that_took_an_input_is_that_of_its_instance_in_the_live_run():
+    """Where a hand-off run again goes: its instance ignores an input it took."""
+    m = machine()
+    assert m.worker_that_took("i0") is None  # no run
+    need(m)
+    start_all(m)
+    ids = m.run.ids
+    assert m.handle(run_events.InputHandedOff(1, "i0", ids[WORKERS[1]])) == []
+    assert m.handle(run_events.InputHandedOff(1, "i1")) == []  # no instance named
+    assert m.worker_that_took("i0") == WORKERS[1]
+    assert m.worker_that_took("i1") is None and m.worker_that_took("i2") is None
+    m.handle(run_events.WorkerLost(WORKERS[1]))  # restarted: no live run
+    assert m.worker_that_took("i0") is None
+
+
+def test_an_input_taken_by_two_instances_restarts_the_run_by_one_it_does_not():
+    m = machine()
+    need(m)
+    start_all(m)
+    a, b = m.run.ids.values()
+    assert m.handle(run_events.InputHandedOff(1, "i0", a)) == []
+    assert m.handle(run_events.InputHandedOff(1, "i0", a)) == []  # the same instance
+    assert m.handle(run_events.InputHandedOff(1, "i1")) == []  # no instance named
+    actions = m.handle(run_events.InputHandedOff(1, "i0", b))
+    assert kinds(actions) == ["StopInstances", "Log", "RescheduleServiceTask"]
+    assert f"taken by two instances, {a} and {b}" in actions[1].detail
+    # the next run starts afresh
+    need(m, run_id=2)
+    start_all(m, run_id=2)
+    c, d = m.run.ids.values()
+    assert m.handle(run_events.InputHandedOff(2, "i0", d)) == []
+    assert m.run.handed_off == {"i0"}
+
+
 def test_cancel_and_task_worker_lost():
     m = machine()
     need(m)
@@ -304,7 +338,10 @@ def test_no_run_without_workers_or_with_graph_error():
 EVENTS = st.one_of(
     st.builds(run_events.InstanceStarted, st.integers(1, 3), st.sampled_from(
         [ServiceId(f"p-{r}.{i}") for r in range(1, 4) for i in range(2)])),
-    st.builds(run_events.InputHandedOff, st.integers(1, 3), st.sampled_from(INPUTS)),
+    st.builds(run_events.InputHandedOff, st.integers(1, 3), st.sampled_from(INPUTS),
+              st.sampled_from([None] + [ServiceId(f"p-{r}.{i}") for r in range(1, 4)
+                                        for i in range(2)])),
+    st.builds(run_events.HandOffScheduled, st.sampled_from(["h0", "h1"])),
     st.builds(run_events.OutputProduced, st.integers(1, 3), st.sampled_from(OUTPUTS + ["zz"]),
               st.sampled_from(WORKERS)),
     st.builds(run_events.OutputLanded, st.sampled_from(OUTPUTS)),
