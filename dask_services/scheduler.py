@@ -323,11 +323,13 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
                     start=self._next_owner)
                 self._next_owner += len(definition.output_keys)
             group.service_tasks += 1
-        self.machines[key] = rs.ServiceTaskMachine(
+        machine = self.machines[key] = rs.ServiceTaskMachine(
             key, definition.input_keys, definition.output_keys, self.max_restarts,
             validating=bool(getattr(self.scheduler, "validate", False)),
         )
-        self.archive.pop(key, None)  # submitted again: its stories go on in the machine
+        archived = self.archive.pop(key, None)
+        if archived:  # submitted again: its earlier runs' stories go on in the new machine
+            machine.stories.update(archived)
         for h, i in zip(definition.handoff_keys, definition.input_keys, strict=True):
             self.handoff_of[h] = key
             self.input_of_handoff[h] = i

@@ -58,6 +58,29 @@ async def test_story_of_a_service_task_and_of_a_run_with_an_async_client(c, s, a
     assert await dask_services.story(c, "no-such-key") == []
 
 
+@service_cluster()
+async def test_a_service_task_computed_again_keeps_the_stories_of_its_earlier_runs(c, s, a,
+                                                                                   b):
+    """The same graph computed twice, one after the other: one service task key, two
+    forgotten machines; the second keeps telling the first run's story."""
+    (out,) = dask_services.service_task(AllReduce, [dask.delayed(inc)(i) for i in range(3)],
+                                        outputs=1)
+    key = service_key_of(out)
+    plugin = s.extensions["dask_services"]
+    for _ in range(2):
+        (fut,) = c.compute([out])
+        assert await fut == 6
+        del fut
+        await async_poll_for(lambda: key not in plugin.machines, timeout=10)
+    entries = await dask_services.story(c, key)
+    run_ids = sorted({e["run_id"] for e in entries if e["run_id"] is not None})
+    assert len(run_ids) == 2, run_ids
+    for run_id in run_ids:
+        logs = [e["detail"] for e in await dask_services.story(c, run_id)
+                if e["what"] == "Log"]
+        assert "'started'" in logs[0] and "'finished'" in logs[-1], logs
+
+
 def lost_worker(reason: str, worker: str) -> bool:
     """A restart reason that says a worker was lost (the run's own worker, or the worker
     that held an input the service task had received)."""
