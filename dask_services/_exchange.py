@@ -2,7 +2,8 @@
 
 An exchange receives into a :class:`SpillBuffer` and sends through a :class:`PeerStream`,
 both sized from its config section (``dask_services.<section>.buffer-fraction`` and
-``.bytes-in-flight``), answers the stream's ``done_sending`` barrier, reports its memory
+``.bytes-in-flight``; a buffer fraction set where the graph was built travels with it,
+``graph_settings``), answers the stream's ``done_sending`` barrier, reports its memory
 and spilled bytes to the worker, spills when the worker asks, and clears both on ``stop``.
 """
 
@@ -12,8 +13,19 @@ from dask.utils import parse_bytes
 
 from dask_services._sending import PeerStream, window_size
 from dask_services._spill import SpillBuffer
-from dask_services.config import setting
+from dask_services.config import packaged_default, setting
 from dask_services.service import Concierge, Service, ServiceId, rpc
+
+
+def graph_settings(section: str) -> dict[str, float]:
+    """The settings of ``section`` that travel with a graph, as parameters of its service
+    task: ``buffer-fraction`` where the process building the graph set it (to other than
+    the packaged default), so that ``dask.config.set`` around ``compute()`` in a notebook
+    reaches the workers, as ``distributed.p2p.disk`` does for p2p.  Otherwise the
+    workers' own config decides."""
+    name = f"{section}.buffer-fraction"
+    value = float(setting(name))
+    return {} if value == float(packaged_default(name)) else {"buffer_fraction": value}
 
 
 class PeerExchange(Service):
@@ -31,7 +43,9 @@ class PeerExchange(Service):
         """Create the buffer and the stream (call from ``start``)."""
         section = self.config_section
         limit = concierge.memory_limit
-        fraction = float(setting(f"{section}.buffer-fraction"))
+        fraction = getattr(self, "params", {}).get("buffer_fraction")
+        if fraction is None:  # not set where the graph was built: the worker's config
+            fraction = float(setting(f"{section}.buffer-fraction"))
         self.buffer = SpillBuffer(concierge.local_directory,
                                   int(limit * fraction) if limit else 2**62)
         configured = parse_bytes(setting(f"{section}.bytes-in-flight"))

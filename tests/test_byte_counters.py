@@ -15,6 +15,7 @@ from distributed.utils_test import async_poll_for
 from utils import service_cluster
 
 import dask_services
+from dask_services.config import packaged_default
 from dask_services.demo_services import Histogram
 from dask_services.examples import AllReduce, SampleSort
 
@@ -60,6 +61,37 @@ async def test_a_rechunk_sends_as_many_bytes_as_it_receives(c, s, a, b):
     np.testing.assert_array_equal(await c.compute(y), np.arange(40_000.0).reshape(200, 200))
     (row,) = await final_rows(c, a, b)
     assert row["bytes_sent"] == row["bytes_received"] > 0, row
+
+
+@pytest.mark.parametrize("collection", ["dataframe", "array"])
+@service_cluster()
+async def test_a_buffer_fraction_set_where_the_graph_is_built_travels_with_it(c, s, a, b,
+                                                                              collection):
+    """``dask.config.set`` around building the graph (in a notebook: around
+    ``compute()``) reaches the workers' exchange: the run spills.  (Here the workers share
+    the process: the setting is gone again before the graph runs, so only the graph can
+    carry it.)"""
+    no_heartbeats(a, b)
+    section = "shuffle" if collection == "dataframe" else "rechunk"
+    with dask.config.set({f"dask_services.{section}.buffer-fraction": 1e-12,
+                          "dask_services.rechunk.copy-max-inputs": 0,
+                          "dask_services.rechunk.merge-region-max": 0}):
+        if collection == "dataframe":
+            pdf = pd.DataFrame({"k": range(4000), "x": range(4000)})
+            built = dd.from_pandas(pdf, npartitions=8).shuffle("k", shuffle_method="service")
+            built = built.optimize()
+        else:
+            x = da.arange(40_000, dtype="f8", chunks=4000).reshape(200, 200).rechunk((20, 200))
+            built = x.rechunk((200, 20), method="service")
+    assert dask.config.get(f"dask_services.{section}.buffer-fraction") \
+        == packaged_default(f"{section}.buffer-fraction")
+    result = await c.compute(built)
+    if collection == "dataframe":
+        assert sorted(result["k"]) == list(range(4000))
+    else:
+        np.testing.assert_array_equal(result, np.arange(40_000.0).reshape(200, 200))
+    (row,) = await final_rows(c, a, b)
+    assert row["bytes_spilled"] > 0, row
 
 
 @pytest.mark.parametrize("cls, params", [(Histogram, {"bins": 4, "high": 8}),

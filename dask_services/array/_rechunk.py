@@ -26,6 +26,7 @@ from dask.highlevelgraph import HighLevelGraph
 from dask.utils import parse_bytes
 
 from dask_services._config_check import check_config
+from dask_services._exchange import graph_settings
 from dask_services.array._culling import RechunkLayer
 from dask_services.config import setting
 from dask_services.graph import ServiceDefinition, build_service_graph
@@ -147,6 +148,7 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> RechunkLaye
                 result.regions[region_key] = (old_box, outputs)
                 layer.update(result.split_region(region_key, old_box, outputs))
         return result
+    carried = graph_settings("rechunk")
     for b, (old_box, new_box) in enumerate(boxes):
         outputs = list(itertools.product(*new_box))
         inputs = list(itertools.product(*old_box))
@@ -163,7 +165,7 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> RechunkLaye
         definition = ServiceDefinition(
             service_class=ArrayRechunk,
             params={"old_chunks": sub_old, "new_chunks": sub_new, "dtype": x.dtype,
-                    "old_offset": old_offset, "new_offset": new_offset},
+                    "old_offset": old_offset, "new_offset": new_offset, **carried},
             input_keys=tuple(input_keys),
             handoff_keys=tuple((f"rechunk-handoff-{token}", *i) for i in inputs),
             output_keys=tuple((name, *j) for j in outputs),

@@ -27,6 +27,7 @@ from dask.tokenize import tokenize
 from dask.typing import Key
 from dask.utils import get_default_shuffle_method
 
+from dask_services._exchange import graph_settings
 from dask_services.graph import (
     HandOffSpec,
     ServiceDefinition,
@@ -100,10 +101,13 @@ class ServiceShuffle(SimpleShuffle):
     input is that expression's input and every instance computes each row's target
     partition itself (``_partitioning.target_partitions``: the numbers dask's step gives),
     instead of a task per input partition doing it.
+
+    ``settings``: those of ``_exchange.graph_settings``, taken where the shuffle was
+    lowered (the client), for its service task's parameters.
     """
 
-    _parameters = [*SimpleShuffle._parameters, "assign"]
-    _defaults = {**SimpleShuffle._defaults, "assign": None}
+    _parameters = [*SimpleShuffle._parameters, "assign", "settings"]
+    _defaults = {**SimpleShuffle._defaults, "assign": None, "settings": None}
     runs_service_tasks = True  # the client sending it installs dask_services (_auto_install)
 
     @functools.cached_property
@@ -156,6 +160,9 @@ class ServiceShuffle(SimpleShuffle):
                 "parts_out": parts_out,
                 "input_index": {k: i for i, k in enumerate(input_keys)},
                 "ignore_index": bool(self.ignore_index),
+                # set where the graph was lowered (the client), not where it is
+                # materialized (the scheduler)
+                **(self.operand("settings") or {}),
             },
             input_keys=tuple(input_keys),
             handoff_keys=tuple((self.frame._name, i) for i in range(len(input_keys))),
@@ -212,7 +219,8 @@ def _lower(self: Shuffle):
             )
             frame = frame.frame
         operands = (self.partitioning_index, self.npartitions_out, drops_index(self),
-                    self.options, self.original_partitioning_index, None, assign)
+                    self.options, self.original_partitioning_index, None, assign,
+                    graph_settings("shuffle"))
         return ServiceShuffle(ShuffleHandOffs(frame, tokenize(frame._name, *operands)),
                               *operands)
     return _dask_lower(self)
