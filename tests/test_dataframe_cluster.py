@@ -136,9 +136,13 @@ def test_worker_killed_mid_merge(small_cluster):
     validate_scheduler(client)
 
 
-def _held_back_until_joined(part, partition_info=None):
+def _first_held_back(part, event: str, others_take: float = 0.0, partition_info=None):
+    """Partition 0 waits for the distributed ``Event`` named ``event`` (so the run cannot
+    have every input before the test sets it); the others take ``others_take`` seconds."""
     if partition_info is not None and partition_info["number"] == 0:
-        Event(JOINED).wait(timeout=60)  # the run cannot finish before the worker joined
+        Event(event).wait(timeout=120)
+    else:
+        time.sleep(others_take)
     return part
 
 
@@ -148,7 +152,7 @@ JOINED = "dask-services-test-worker-joined"
 def test_worker_joining_mid_shuffle_does_no_harm(small_cluster):
     cluster, client, _ = small_cluster
     source = frame(100_000_000, npartitions=60)
-    df = source.map_partitions(_held_back_until_joined, meta=source._meta)
+    df = source.map_partitions(_first_held_back, JOINED, meta=source._meta)
     joined = Event(JOINED, client=client)
     shuffled = client.persist(df.shuffle("key", shuffle_method="service"))
     poll_for(lambda: live_run(client, lambda r: len(r.handed_off) >= 3), timeout=120)
@@ -166,14 +170,6 @@ def test_worker_joining_mid_shuffle_does_no_harm(small_cluster):
     validate_scheduler(client)
 
 
-def _held_back_until_killed(part, partition_info=None):
-    if partition_info is not None and partition_info["number"] == 0:
-        Event(KILLED).wait(timeout=120)  # the run cannot have every input before the kill
-    else:
-        time.sleep(0.3)  # inputs are still being made when the third worker joins
-    return part
-
-
 KILLED = "dask-services-test-joined-worker-killed"
 
 
@@ -183,7 +179,8 @@ def test_a_worker_joining_mid_shuffle_then_killed_counts_no_row_twice(small_clus
     another instance would take the same rows a second time: the run restarts instead."""
     cluster, client, _ = small_cluster
     source = frame(60_000_000, npartitions=60)
-    df = source.map_partitions(_held_back_until_killed, meta=source._meta)
+    # inputs are still being made when the third worker joins
+    df = source.map_partitions(_first_held_back, KILLED, 0.3, meta=source._meta)
     killed = Event(KILLED, client=client)
     shuffled = client.persist(df.shuffle("key", shuffle_method="service"))
     poll_for(lambda: live_run(client, lambda r: len(r.handed_off) >= 3), timeout=120)

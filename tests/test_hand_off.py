@@ -163,10 +163,7 @@ async def test_a_joining_worker_pushes_its_input_again_when_a_push_fails(c, s, a
     from dask_services.worker import ServiceWorkerPlugin
 
     Recorder.reset()
-    with socket.socket() as sock:  # the joining worker's address, known beforehand
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    late_address = f"tcp://127.0.0.1:{port}"
+    port, late_address = free_address()  # the joining worker's, known beforehand
     first = c.submit(inc_one, 1, workers=[a.address], key="on-a")
     late_input = c.submit(inc_one, 10, workers=[late_address], key="on-late")
     outs = dask_services.submit(Recorder, [first, late_input], outputs=2, client=c)
@@ -212,10 +209,7 @@ async def test_a_hand_off_lost_with_a_worker_outside_the_run_runs_again_where_it
 
     Recorder.reset()
     HELD.clear()
-    with socket.socket() as sock:  # the joining worker's address, known beforehand
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    late_address = f"tcp://127.0.0.1:{port}"
+    port, late_address = free_address()  # the joining worker's, known beforehand
     first = c.submit(inc_one, 1, workers=[a.address], key="on-a")
     late_input = c.submit(inc_one, 10, workers=[late_address], key="on-late")
     last = c.submit(held_back, 100, key="held")  # keeps the run from having every input
@@ -259,6 +253,14 @@ HELD = threading.Event()  # in-process workers: released by the test
 def held_back(x: int) -> int:
     HELD.wait(30)
     return x + 1
+
+
+def free_address() -> tuple[int, str]:
+    """A free port on this host, and a worker's address on it."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return port, f"tcp://127.0.0.1:{port}"
 
 
 def inc_one(x: int) -> int:

@@ -68,42 +68,25 @@ def test_the_rechunk_method_in_the_config_before_dask_array_is_imported():
     assert out == "True 400.0"
 
 
-def test_the_array_subpackage_is_reached_as_an_attribute_before_dask_array():
-    out = run_python("""
+@pytest.mark.parametrize("kind, function", [("dataframe", "shuffle"),
+                                            ("array", "rechunk")])
+def test_the_subpackage_is_reached_as_an_attribute_before_dask_imports_it(kind, function):
+    out = run_python(f"""
         import sys
         import dask_services
-        rechunk = dask_services.array.rechunk  # imports it, dask.array with it
-        print("dask.array" in sys.modules and callable(rechunk))
+        method = dask_services.{kind}.{function}  # imports it, dask.{kind} with it
+        print("dask.{kind}" in sys.modules and callable(method))
     """)
     assert out == "True"
 
 
-def test_dask_dataframe_imported_first_is_registered_at_once():
-    out = run_python("""
+@pytest.mark.parametrize("kind", ["dataframe", "array"])
+def test_dask_imported_first_is_registered_at_once(kind):
+    out = run_python(f"""
         import sys
-        import dask.dataframe as dd
+        import dask.{kind}
         import dask_services
-        print("dask_services.dataframe" in sys.modules)
-    """)
-    assert out == "True"
-
-
-def test_dask_array_imported_first_is_registered_at_once():
-    out = run_python("""
-        import sys
-        import dask.array as da
-        import dask_services
-        print("dask_services.array" in sys.modules)
-    """)
-    assert out == "True"
-
-
-def test_the_subpackage_is_reached_as_an_attribute_before_dask_dataframe():
-    out = run_python("""
-        import sys
-        import dask_services
-        shuffle = dask_services.dataframe.shuffle  # imports it, dask.dataframe with it
-        print("dask.dataframe" in sys.modules and callable(shuffle))
+        print("dask_services.{kind}" in sys.modules)
     """)
     assert out == "True"
 
