@@ -23,8 +23,6 @@ import asyncio
 import logging
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dask.typing import Key
@@ -40,6 +38,7 @@ from dask_services import _run_state as rs
 from dask_services import _run_story as run_story
 from dask_services._host import InstanceSpec
 from dask_services._messages import dumps_exception, loads_exception
+from dask_services._run_log import OwnEdgeCollisions, RunLogEntry, RunObserver, story_entries
 from dask_services._streams import flush
 from dask_services.config import setting
 from dask_services.graph import (
@@ -62,68 +61,6 @@ EVENT_TOPIC = "dask_services"
 # the values a paused worker holds for claims cannot be spilled, so it might never resume.
 UNPLACED_CLAIM_GRACE = 30.0
 UNPLACED_CLAIM_CHECK = 1.0
-
-
-@dataclass(frozen=True)
-class RunLogEntry:
-    """A run started, finished, failed, was restarted or cancelled (``_run_events.Log``)."""
-
-    service: str  # the service class's name
-    key: Key  # the service task
-    action: str
-    run_id: int
-    detail: str
-    run: run_model.RunSnapshot | None  # the service task's current run, if any
-    inputs: int
-    restarts: int
-
-
-class RunObserver:
-    """What an observer of the core (the diagnostics: status tables, dashboard, metrics)
-    is told; the only way the core talks to them.  Add one with
-    ``scheduler.extensions["dask_services"].observers.append(observer)``.  Every method is
-    called on the scheduler's event loop and must be cheap; an exception is logged and
-    otherwise ignored."""
-
-    def run_logged(self, entry: RunLogEntry) -> None:
-        """A run started or ended (also sent to the scheduler's event log)."""
-
-    def counters_reported(self, worker: str, records: Sequence[Mapping[str, Any]]) -> None:
-        """``Service.counters()`` of instances on ``worker``, from its heartbeat
-        (``_counters.py``)."""
-
-    def run_progressed(self, key: Key, run: run_model.RunSnapshot) -> None:
-        """The current run of service task ``key`` changed (an event was handled)."""
-
-
-class OwnEdgeCollisions(logging.Filter):
-    """Drops distributed's warning of a key collision ("Detected different `run_spec`")
-    for an output whose claim runs: the plugin cut its edge to its service task, so the
-    same graph submitted again (the same collection computed twice at once) differs from
-    the claim in that edge alone.  distributed keeps the running claim, which is right;
-    its warning that this "can cause failures and deadlocks" would be noise.  Any other
-    difference is logged as distributed logs it."""
-
-    PREFIX = "Detected different `run_spec` for key "
-
-    def __init__(self, plugin: ServiceSchedulerPlugin) -> None:
-        super().__init__()
-        self.plugin = plugin
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        cut = self.plugin.cut
-        if not cut or not isinstance(record.msg, str) or not record.msg.startswith(
-                self.PREFIX):
-            return True
-        message = record.getMessage()
-        shown = message[len(self.PREFIX):].split(" between two consecutive", 1)[0]
-        for key in cut:
-            if repr(key) == shown:
-                edge = frozenset({self.plugin.output_of.get(key)})
-                return not ("old dependencies: set()" in message
-                            and any(f"new dependencies: {deps!r}" in message
-                                    for deps in (edge, set(edge))))
-        return True
 
 
 class ServiceSchedulerPlugin(SchedulerPlugin):
@@ -1029,35 +966,4 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         to run ``run_id``: each event received, decision taken and action sent, in order,
         with its time and stimulus id.  Forgotten service tasks are kept too, up to
         ``dask_services.story.runs`` of them."""
-        books: list[Mapping[int | None, run_story.RunStory]] = []
-        if key is not None:
-            if isinstance(key, list):  # tuple keys arrive as lists
-                key = _as_tuple(key)
-            machine = self.machines.get(key)
-            if machine is None and key not in self.archive and key in self.output_of:
-                key = self.output_of[key]  # an output: the story of its service task
-                machine = self.machines.get(key)
-            if machine is not None:
-                books.append(machine.stories)
-            elif key in self.archive:
-                books.append(self.archive[key])
-        else:
-            books += [m.stories for m in self.machines.values()]
-            books += list(self.archive.values())
-        entries = []
-        for book in books:
-            if key is None:
-                story = book.get(run_id)
-                if story is not None:
-                    entries += story.entries()
-            else:
-                for rid, story in book.items():
-                    if run_id is None or rid == run_id:
-                        entries += story.entries()
-        entries.sort(key=lambda e: e.seq)
-        return [e.as_dict() for e in entries]
-
-
-def _as_tuple(key: Any) -> Any:
-    """A tuple key that travelled as a (nested) list."""
-    return tuple(_as_tuple(k) for k in key) if isinstance(key, list) else key
+        return story_entries(self.machines, self.archive, self.output_of, key, run_id)
