@@ -361,7 +361,7 @@ async def _reported_busy(s, sid) -> None:
 async def test_a_scale_down_stops_an_idle_replica_before_a_busy_one(c, s, a, b):
     # the newest replica was stopped first, busy or not: its calls had to finish within
     # the drain while an idle replica stayed
-    from dask_services.replicated._handle import PeerEndpoints
+    from dask_services.replicated._endpoints import PeerEndpoints
 
     svc = await Adder.options(replicas=2, max_replicas_per_worker=1).as_service(client=c)
     dep = s.extensions[EXT].deployments[svc.name]

@@ -16,6 +16,7 @@ options), ``_handle`` (the caller's side), ``_deploy`` (``as_service``), ``_sche
 from __future__ import annotations
 
 from dask_services.replicated import _table  # noqa: F401  (registers the "replicas" table)
+from dask_services.replicated._endpoints import Call, Endpoint, Session
 from dask_services.replicated._errors import (
     BatchResultError,
     DeploymentError,
@@ -24,7 +25,7 @@ from dask_services.replicated._errors import (
     ServiceShutdown,
     ServiceUnavailable,
 )
-from dask_services.replicated._handle import Call, Endpoint, ReplicatedService, Session
+from dask_services.replicated._handle import ReplicatedService
 from dask_services.replicated._lifecycle import ReplicaState
 from dask_services.replicated._options import ReplicaOptions, endpoint, is_endpoint
 from dask_services.replicated._routing import (

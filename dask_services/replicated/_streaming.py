@@ -49,7 +49,8 @@ from dask_services.replicated._watch import ReplacementWatch
 from dask_services.replicated._wire import pack, unpack
 
 if TYPE_CHECKING:
-    from dask_services.replicated._handle import ReplicatedService, Session, _Replica
+    from dask_services.replicated._endpoints import Session
+    from dask_services.replicated._handle import ReplicatedService, _Replica
     from dask_services.replicated._worker import HostedReplica
 
 _END = object()

@@ -195,7 +195,8 @@ class ReplicaWorker(WorkerPlugin):
         """Create replica ``id`` (rank ``rank`` of the gang ``ranks``, (id, worker) by rank)
         and run its ``setup``; answers once it is healthy or not."""
         from dask_services.replicated import _gang
-        from dask_services.replicated._handle import ReplicaPeers, ReplicatedService
+        from dask_services.replicated._endpoints import ReplicaPeers
+        from dask_services.replicated._handle import ReplicatedService
         from dask_services.replicated._transport import WorkerTransport
 
         if self.closed:
