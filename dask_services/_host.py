@@ -29,7 +29,7 @@ from dask_services._buffers import IncomingBuffers, as_incoming, buffers_of
 from dask_services._counters import Traffic, size_of
 from dask_services._directory import in_directory, remove_if_empty
 from dask_services._known_sizes import checked_nbytes, remember
-from dask_services._messages import contained
+from dask_services._messages import callable_name, contained, without_stop_iteration
 from dask_services._payload import known_arguments_nbytes
 from dask_services._threads import cancel_unstarted
 from dask_services.config import setting
@@ -292,7 +292,11 @@ class InstanceConcierge(Concierge):
         # still runs ``fn`` (with Python's "never awaited" warning, and asyncio's "never
         # retrieved" one if it raised) rather than never. Off the instance's loop (a
         # service thread with a loop of its own) it is submitted where it is awaited.
-        call = functools.partial(fn, *args, **kwargs)
+        # (a StopIteration it raises fails the run as a RuntimeError: asyncio cannot set
+        # one on the future awaited, which would never be done, and the run would hang)
+        call = without_stop_iteration(functools.partial(fn, *args, **kwargs),
+                                      f"{callable_name(fn)} given to "
+                                      "concierge.run_in_executor")
         if not self._is_on_loop():
             return self._run_in_executor_later(call)
         return _awaited(self._host.env.run_in_executor(call, jobs=self._instance.jobs))

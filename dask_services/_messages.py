@@ -8,14 +8,18 @@ distributed's serialization (``Serialize``, ``ToPickle``) are unwrapped on arriv
 from __future__ import annotations
 
 import contextlib
+import functools
 import pickle
 import traceback
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from distributed.protocol import pickle as dask_pickle
 from distributed.protocol.serialize import Serialize, ToPickle
 
 from dask_services._quiet import quietly
+
+T = TypeVar("T")
 
 
 def unwrap(obj: Any) -> Any:
@@ -80,17 +84,60 @@ def loads_exception(blob: bytes) -> BaseException:
     return exc
 
 
-def contained(exc: BaseException, what: str, fails: str = "the run") -> Exception:
+def contained(exc: BaseException, what: str, fails: str = "the run",
+              how: str = "raised") -> Exception:
     """What ``what`` (a hook, a peer method, an endpoint) raising ``exc`` fails with:
     ``exc`` if it is an ``Exception``; otherwise (``SystemExit``, ``KeyboardInterrupt``,
-    a ``BaseException`` of the service's own) a ``RuntimeError`` caused by it.  Service
-    code runs on the worker's event loop, which such an exception would stop (the worker
-    gone, the run restarted on a new one to fail the same way) or leave a caller without
-    an answer."""
+    ``GeneratorExit``, a ``BaseException`` of the service's own) a ``RuntimeError``
+    caused by it.  Service code runs on the worker's event loop, which such an exception
+    would stop (the worker gone, the run restarted on a new one to fail the same way) or
+    leave a caller without an answer.  ``how``: "raised", or "returned" for an exception
+    given as a result (a batched endpoint's)."""
     if isinstance(exc, Exception):
         return exc
     error = RuntimeError(
-        f"{what} raised {exc!r}, which is not an Exception: it would stop the worker's "
+        f"{what} {how} {exc!r}, which is not an Exception: it would stop the worker's "
         f"event loop, where services run; raise an Exception to fail {fails}")
     error.__cause__ = exc
     return error
+
+
+def future_safe(exc: BaseException, what: str, fails: str = "the call",
+                how: str = "raised") -> Exception:
+    """``exc`` as a future can carry it to whoever awaits ``what``: :func:`contained`,
+    and a ``StopIteration`` as a ``RuntimeError`` caused by it, as Python turns one that
+    leaves a coroutine.  asyncio refuses to set a ``StopIteration`` on a future: the
+    refusal (a ``TypeError``) is raised where the outcome is copied, in a callback of the
+    loop, and the future is never done, so its caller would wait for ever (and a
+    replica's slot would never be given back)."""
+    if isinstance(exc, StopIteration):
+        error = RuntimeError(
+            f"{what} {how} StopIteration, which cannot be the outcome of a call (a "
+            f"next() on an exhausted iterator? give next() a default); raise another "
+            f"exception to fail {fails}")
+        error.__cause__ = exc
+        return error
+    return contained(exc, what, fails, how)
+
+
+def without_stop_iteration(fn: Callable[..., T], what: str | None = None
+                           ) -> Callable[..., T]:
+    """``fn``, for a thread pool whose result a future carries: a ``StopIteration`` it
+    raises comes out as :func:`future_safe` makes it (``what`` names ``fn`` in the
+    message; by default its own name)."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except StopIteration as e:
+            raise future_safe(e, what or callable_name(fn)) from e
+
+    return call
+
+
+def callable_name(fn: Any) -> str:
+    """``fn``'s qualified name (through ``functools.partial``), else its repr."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__qualname__", None) or repr(fn)

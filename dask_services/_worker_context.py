@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from distributed.worker import _worker_cvar
 
+from dask_services._messages import without_stop_iteration
+
 if TYPE_CHECKING:
     from distributed import Worker
 
@@ -34,8 +36,10 @@ def as_worker(worker: Worker) -> Iterator[None]:
 
 def in_current_context(fn: Callable[..., T]) -> Callable[..., T]:
     """``fn`` bound to a copy of the current context, for a thread pool
-    (``loop.run_in_executor`` does not carry context variables over)."""
-    return functools.partial(contextvars.copy_context().run, fn)
+    (``loop.run_in_executor`` does not carry context variables over); a
+    ``StopIteration`` it raises comes out as a ``RuntimeError``, which the future of its
+    result can carry (``_messages.without_stop_iteration``)."""
+    return functools.partial(contextvars.copy_context().run, without_stop_iteration(fn))
 
 
 def worker_handler(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -818,6 +818,35 @@ def test_a_system_exit_out_of_a_service_under_the_local_scheduler():
         dask.compute(*outs, scheduler="sync")
 
 
+class NextOfEmptyInAThread(Service):
+    """``next()`` of an exhausted iterator in a function given to ``run_in_executor``."""
+
+    async def add_key(self, key, data):
+        await self.concierge.run_in_executor(next, iter([]))
+
+
+@service_cluster()
+async def test_a_stop_iteration_out_of_run_in_executor_fails_the_run(c, s, a, b):
+    # (a future cannot carry StopIteration: the run waited at inputs-done for ever)
+    outs = c.compute(dask_services.service_task(NextOfEmptyInAThread,
+                                                [dask.delayed(inc)(i) for i in range(2)],
+                                                outputs=2))
+    for out in outs:
+        exc = await asyncio.wait_for(assert_errs(
+            out, RuntimeError, "next given to concierge.run_in_executor raised StopIteration"),
+            30)
+        assert "give next() a default" in str(exc)
+    del outs, out, exc
+    await assert_nothing_left(s, [a, b])
+
+
+def test_a_stop_iteration_out_of_run_in_executor_under_the_local_scheduler():
+    outs = dask_services.service_task(NextOfEmptyInAThread, [dask.delayed(1)], outputs=1)
+    with pytest.raises(RuntimeError, match="next given to concierge.run_in_executor raised "
+                                           "StopIteration"):
+        dask.compute(*outs, scheduler="sync")
+
+
 @service_cluster()
 async def test_a_class_that_cannot_be_instantiated_fails_its_outputs(c, s, a, b):
     outs = c.compute(dask_services.service_task(NeedsArguments, [dask.delayed(1)],

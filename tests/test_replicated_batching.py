@@ -83,7 +83,9 @@ async def test_failing_item_fails_only_its_caller(c, s, *workers):
 
 @cluster(nthreads=[("127.0.0.1", 1)])
 async def test_batches_under_concurrency_limits(c, s, *workers):
-    """A batch is one running call; calls waiting to join one count as queued."""
+    """A batch takes one slot of max_concurrency; calls waiting to join one count as
+    queued; every request of a running batch is a call running (as the replica reports
+    it, and the autoscaler and routers weigh it)."""
     GATES.clear()
     svc = await Batched.options(replicas=1, max_concurrency=1, max_queued=3).as_service(
         client=c)
@@ -95,12 +97,17 @@ async def test_batches_under_concurrency_limits(c, s, *workers):
     assert rep.gate.in_flight == 1  # the full second batch waits for the slot
     with pytest.raises(ServiceOverloaded, match="max_queued=3"):
         await svc.gated.route("c")
+    assert (rep.gate.running, rep.gate.load) == (2, 5)
     (row,) = await svc.replicas()
-    assert (row["in_flight"], row["queued"]) == (1, 3)
+    assert (row["in_flight"], row["queued"]) == (2, 3)  # (1, 3) before: batches counted
+    # what the autoscaler weighs, from the workers' heartbeats
+    deployments = s.extensions["dask_services_replicated"]
+    (dep,) = deployments.deployments.values()
+    await async_poll_for(lambda: deployments.ongoing(dep) == 5, 10)
     GATES["batch"].set()
     assert await asyncio.gather(*first, *held) == ["a0", "a1", "b0", "b1", "b2"]
     assert await svc.batch_sizes.route() == [2, 2, 1]
-    assert (rep.gate.in_flight, rep.gate.queued) == (0, 0)
+    assert (rep.gate.in_flight, rep.gate.queued, rep.gate.running) == (0, 0, 0)
     (m,) = await svc.metrics()
     assert m["overloaded"] == 1
     await svc.shutdown()

@@ -223,7 +223,8 @@ def test_a_stream_is_counted_before_its_last_message_goes_out(method, last, erro
     async def main():
         metrics = ReplicaMetrics()
         rep = SimpleNamespace(gate=CallGate(1, 0), metrics=metrics, running=set(),
-                              service=Generators(), executor=None, cancelled=False)
+                              service=Generators(), executor=None, cancelled=False,
+                              name="generators-1")
         comm = Comm(metrics)
         await _streaming.serve(rep, comm, method, (2,), {}, window=10)
         assert comm.written[-1] == (last, 1, errors), comm.written

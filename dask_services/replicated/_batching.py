@@ -19,7 +19,7 @@ import collections
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from dask_services._messages import contained
+from dask_services._messages import contained, future_safe
 from dask_services.replicated._errors import BatchResultError
 from dask_services.replicated._queue import CallGate
 
@@ -103,6 +103,7 @@ class Batcher:
                 raise
 
     async def _run(self, items: list[tuple[Any, asyncio.Future]]) -> None:
+        self.gate.batched += len(items) - 1  # the batch's slot counts one of them
         try:
             results = await self._run_batch([request for request, _ in items])
             if not isinstance(results, (list, tuple)) or len(results) != len(items):
@@ -125,14 +126,20 @@ class Batcher:
                 if not fut.done():
                     fut.set_exception(e)
         else:
-            for (_, fut), result in zip(items, results, strict=True):
+            for i, ((_, fut), result) in enumerate(zip(items, results, strict=True)):
                 if fut.done():
                     continue
                 if isinstance(result, BaseException):
-                    fut.set_exception(result)
+                    # (a StopIteration or KeyboardInterrupt given as a result would leave
+                    # this caller, and those after it, without an answer, or stop the
+                    # worker's event loop where the caller's handler re-raises it)
+                    fut.set_exception(future_safe(
+                        result, f"batched endpoint {self.name} (result {i} of {len(items)})",
+                        fails="that request", how="returned"))
                 else:
                     fut.set_result(result)
         finally:
+            self.gate.batched -= len(items) - 1
             self.gate.release()
 
     def _fail_pending(self, exc: BaseException | None) -> None:

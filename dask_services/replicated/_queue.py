@@ -24,6 +24,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
+from dask_services._messages import future_safe
 from dask_services.replicated._errors import (
     CallMoved,
     ReplicaGone,
@@ -59,9 +60,22 @@ class CallGate:
         self._internal: set[asyncio.Future] = set()  # waiters that are batches, not calls
         self._movable: set[asyncio.Future] = set()  # waiting calls that may be given back
         self.held = 0  # calls waiting to join a batch (counted as queued)
+        # the calls of running batches beyond the one slot each batch takes: a batch of
+        # 16 requests is 16 calls running (what the autoscaler and the routers count)
+        self.batched = 0
         self._closed: BaseException | None = None
         self._idle = asyncio.Event()
         self._idle.set()
+
+    @property
+    def running(self) -> int:
+        """Calls running: one per slot taken, every request of a running batch."""
+        return self.in_flight + self.batched
+
+    @property
+    def load(self) -> int:
+        """Calls running or queued (what a router and the autoscaler weigh)."""
+        return self.running + self.queued
 
     @property
     def queued(self) -> int:
@@ -161,7 +175,7 @@ class CallGate:
         a pinned one, a batch's) stay, and so does the order of those left."""
         moved: list[asyncio.Future | ThreadCall] = []
         with self._lock:
-            excess = self.in_flight + self.queued - keep
+            excess = self.load - keep
             for waiter in reversed(self._waiters):
                 if len(moved) >= excess:
                     break
@@ -232,7 +246,7 @@ class CallGate:
             try:
                 result, error = call.fn(), None
             except Exception as e:
-                result, error = None, e
+                result, error = None, future_safe(e, call.what)
             except BaseException as e:  # SystemExit, KeyboardInterrupt: give the slot back
                 error = RuntimeError(f"{call.what} raised {_described(e)} in its thread")
                 error.__cause__ = e
@@ -293,7 +307,7 @@ def not_admitted(metrics: Any, exc: BaseException, gate: CallGate | None = None)
     it elsewhere), ``moved`` (given back while queued: send it elsewhere, no failure) or
     ``shutdown`` (stop); a moved call's answer has the load ``gate`` is left with."""
     if isinstance(exc, CallMoved):
-        load = gate.in_flight + gate.queued if gate is not None else 0
+        load = gate.load if gate is not None else 0
         return {"status": "moved", "message": str(exc), "load": load,
                 "replicas": exc.replicas}
     if isinstance(exc, ServiceOverloaded):

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from distributed.comm.core import CommClosedError
 from distributed.core import Status
 
-from dask_services._messages import dumps_exception, loads_exception
+from dask_services._messages import contained, dumps_exception, loads_exception
 from dask_services._worker_context import in_current_context
 from dask_services.config import setting
 from dask_services.replicated._errors import (
@@ -64,13 +64,31 @@ def stream_window() -> int:
 # ------------------------------------------------------------------ the replica's side
 
 
-def _step(gen: Any) -> Any:
+def _step(gen: Any, what: str) -> Any:
     """One ``next(gen)`` in a replica thread; ``_END`` when it is exhausted (StopIteration
-    cannot cross a future)."""
+    cannot cross a future); a ``KeyboardInterrupt`` or ``SystemExit`` it raises as a
+    ``RuntimeError`` (``_messages.contained``), the stream's error."""
     try:
         return next(gen)
     except StopIteration:
         return _END
+    except Exception:
+        raise
+    except BaseException as e:
+        raise contained(e, what, fails="the stream") from e
+
+
+async def _anext(gen: Any, what: str) -> Any:
+    """One ``await anext(gen)``: as :func:`_step`, for an async generator.  A
+    ``KeyboardInterrupt`` or ``SystemExit`` let out of the task running it would be
+    raised by asyncio from the worker's event loop (the worker gone, and the caller's
+    re-sent stream stopping the next one)."""
+    try:
+        return await gen.__anext__()
+    except (Exception, asyncio.CancelledError):
+        raise
+    except BaseException as e:
+        raise contained(e, what, fails="the stream") from e
 
 
 async def _credits(comm: Any, credit: list[int], more: asyncio.Event) -> str:
@@ -129,9 +147,10 @@ async def serve(rep: HostedReplica, comm: Any, method: str, args: tuple, kwargs:
                 waiter.cancel()
             if reader.done():  # the caller stopped, or went away
                 break
-            step = (asyncio.ensure_future(gen.__anext__()) if is_async else
+            what = f"streaming endpoint {rep.name}.{method}"
+            step = (asyncio.ensure_future(_anext(gen, what)) if is_async else
                     loop.run_in_executor(rep.executor, in_current_context(
-                        functools.partial(_step, gen))))
+                        functools.partial(_step, gen, what))))
             await asyncio.wait({step, reader}, return_when=asyncio.FIRST_COMPLETED)
             if not step.done():
                 break  # cancelled while the generator works on its next item

@@ -397,7 +397,7 @@ class ReplicaWorker(WorkerPlugin):
         for id in ids:
             rep = self.replicas.get(ServiceId(id))
             if rep is not None:
-                out[id] = {"in_flight": rep.gate.in_flight, "queued": rep.gate.queued,
+                out[id] = {"in_flight": rep.gate.running, "queued": rep.gate.queued,
                            "moved_in": rep.moved_in, **rep.metrics.summary()}
         return out
 
@@ -415,7 +415,7 @@ class ReplicaWorker(WorkerPlugin):
     def report(self) -> list[dict]:
         """The figures of every replica ready here, for the worker's heartbeat: id,
         in-flight and queued calls, and the metrics summary (see ``_table.py``)."""
-        return [{"id": str(rep.id), "in_flight": rep.gate.in_flight,
+        return [{"id": str(rep.id), "in_flight": rep.gate.running,
                  "queued": rep.gate.queued, **rep.metrics.summary()}
                 for rep in self.replicas.values() if rep.ready and not rep.closing]
 
@@ -496,7 +496,9 @@ class ReplicaWorker(WorkerPlugin):
             return {"status": "gone", "message": str(e)}
         except Exception as e:
             return {"status": "error", "exception": dumps_exception(e)}
-        except SystemExit as e:  # sys.exit() in an endpoint ends the call, not the worker
+        except BaseException as e:  # SystemExit, KeyboardInterrupt, GeneratorExit... end
+            # the call, not the worker: let out of this handler's task, asyncio would raise
+            # them from the event loop itself (and re-sent, they would stop the next one)
             return escaped(rep, method, e)
         finally:
             if error:  # a result is counted once answered: it may not be sendable
@@ -662,7 +664,7 @@ def answer(rep: HostedReplica, method: str, result: Any) -> dict:
         error = TypeError(f"the result of {rep.name}.{method} ({type(result).__name__}) "
                           f"cannot be sent back to the caller: {e}")
         return {"status": "error", "exception": dumps_exception(error)}
-    return {"status": "ok", **packed, "load": rep.gate.in_flight + rep.gate.queued}
+    return {"status": "ok", **packed, "load": rep.gate.load}
 
 
 def answered(rep: HostedReplica, method: str, result: Any, arrived: float) -> dict:
@@ -675,7 +677,8 @@ def answered(rep: HostedReplica, method: str, result: Any, arrived: float) -> di
 
 def escaped(rep: HostedReplica, method: str, exc: BaseException) -> dict:
     """The error answer for a ``CancelledError`` that an endpoint let out without its call
-    being cancelled (it awaited a task cancelled elsewhere) or a ``SystemExit``: the
+    being cancelled (it awaited a task cancelled elsewhere) or another exception that is
+    not an ``Exception`` (``SystemExit``, ``KeyboardInterrupt``, ``GeneratorExit``): the
     caller's error, neither a lost connection to re-send on nor the worker's end."""
     error = RuntimeError(
         f"{rep.name}.{method} raised {type(exc).__name__}"

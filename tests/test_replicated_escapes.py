@@ -1,0 +1,97 @@
+"""Endpoints that let out what an ``Exception`` handler does not catch fail their own
+call, on worker processes: the worker goes on, the replica answers the next call, and
+nothing is re-sent (a ``KeyboardInterrupt`` let out of a task stopped the worker's event
+loop, and the re-sent call the next worker's; a ``StopIteration`` cannot be set on a
+future, so its call waited for ever holding the replica's only slot)."""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import dask
+import pytest
+from distributed import Client, LocalCluster
+from unruly_services import Unruly
+from utils import validate_scheduler
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
+
+WAIT = 30  # no call may take longer: each either answers at once or hangs
+
+
+@pytest.fixture(scope="module")
+def unruly():
+    config = {"distributed.scheduler.validate": True, "distributed.worker.validate": True}
+    with dask.config.set(config), LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+    ) as cluster, Client(cluster) as client:
+        svc = Unruly.options(replicas=1).as_service(client=client)
+        try:
+            yield client, svc
+        finally:
+            svc.shutdown()
+
+
+def pids(client) -> dict[str, int]:
+    import os
+
+    return client.run(os.getpid)
+
+
+@pytest.mark.parametrize("endpoint, args, match", [
+    ("interrupted", (), r"unruly-\w+\.interrupted raised KeyboardInterrupt: async stop"),
+    ("generator_exit", (), r"unruly-\w+\.generator_exit raised GeneratorExit"),
+    ("next_of_empty", (), r"raised StopIteration, which cannot be the outcome of a call"),
+    ("batch_next_of_empty", (1,), r"raised StopIteration, which cannot be the outcome"),
+])
+def test_an_endpoint_raising_it_fails_its_call_and_the_replica_goes_on(
+        unruly, endpoint, args, match):
+    client, svc = unruly
+    before = pids(client)
+    with pytest.raises(RuntimeError, match=match):
+        getattr(svc, endpoint).route(*args).result(timeout=WAIT)
+    # the replica's only slot was given back, on the same worker process
+    assert svc.echo.route(7).result(timeout=WAIT) == 7
+    assert pids(client) == before
+    assert [r["state"] for r in svc.replicas()] == ["healthy"]
+    validate_scheduler(client)
+
+
+def test_exceptions_given_as_results_of_a_batch_fail_their_own_callers(unruly):
+    client, svc = unruly
+    before = pids(client)
+    requests = ["kb", 3, "stop", "exit", 5, "genexit"]
+    with ThreadPoolExecutor(len(requests)) as pool:  # callers at once: batches of 4 and 2
+        calls = [svc.slots.route(r) for r in requests]
+        outcomes = list(pool.map(lambda call: _outcome(call), calls))
+    assert outcomes[1] == 6 and outcomes[4] == 10
+    for i, name in [(0, "KeyboardInterrupt"), (2, "StopIteration"), (3, "SystemExit"),
+                    (5, "GeneratorExit")]:
+        assert isinstance(outcomes[i], RuntimeError), outcomes[i]
+        assert re.search(r"batched endpoint unruly-\w+\.slots", str(outcomes[i]))
+        assert f"returned {name}" in str(outcomes[i])
+    assert pids(client) == before
+    assert svc.echo.route(1).result(timeout=WAIT) == 1
+
+
+@pytest.mark.parametrize("endpoint", ["interrupted_stream", "interrupted_stream_sync"])
+def test_a_generator_raising_keyboard_interrupt_ends_its_stream_with_the_error(
+        unruly, endpoint):
+    client, svc = unruly
+    before = pids(client)
+    items = []
+    with pytest.raises(RuntimeError, match=rf"streaming endpoint unruly-\w+\.{endpoint} raised "
+                                           r"KeyboardInterrupt\('(async )?generator stop'\)"):
+        for item in getattr(svc, endpoint).stream():
+            items.append(item)
+    assert items == [0]
+    assert pids(client) == before
+    assert svc.echo.route(2).result(timeout=WAIT) == 2
+
+
+def _outcome(call):
+    try:
+        return call.result(timeout=WAIT)
+    except Exception as e:  # noqa: BLE001 - the outcome is what the test looks at
+        return e

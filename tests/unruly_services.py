@@ -1,0 +1,49 @@
+"""A replicated service whose endpoints let out what an ``Exception`` handler does not
+catch (importable by worker processes): ``KeyboardInterrupt``, ``SystemExit``,
+``GeneratorExit`` and ``StopIteration``, raised or given as a batch's result."""
+
+from __future__ import annotations
+
+import dask_services
+
+# what a batch's request asks its slot to hold
+SLOT = {"kb": KeyboardInterrupt("in a slot"), "exit": SystemExit("in a slot"),
+        "stop": StopIteration(), "genexit": GeneratorExit()}
+
+
+class Unruly(dask_services.Service):
+    service_options = {"max_concurrency": 1}
+
+    @dask_services.endpoint
+    async def echo(self, x):
+        return x
+
+    @dask_services.endpoint
+    async def interrupted(self):
+        raise KeyboardInterrupt("async stop")
+
+    @dask_services.endpoint
+    async def generator_exit(self):
+        raise GeneratorExit
+
+    @dask_services.endpoint
+    def next_of_empty(self):
+        return next(iter([]))
+
+    @dask_services.endpoint(batch_size=2, batch_wait="20ms")
+    def batch_next_of_empty(self, requests):
+        return [next(iter([])) for _ in requests]
+
+    @dask_services.endpoint(batch_size=4, batch_wait="200ms")
+    async def slots(self, requests):
+        return [SLOT[r] if r in SLOT else 2 * r for r in requests]
+
+    @dask_services.endpoint
+    async def interrupted_stream(self):
+        yield 0
+        raise KeyboardInterrupt("async generator stop")
+
+    @dask_services.endpoint
+    def interrupted_stream_sync(self):
+        yield 0
+        raise KeyboardInterrupt("generator stop")
