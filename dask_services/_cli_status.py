@@ -17,6 +17,10 @@ import sys
 from typing import Any
 
 DEFAULT_TIMEOUT = "10s"
+# the options `dask worker` and `dask scheduler` take for TLS, and what each names
+TLS_OPTIONS = {"--tls-ca-file": "the CA certificate file",
+               "--tls-cert": "the client's certificate file",
+               "--tls-key": "the client's private key file (if not in --tls-cert)"}
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -42,6 +46,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     parser.add_argument("--timeout", default=DEFAULT_TIMEOUT,
                         help=f"how long to try to reach the scheduler (default "
                              f"{DEFAULT_TIMEOUT})")
+    for option, what in TLS_OPTIONS.items():
+        parser.add_argument(option, default=None,
+                            help=f"{what}, for a scheduler at a tls:// address (default: "
+                                 "the dask config's distributed.comm.tls settings)")
     parser.set_defaults(func=status_command)
     return parser
 
@@ -59,6 +67,12 @@ def bad_argument(args: argparse.Namespace) -> str | None:
         return f"--timeout takes a duration such as 10s or 2min; got {args.timeout!r}"
     if not args.table:
         return "--table takes a table's name, e.g. runs or replicas"
+    import os
+
+    for option in TLS_OPTIONS:
+        path = getattr(args, option[2:].replace("-", "_"))
+        if path is not None and not os.path.isfile(path):
+            return f"{option}: no such file {path!r}"
     if scheduler_address(args) is None and not args.scheduler_file:
         return ("no scheduler to ask: give its address (dask-services status "
                 "tcp://10.0.0.1:8786), --scheduler-file, or set DASK_SCHEDULER_ADDRESS")
@@ -87,8 +101,17 @@ def status_command(args: argparse.Namespace) -> int:
               "scheduler started with `dask scheduler --scheduler-file` writes it)",
               file=sys.stderr)
         return 1
+    security = _security(args)
+    address = _address_to_reach(args)
+    if address.startswith("tls://") and security.get_connection_args(
+            "client").get("ssl_context") is None:
+        print(f"dask-services status: the scheduler at {address} speaks TLS and no "
+              "certificates were given: pass --tls-ca-file, --tls-cert and --tls-key (a "
+              "client's of that cluster), or set them in the dask config "
+              "(distributed.comm.tls.ca-file, .client.cert, .client.key)", file=sys.stderr)
+        return 1
     try:
-        frame = asyncio.run(_ask(args, timeout))
+        frame = asyncio.run(_ask(args, timeout, security))
     except KeyError as exc:
         print(f"dask-services status: {exc.args[0] if exc.args else exc}",
               file=sys.stderr)
@@ -134,7 +157,29 @@ class _NoAnswer(Exception):
     """The scheduler was reached but could not give the table."""
 
 
-async def _ask(args: argparse.Namespace, timeout: float) -> Any:
+def _security(args: argparse.Namespace) -> Any:
+    """A ``distributed.Security`` of the TLS files given (each option not given: the dask
+    config's, as ``Security()`` reads it)."""
+    from distributed import Security
+
+    given = {"tls_ca_file": args.tls_ca_file, "tls_client_cert": args.tls_cert,
+             "tls_client_key": args.tls_key}
+    return Security(**{k: v for k, v in given.items() if v is not None})
+
+
+def _address_to_reach(args: argparse.Namespace) -> str:
+    """The scheduler's address: given, from the scheduler file ("" if it has none), or
+    the config's."""
+    if args.scheduler_file:
+        try:
+            with open(args.scheduler_file) as f:
+                return str(json.load(f).get("address", ""))
+        except (OSError, ValueError, AttributeError):
+            return ""  # the client says what is wrong with it
+    return scheduler_address(args) or ""
+
+
+async def _ask(args: argparse.Namespace, timeout: float, security: Any = None) -> Any:
     """The table's rows from the scheduler, on an asynchronous client.  Reaching the
     scheduler and asking it are each bounded by ``timeout``: distributed's own connect
     timeout does not bound a peer that accepts the connection and never answers."""
@@ -146,7 +191,7 @@ async def _ask(args: argparse.Namespace, timeout: float) -> Any:
     from dask_services.client import install_async
 
     client = Client(address=None if args.scheduler_file else scheduler_address(args),
-                    scheduler_file=args.scheduler_file, timeout=timeout,
+                    scheduler_file=args.scheduler_file, timeout=timeout, security=security,
                     asynchronous=True, set_as_default=False)
     try:
         async with asyncio.timeout(timeout):

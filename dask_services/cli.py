@@ -486,7 +486,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         problem = _not_applicable(args, _given(parser, p_bench, argv))
     if problem is not None:
         {"bench": p_bench, "demo": p_demo, "status": p_status}[args.command].error(problem)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except BrokenPipeError:
+        # what reads the output went away (`dask-services status | head -3`): stop
+        # quietly, as other tools do, and keep the interpreter's last flush of stdout from
+        # failing again at exit
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 METHODS = ("service", "p2p", "tasks")

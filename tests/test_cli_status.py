@@ -192,6 +192,7 @@ def test_a_missing_scheduler_file_is_named(tmp_path, capsys):
     (["tcp://a:1", "--scheduler-file", "f.json"], "not both"),
     (["tcp://a:1", "--timeout", "soon"], "--timeout takes a duration"),
     (["tcp://a:1", "--table", ""], "--table takes a table's name"),
+    (["tls://a:1", "--tls-ca-file", "no-such-ca.pem"], "--tls-ca-file: no such file"),
 ])
 def test_bad_arguments_are_refused_before_connecting(argv, named, capsys, monkeypatch):
     monkeypatch.delenv("DASK_SCHEDULER_ADDRESS", raising=False)
@@ -200,3 +201,18 @@ def test_bad_arguments_are_refused_before_connecting(argv, named, capsys, monkey
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert named in err and "Traceback" not in err
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(cluster_with_services):
+    """``dask-services status | head -1``: the output's reader has gone when the table is
+    printed."""
+    import subprocess
+    import sys
+
+    address, _ = cluster_with_services
+    proc = subprocess.Popen([sys.executable, "-m", "dask_services", "status", address],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before anything is written: the first write finds no reader
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert b"Traceback" not in err and b"BrokenPipeError" not in err, err.decode()

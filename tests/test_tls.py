@@ -11,6 +11,7 @@ over TLS with the cluster's certificates.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import ssl
 
@@ -267,3 +268,28 @@ def test_no_call_without_the_cluster_certificates(tls):
         client.run(_unrecord_ops)
         svc.shutdown(timeout=10)
     assert not any(client.run(_hosted).values())
+
+
+def test_the_status_command_takes_the_certificate_files(tls, tmp_path, capsys):
+    from dask_services.cli import main
+
+    cluster, client, security = tls
+    files = {}
+    for option, pem in [("--tls-ca-file", security.tls_ca_file),
+                        ("--tls-cert", security.tls_client_cert),
+                        ("--tls-key", security.tls_client_key)]:
+        path = tmp_path / (option[2:] + ".pem")
+        path.write_text(pem)
+        files[option] = str(path)
+    address = cluster.scheduler_address
+    assert main(["status", address, "--table", "replicas", "--json",
+                 *[x for item in files.items() for x in item]]) == 0
+    assert isinstance(json.loads(capsys.readouterr().out), list)
+    # without them: what to give, at once (not a TypeError about an ssl_context)
+    with dask.config.set({"distributed.comm.tls.ca-file": None,
+                          "distributed.comm.tls.client.cert": None,
+                          "distributed.comm.tls.client.key": None}):
+        assert main(["status", address]) == 1
+    err = capsys.readouterr().err
+    assert f"the scheduler at {address} speaks TLS and no certificates were given" in err
+    assert "--tls-ca-file, --tls-cert and --tls-key" in err and "ssl_context" not in err
