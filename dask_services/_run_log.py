@@ -83,6 +83,24 @@ class OwnEdgeCollisions(logging.Filter):
         return True
 
 
+def keep_archive_within(archive: OrderedDict[Key, OrderedDict[int | None,
+                                                                run_story.RunStory]],
+                        runs: int) -> None:
+    """Drop the oldest stories of forgotten service tasks until ``archive`` keeps at most
+    ``runs`` runs in all (``dask_services.story.runs``): the oldest forgotten task's oldest
+    run first.  Bounded per task alone, a notebook computing the same graph again and again
+    (one key, a run each time) and many tasks would keep ``runs`` x ``runs`` stories on the
+    scheduler, tens of MB per task for runs of a few hundred inputs."""
+    kept = sum(len(book) for book in archive.values())
+    while archive and kept > runs:
+        key, book = next(iter(archive.items()))
+        if book:
+            book.popitem(last=False)
+            kept -= 1
+        if not book:
+            del archive[key]
+
+
 def story_entries(machines: Mapping[Key, ServiceTaskMachine],
                   archive: OrderedDict[Key, OrderedDict[int | None, run_story.RunStory]],
                   output_of: Mapping[Key, Key], key: Key | None = None,

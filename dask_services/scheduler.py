@@ -38,7 +38,13 @@ from dask_services import _run_state as rs
 from dask_services import _run_story as run_story
 from dask_services._host import InstanceSpec
 from dask_services._messages import dumps_exception, loads_exception
-from dask_services._run_log import OwnEdgeCollisions, RunLogEntry, RunObserver, story_entries
+from dask_services._run_log import (
+    OwnEdgeCollisions,
+    RunLogEntry,
+    RunObserver,
+    keep_archive_within,
+    story_entries,
+)
 from dask_services._streams import flush
 from dask_services.config import setting
 from dask_services.graph import (
@@ -546,8 +552,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             del self.machines[key]
             self.retries_left.pop(key, None)
             self.archive[key] = machine.stories
-            while len(self.archive) > machine.story_runs:
-                self.archive.popitem(last=False)
+            keep_archive_within(self.archive, machine.story_runs)
             definition = self.definitions.pop(key)
             if definition.placement is not None:
                 group = self.placements[definition.placement]

@@ -81,6 +81,45 @@ async def test_a_service_task_computed_again_keeps_the_stories_of_its_earlier_ru
         assert "'started'" in logs[0] and "'finished'" in logs[-1], logs
 
 
+@service_cluster(config={"dask_services.story.runs": 3})
+async def test_forgotten_service_tasks_keep_at_most_story_runs_runs_in_all(c, s, a, b):
+    """A notebook computing the same cells again: the stories the scheduler keeps of
+    forgotten service tasks are bounded in runs, not in tasks (100 tasks of 100 runs each
+    were kept before)."""
+    plugin = s.extensions["dask_services"]
+    outs = [dask_services.service_task(AllReduce, [dask.delayed(inc)(i) for i in range(n)],
+                                       outputs=1)[0] for n in (2, 3)]
+    runs = []
+    for out in (outs[0], outs[0], outs[1]):
+        key = service_key_of(out)
+        (fut,) = c.compute([out])
+        await fut
+        del fut
+        await async_poll_for(lambda k=key: k not in plugin.machines, timeout=10)
+        entries = await dask_services.story(c, key)
+        runs.append(max(e["run_id"] for e in entries if e["run_id"] is not None))
+    kept = {k: list(book) for k, book in plugin.archive.items()}
+    assert sum(map(len, kept.values())) <= 3, kept
+    # the oldest task's oldest runs went first; the latest run of each is still told
+    for run_id in runs[1:]:
+        assert await dask_services.story(c, run_id)
+    assert await dask_services.story(c, runs[0]) == []
+
+
+def test_keep_archive_within_drops_the_oldest_runs_first():
+    from collections import OrderedDict
+
+    from dask_services._run_log import keep_archive_within
+
+    archive = OrderedDict((k, OrderedDict((r, f"{k}{r}") for r in runs))
+                          for k, runs in [("b", []), ("a", [None, 1, 2]), ("c", [3, 4])])
+    keep_archive_within(archive, 3)
+    assert archive == OrderedDict([("a", OrderedDict([(2, "a2")])),
+                                   ("c", OrderedDict([(3, "c3"), (4, "c4")]))])
+    keep_archive_within(archive, 0)
+    assert archive == OrderedDict()
+
+
 def lost_worker(reason: str, worker: str) -> bool:
     """A restart reason that says a worker was lost (the run's own worker, or the worker
     that held an input the service task had received)."""
