@@ -6,6 +6,7 @@ future, so its call waited for ever holding the replica's only slot)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -88,6 +89,21 @@ def test_a_generator_raising_keyboard_interrupt_ends_its_stream_with_the_error(
     assert items == [0]
     assert pids(client) == before
     assert svc.echo.route(2).result(timeout=WAIT) == 2
+
+
+def test_a_call_cancelled_by_a_sync_caller(unruly):
+    """``Call.cancel()``, the sync caller's ``task.cancel()``: the caller stops waiting;
+    what the replica had taken runs to its end there."""
+    client, svc = unruly
+    call = svc.sleeps.route(0.5)
+    assert call.cancel() is True
+    assert call.done()
+    with pytest.raises(concurrent.futures.CancelledError):
+        call.result(timeout=WAIT)
+    done = svc.sleeps.route(0)
+    assert done.result(timeout=WAIT) == 0
+    assert done.cancel() is False  # finished: nothing to cancel
+    assert svc.echo.route(3).result(timeout=WAIT) == 3
 
 
 def _outcome(call):

@@ -4,6 +4,8 @@ catch (importable by worker processes): ``KeyboardInterrupt``, ``SystemExit``,
 
 from __future__ import annotations
 
+import asyncio
+
 import dask_services
 
 # what a batch's request asks its slot to hold
@@ -17,6 +19,11 @@ class Unruly(dask_services.Service):
     @dask_services.endpoint
     async def echo(self, x):
         return x
+
+    @dask_services.endpoint
+    async def sleeps(self, seconds):
+        await asyncio.sleep(seconds)
+        return seconds
 
     @dask_services.endpoint
     async def interrupted(self):

@@ -68,6 +68,14 @@ class Call:
                 raise
             raise TimeoutError(f"{self._what} did not finish within {timeout} s") from None
 
+    def cancel(self) -> bool:
+        """Stop the call on the caller's side, as ``task.cancel()`` does in async code:
+        one not yet sent is never sent; one a replica has taken runs to its end there and
+        its answer is dropped (a replica does not watch its callers' connections).
+        ``result()`` then raises ``CancelledError``.  False if it had already finished."""
+        fut = self._task if self._task is not None else self._cf
+        return fut.cancel()  # type: ignore[union-attr]
+
     def done(self) -> bool:
         """Whether the call has finished."""
         fut = self._task if self._task is not None else self._cf
