@@ -42,7 +42,7 @@ def pids(client) -> dict[str, int]:
 
 @pytest.mark.parametrize("endpoint, args, match", [
     ("interrupted", (), r"unruly-\w+\.interrupted raised KeyboardInterrupt: async stop"),
-    ("generator_exit", (), r"unruly-\w+\.generator_exit raised GeneratorExit"),
+    ("generator_exit", (), r"unruly-\w+\.generator_exit raised GeneratorExit$"),
     ("next_of_empty", (), r"raised StopIteration, which cannot be the outcome of a call"),
     ("batch_next_of_empty", (1,), r"raised StopIteration, which cannot be the outcome"),
 ])

@@ -24,7 +24,7 @@ from distributed.core import Status
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import pickle
 
-from dask_services._messages import dumps_exception
+from dask_services._messages import describe_exception, dumps_exception
 from dask_services._worker_context import in_current_context, worker_handler
 from dask_services.replicated._batching import Batcher
 from dask_services.replicated._errors import (
@@ -681,9 +681,9 @@ def escaped(rep: HostedReplica, method: str, exc: BaseException) -> dict:
     not an ``Exception`` (``SystemExit``, ``KeyboardInterrupt``, ``GeneratorExit``): the
     caller's error, neither a lost connection to re-send on nor the worker's end."""
     error = RuntimeError(
-        f"{rep.name}.{method} raised {type(exc).__name__}"
-        + (" without being cancelled (an awaited task was cancelled?)"
-           if isinstance(exc, asyncio.CancelledError) else f": {exc}"))
+        f"{rep.name}.{method} raised "
+        + ("CancelledError without being cancelled (an awaited task was cancelled?)"
+           if isinstance(exc, asyncio.CancelledError) else describe_exception(exc)))
     error.__cause__ = exc
     return {"status": "error", "exception": dumps_exception(error)}
 
