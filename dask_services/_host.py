@@ -29,7 +29,12 @@ from dask_services._buffers import IncomingBuffers, as_incoming, buffers_of
 from dask_services._counters import Traffic, size_of
 from dask_services._directory import in_directory, remove_if_empty
 from dask_services._known_sizes import checked_nbytes, remember
-from dask_services._messages import callable_name, contained, without_stop_iteration
+from dask_services._messages import (
+    callable_name,
+    contained,
+    future_safe,
+    without_stop_iteration,
+)
 from dask_services._payload import known_arguments_nbytes
 from dask_services._threads import cancel_unstarted
 from dask_services.config import setting
@@ -804,4 +809,12 @@ async def _called(fn: Callable[..., Any], args: tuple, kwargs: dict, what: str) 
             f"{what} is a generator function (a `yield` in its body), so calling it would "
             "run none of its body; hooks and @rpc methods run once: remove the `yield` "
             "(return a list instead)")
-    return await _awaited(fn(*args, **kwargs))
+    try:
+        return await _awaited(fn(*args, **kwargs))
+    except (StopIteration, RuntimeError) as e:
+        # a StopIteration (from a plain def, or turned by Python into "coroutine raised
+        # StopIteration", which names nothing) as a RuntimeError naming the hook
+        safe = future_safe(e, what, fails="the run")
+        if safe is e:
+            raise
+        raise safe from safe.__cause__

@@ -102,6 +102,12 @@ def contained(exc: BaseException, what: str, fails: str = "the run",
     return error
 
 
+# what Python makes of a StopIteration that leaves a coroutine or a generator (PEP 479)
+_STOP_ITERATION_TURNED = frozenset({
+    "coroutine raised StopIteration", "async generator raised StopIteration",
+    "generator raised StopIteration"})
+
+
 def future_safe(exc: BaseException, what: str, fails: str = "the call",
                 how: str = "raised") -> Exception:
     """``exc`` as a future can carry it to whoever awaits ``what``: :func:`contained`,
@@ -109,12 +115,18 @@ def future_safe(exc: BaseException, what: str, fails: str = "the call",
     leaves a coroutine.  asyncio refuses to set a ``StopIteration`` on a future: the
     refusal (a ``TypeError``) is raised where the outcome is copied, in a callback of the
     loop, and the future is never done, so its caller would wait for ever (and a
-    replica's slot would never be given back)."""
+    replica's slot would never be given back).  The ``RuntimeError`` Python itself makes
+    of one that left a coroutine ("coroutine raised StopIteration", which names neither
+    the function nor the likely cause) is replaced by the same message, naming ``what``."""
+    cause = exc.__cause__
+    if (type(exc) is RuntimeError and isinstance(cause, StopIteration)
+            and str(exc) in _STOP_ITERATION_TURNED):
+        exc = cause
     if isinstance(exc, StopIteration):
         error = RuntimeError(
-            f"{what} {how} StopIteration, which cannot be the outcome of a call (a "
-            f"next() on an exhausted iterator? give next() a default); raise another "
-            f"exception to fail {fails}")
+            f"{what} {how} StopIteration (a next() on an exhausted iterator? give next() "
+            f"a default), which can neither end a coroutine nor be the outcome of a call; "
+            f"raise another exception to fail {fails}")
         error.__cause__ = exc
         return error
     return contained(exc, what, fails, how)

@@ -847,6 +847,61 @@ def test_a_stop_iteration_out_of_run_in_executor_under_the_local_scheduler():
         dask.compute(*outs, scheduler="sync")
 
 
+class NextOfEmptyInAddKey(Service):
+    """``next()`` of an exhausted iterator in an ``async`` hook."""
+
+    async def add_key(self, key, data):
+        next(iter([]))
+
+
+class NextOfEmptyInAPlainHook(Service):
+    """The same in a hook written as a plain ``def``."""
+
+    def add_key(self, key, data):
+        pass
+
+    def all_inputs_done(self):
+        next(iter([]))
+
+
+class NextOfEmptyInAPeerMethod(Service):
+    """The same in an ``@rpc`` method, which a hook calls."""
+
+    async def add_key(self, key, data):
+        pass
+
+    async def all_inputs_done(self):
+        await self.peers[self.id].empty()
+
+    @dask_services.rpc
+    async def empty(self):
+        return next(iter([]))
+
+
+@pytest.mark.parametrize("service, named", [
+    (NextOfEmptyInAddKey, "NextOfEmptyInAddKey.add_key()"),
+    (NextOfEmptyInAPlainHook, "NextOfEmptyInAPlainHook.all_inputs_done()"),
+    (NextOfEmptyInAPeerMethod, "NextOfEmptyInAPeerMethod.empty()"),
+])
+@service_cluster()
+async def test_a_stop_iteration_out_of_a_hook_names_the_hook(c, s, a, b, service, named):
+    # (Python's own "coroutine raised StopIteration" named neither the hook nor the cause)
+    outs = c.compute(dask_services.service_task(service, [dask.delayed(inc)(i)
+                                                          for i in range(2)], outputs=2))
+    for out in outs:
+        exc = await assert_errs(out, RuntimeError, f"{named} raised StopIteration")
+        assert "give next() a default" in str(exc)
+    del outs, out, exc
+    await assert_nothing_left(s, [a, b])
+
+
+def test_a_stop_iteration_out_of_a_hook_under_the_local_scheduler():
+    outs = dask_services.service_task(NextOfEmptyInAPlainHook, [dask.delayed(1)], outputs=1)
+    with pytest.raises(RuntimeError, match=r"NextOfEmptyInAPlainHook.all_inputs_done\(\) "
+                                           "raised StopIteration"):
+        dask.compute(*outs, scheduler="sync")
+
+
 @service_cluster()
 async def test_a_class_that_cannot_be_instantiated_fails_its_outputs(c, s, a, b):
     outs = c.compute(dask_services.service_task(NeedsArguments, [dask.delayed(1)],

@@ -43,8 +43,14 @@ def pids(client) -> dict[str, int]:
 @pytest.mark.parametrize("endpoint, args, match", [
     ("interrupted", (), r"unruly-\w+\.interrupted raised KeyboardInterrupt: async stop"),
     ("generator_exit", (), r"unruly-\w+\.generator_exit raised GeneratorExit$"),
-    ("next_of_empty", (), r"raised StopIteration, which cannot be the outcome of a call"),
-    ("batch_next_of_empty", (1,), r"raised StopIteration, which cannot be the outcome"),
+    ("next_of_empty", (), r"next_of_empty raised StopIteration \(a next\(\) on an exhausted "
+                          r"iterator\? give next\(\) a default\)"),
+    ("batch_next_of_empty", (1,), r"raised StopIteration \(a next\(\) on an exhausted"),
+    # Python's own "coroutine raised StopIteration" named neither the endpoint nor the cause
+    ("async_next_of_empty", (), r"unruly-\w+\.async_next_of_empty raised StopIteration \(a "
+                                r"next\(\) on an exhausted iterator\? give next\(\) a default\)"),
+    ("async_batch_next_of_empty", (1,), r"batched endpoint unruly-\w+\.async_batch_next_of_empty "
+                                        r"raised StopIteration \(a next\(\) on an exhausted"),
 ])
 def test_an_endpoint_raising_it_fails_its_call_and_the_replica_goes_on(
         unruly, endpoint, args, match):
@@ -88,6 +94,19 @@ def test_a_generator_raising_keyboard_interrupt_ends_its_stream_with_the_error(
             items.append(item)
     assert items == [0]
     assert pids(client) == before
+    assert svc.echo.route(2).result(timeout=WAIT) == 2
+
+
+@pytest.mark.parametrize("endpoint", ["stopped_stream", "stopped_stream_sync"])
+def test_a_generator_raising_stop_iteration_names_itself(unruly, endpoint):
+    # (Python's own "(async) generator raised StopIteration" named neither)
+    client, svc = unruly
+    items = []
+    with pytest.raises(RuntimeError, match=rf"streaming endpoint unruly-\w+\.{endpoint} raised "
+                                           r"StopIteration \(a next\(\) on an exhausted"):
+        for item in getattr(svc, endpoint).stream():
+            items.append(item)
+    assert items == [0]
     assert svc.echo.route(2).result(timeout=WAIT) == 2
 
 

@@ -41,6 +41,14 @@ class Unruly(dask_services.Service):
     def batch_next_of_empty(self, requests):
         return [next(iter([])) for _ in requests]
 
+    @dask_services.endpoint
+    async def async_next_of_empty(self):
+        return next(iter([]))
+
+    @dask_services.endpoint(batch_size=2, batch_wait="20ms")
+    async def async_batch_next_of_empty(self, requests):
+        return [next(iter([])) for _ in requests]
+
     @dask_services.endpoint(batch_size=4, batch_wait="200ms")
     async def slots(self, requests):
         return [SLOT[r] if r in SLOT else 2 * r for r in requests]
@@ -54,3 +62,13 @@ class Unruly(dask_services.Service):
     def interrupted_stream_sync(self):
         yield 0
         raise KeyboardInterrupt("generator stop")
+
+    @dask_services.endpoint
+    async def stopped_stream(self):
+        yield 0
+        next(iter([]))
+
+    @dask_services.endpoint
+    def stopped_stream_sync(self):
+        yield 0
+        next(iter([]))

@@ -19,7 +19,7 @@ import collections
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from dask_services._messages import contained, future_safe
+from dask_services._messages import future_safe
 from dask_services.replicated._errors import BatchResultError
 from dask_services.replicated._queue import CallGate
 
@@ -121,7 +121,7 @@ class Batcher:
         except BaseException as e:
             # SystemExit, KeyboardInterrupt... let out of this task would stop the worker's
             # event loop: the batch's callers get them as their error instead
-            e = contained(e, f"batched endpoint {self.name}", fails="the calls")
+            e = future_safe(e, f"batched endpoint {self.name}", fails="the calls")
             for _, fut in items:
                 if not fut.done():
                     fut.set_exception(e)

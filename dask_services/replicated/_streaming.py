@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from distributed.comm.core import CommClosedError
 from distributed.core import Status
 
-from dask_services._messages import contained, dumps_exception, loads_exception
+from dask_services._messages import dumps_exception, future_safe, loads_exception
 from dask_services._worker_context import in_current_context
 from dask_services.config import setting
 from dask_services.replicated._errors import (
@@ -72,10 +72,11 @@ def _step(gen: Any, what: str) -> Any:
         return next(gen)
     except StopIteration:
         return _END
-    except Exception:
-        raise
-    except BaseException as e:
-        raise contained(e, what, fails="the stream") from e
+    except BaseException as e:  # ("generator raised StopIteration" named: future_safe)
+        safe = future_safe(e, what, fails="the stream")
+        if safe is e:
+            raise
+        raise safe from safe.__cause__
 
 
 async def _anext(gen: Any, what: str) -> Any:
@@ -85,10 +86,13 @@ async def _anext(gen: Any, what: str) -> Any:
     re-sent stream stopping the next one)."""
     try:
         return await gen.__anext__()
-    except (Exception, asyncio.CancelledError):
+    except asyncio.CancelledError:
         raise
-    except BaseException as e:
-        raise contained(e, what, fails="the stream") from e
+    except BaseException as e:  # ("async generator raised StopIteration" named)
+        safe = future_safe(e, what, fails="the stream")
+        if safe is e:
+            raise
+        raise safe from safe.__cause__
 
 
 async def _credits(comm: Any, credit: list[int], more: asyncio.Event) -> str:

@@ -24,7 +24,7 @@ from distributed.core import Status
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import pickle
 
-from dask_services._messages import describe_exception, dumps_exception
+from dask_services._messages import describe_exception, dumps_exception, future_safe
 from dask_services._worker_context import in_current_context, worker_handler
 from dask_services.replicated._batching import Batcher
 from dask_services.replicated._errors import (
@@ -494,8 +494,9 @@ class ReplicaWorker(WorkerPlugin):
             return _cut(rep, str(e))
         except ReplicaGone as e:  # another rank of the replica is lost: re-sent
             return {"status": "gone", "message": str(e)}
-        except Exception as e:
-            return {"status": "error", "exception": dumps_exception(e)}
+        except Exception as e:  # ("coroutine raised StopIteration" named: future_safe)
+            return {"status": "error", "exception": dumps_exception(
+                future_safe(e, f"{rep.name}.{method}"))}
         except BaseException as e:  # SystemExit, KeyboardInterrupt, GeneratorExit... end
             # the call, not the worker: let out of this handler's task, asyncio would raise
             # them from the event loop itself (and re-sent, they would stop the next one)
