@@ -12,6 +12,7 @@ from test_replicated import assert_nothing_left, cluster
 
 import dask_services
 from dask_services.replicated import BatchResultError, ServiceOverloaded
+from dask_services.replicated._load import ongoing
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -103,7 +104,7 @@ async def test_batches_under_concurrency_limits(c, s, *workers):
     # what the autoscaler weighs, from the workers' heartbeats
     deployments = s.extensions["dask_services_replicated"]
     (dep,) = deployments.deployments.values()
-    await async_poll_for(lambda: deployments.ongoing(dep) == 5, 10)
+    await async_poll_for(lambda: ongoing(dep, deployments.reports) == 5, 10)
     GATES["batch"].set()
     assert await asyncio.gather(*first, *held) == ["a0", "a1", "b0", "b1", "b2"]
     assert await svc.batch_sizes.route() == [2, 2, 1]

@@ -35,6 +35,7 @@ from dask_services.replicated._autoscale import AutoscalePolicy, AutoscalingConf
 from dask_services.replicated._deployment import Deployment, WakeAsk, first_set
 from dask_services.replicated._gang import incarnation_of, rank_id
 from dask_services.replicated._lifecycle import ReplicaState
+from dask_services.replicated._load import busy, called_lately, ongoing
 from dask_services.replicated._options import config_seconds
 from dask_services.replicated._rebalance import spread_move
 from dask_services.replicated._rebalancer import Rebalancer
@@ -412,8 +413,8 @@ class Deployments(SchedulerPlugin):
                  ReplicaState.RECOVERING: 2, ReplicaState.HEALTHY: 3}
         # the least busy first (an idle replica rather than one whose calls would have to
         # finish within the drain), then the newest
-        victims = sorted(active, key=lambda s: (order[active[s].state],
-                                                self._busy(active[s]), -s))[:len(active) - n]
+        victims = sorted(active, key=lambda s: (
+            order[active[s].state], busy(active[s], self.reports), -s))[:len(active) - n]
         for s in victims:  # a move's new replica stopped: the one it replaces stays
             dep.moves.pop(s, None)
         await self._stop_slots(dep, victims, "scale-down")
@@ -490,43 +491,6 @@ class Deployments(SchedulerPlugin):
 
     # ------------------------------------------------------------ autoscaling
 
-    def ongoing(self, dep: Deployment) -> int:
-        """Calls running or queued on the deployment's healthy replicas, as of their
-        workers' last heartbeats, and calls waiting for a replica (``wake``)."""
-        return sum(self._busy(m) for m in dep.slots.values()) + dep.callers_waiting
-
-    def _called(self, dep: Deployment) -> bool:
-        """Whether calls were made on ``dep``'s replicas lately: the latest report of a
-        healthy replica (its worker's heartbeat) counted more calls than the one before
-        it; between reports the verdict of the last one stands."""
-        seen: dict[str, tuple[float, float | None, bool]] = {}
-        for m in dep.slots.values():
-            rid = str(m.id)
-            calls = self.reports.get(rid)["calls"]
-            if m.state is not ReplicaState.HEALTHY or calls != calls:  # NaN: no report
-                continue
-            reported = self.reports.updated.get(m.worker or "")
-            before = dep.calls_seen.get(rid)
-            if rid not in self.reports.figures:  # not reported yet: not known idle
-                grew = True
-            elif before is None:
-                grew = calls > 0
-            elif reported != before[1]:
-                grew = calls > before[0]
-            else:
-                grew = before[2]
-            seen[rid] = (calls, reported, grew)
-        dep.calls_seen = seen
-        return any(grew for _, _, grew in seen.values())
-
-    def _busy(self, m: lc.ReplicaMachine) -> int:
-        """Calls running or queued on a healthy replica, as of its worker's last
-        heartbeat (0 for a replica not healthy)."""
-        if m.state is not ReplicaState.HEALTHY:
-            return 0
-        figures = self.reports.get(str(m.id))
-        return int(figures["in_flight"]) + int(figures["queued"])
-
     def _autoscale_all(self) -> None:
         now = asyncio.get_running_loop().time()
         for dep in list(self.deployments.values()):
@@ -538,8 +502,8 @@ class Deployments(SchedulerPlugin):
             return
         active = dep.active()
         decision = dep.autoscaling.observe(
-            now, len(active), self.ongoing(dep), dep.floor,
-            called=dep.scales_to_zero() and self._called(dep),  # matters only there
+            now, len(active), ongoing(dep, self.reports), dep.floor,
+            called=dep.scales_to_zero() and called_lately(dep, self.reports),  # matters only there
             none_ready=not any(m.state is ReplicaState.HEALTHY for m in active.values()))
         if decision is None:
             return
