@@ -141,6 +141,11 @@ def _definition(service_class: type[Service], input_keys: Sequence[Key],
             "every instance's start() as they are given, nothing computes them; pass the "
             "value among the inputs (it reaches add_key() on a worker that holds it), or "
             "compute it first (future.result(), dask.compute(...))")
+    if placement is not None and not isinstance(placement, str):
+        raise TypeError(
+            f"placement={placement!r} is a {type(placement).__name__}: give the name the "
+            "service tasks that are to agree on where their outputs go share, a string "
+            "(placement='my-group')")
     name = name or funcname(service_class).lower()
     token = tokenize(service_class, params, tuple(input_keys), outputs, placement,
                      participants)

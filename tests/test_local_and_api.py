@@ -60,6 +60,9 @@ def test_service_task_validates_its_arguments():
     with pytest.raises(dask_services.ServiceGraphError, match=r"given twice.*\['a'\]"):
         dask_services.service_task(AllReduce, [], outputs=["a", "b", "a"])
     assert len(dask_services.service_task(AllReduce, [], outputs=np.int64(3))) == 3
+    # (unhashable, it failed the scheduler plugin's intake, and the client waited for ever)
+    with pytest.raises(TypeError, match=r"placement=\['g'\] is a list: .* a string"):
+        dask_services.service_task(AllReduce, [], outputs=1, placement=["g"])
     x = dask.delayed(inc)(1)
     with pytest.raises(dask_services.ServiceGraphError, match="given twice"):
         dask_services.service_task(AllReduce, [x, x], outputs=1)
