@@ -14,14 +14,17 @@ instance of the same worker, they travel as ordinary arguments and arrive as
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 # arrays already in memory are copied into their destinations on the event loop up to this
-# many bytes, else in a thread
+# many bytes, else in a thread, this many bytes at a time (a read stopped when its method
+# returns ends within one such step)
 COPY_ON_LOOP_MAX = 1 << 20
+COPY_STEP_BYTES = 4 << 20
 
 
 class Buffers:
@@ -157,8 +160,18 @@ class IncomingBuffers:
         if self._reading is not None:
             await asyncio.wait({self._reading})
 
+    async def stopped(self) -> None:
+        """Once nothing reads the arrays sent or writes the destinations any more (called
+        after :meth:`method_returned`, before the call is answered: the sender may then
+        change its arrays, the receiver its destinations)."""
+        await self._read_stopped()
+
     async def discard(self) -> None:
         """Skip what was not read (called once the method returned)."""
+
+    async def call_started(self) -> None:
+        """The call these arrays came with took its turn on the receiver (the bulk lane
+        tells its sender, ``_bulk.py``)."""
 
 
 class ArraysInMemory(IncomingBuffers):
@@ -167,22 +180,53 @@ class ArraysInMemory(IncomingBuffers):
     def __init__(self, arrays: list[np.ndarray]) -> None:
         super().__init__([a.shape for a in arrays], [a.dtype for a in arrays])
         self._arrays = arrays
+        self._stop = threading.Event()
+        self._copying: asyncio.Future | None = None  # the copy's thread, if any
 
     def method_returned(self) -> None:
+        self._stop.set()  # a copy in a thread ends at its next step
         super().method_returned()
         self._arrays = []
 
+    async def stopped(self) -> None:
+        await super().stopped()
+        if self._copying is not None:  # (a thread cannot be cancelled: it is told to stop)
+            await asyncio.wait({self._copying})
+
     async def _read_into(self, destinations: list[np.ndarray]) -> None:
         arrays, self._arrays = self._arrays, []
+        stop = self._stop
 
         def copy() -> None:
             for d, a in zip(destinations, arrays, strict=True):
-                np.copyto(d, a)
+                for into, part in _steps(d, a):
+                    if stop.is_set():
+                        return
+                    np.copyto(into, part)
 
         if self.nbytes > COPY_ON_LOOP_MAX:  # in a thread: the event loop goes on meanwhile
-            await asyncio.get_running_loop().run_in_executor(None, copy)
+            self._copying = asyncio.get_running_loop().run_in_executor(None, copy)
+            try:  # (shielded: a read given up on leaves the thread's future to stopped())
+                await asyncio.shield(self._copying)
+            except asyncio.CancelledError:
+                stop.set()  # given up on (a timeout): it stops writing at its next step
+                raise
         else:
             copy()
+
+
+def _steps(destination: np.ndarray, source: np.ndarray
+           ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``destination`` and ``source`` in matching slices along their first axis, about
+    ``COPY_STEP_BYTES`` each (a 0-d array, or one row larger than that, in one)."""
+    if destination.ndim == 0 or destination.nbytes <= COPY_STEP_BYTES:
+        yield destination, source
+        return
+    rows = len(destination)
+    per_row = max(1, destination.nbytes // max(rows, 1))
+    step = max(1, COPY_STEP_BYTES // per_row)
+    for start in range(0, rows, step):
+        yield destination[start:start + step], source[start:start + step]
 
 
 def as_incoming(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

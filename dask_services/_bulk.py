@@ -11,8 +11,9 @@ the copies themselves (``design/array-rechunk.md``).
 
 So between workers with ``tcp://`` addresses a call with a ``Buffers`` argument
 (``_buffers.py``) takes a lane of its own (:class:`BulkLane`): a plain TCP connection per
-call in flight (at most ``CONNECTIONS_PER_PEER`` to a worker, ``CONNECTIONS_TOTAL`` in all),
-pooled (at most ``IDLE_KEPT`` idle), on which the sender
+call in flight (at most ``CONNECTIONS_PER_PEER`` calls to a worker, ``CONNECTIONS_TOTAL``
+in all, not yet taken by their receivers; a call taken, whose method runs, keeps its
+connection but frees its place), pooled (at most ``IDLE_KEPT`` idle), on which the sender
 writes a small header and then every array's bytes, contiguous runs straight from the
 array and strided parts through a reused scratch buffer, and the receiver reads them
 straight into the destinations (strided ones through a reused scratch buffer of its own).
@@ -45,16 +46,20 @@ logger = logging.getLogger("dask_services")
 
 # token, header bytes, payload bytes
 _REQUEST = struct.Struct("<16sQQ")
+# the receiver's answers: a call that takes its turn is told STARTED (a value no reply's
+# length takes), then every call its reply's length and the reply
 _REPLY = struct.Struct("<Q")
+STARTED = (1 << 64) - 1
 # strided parts are copied through scratch buffers of this many bytes, lent to a call while
 # it is written or read (the lane keeps a few for the next call until no run is left)
 SCRATCH_BYTES = 256 * 1024
 SCRATCH_KEPT = 4
 # seconds between attempts to accept a connection after an error (out of file descriptors)
 ACCEPT_RETRY_DELAY = 0.1
-# connections in use at once to one peer worker, and to all of them (calls beyond wait
-# their turn); and idle ones kept open for later calls, over all peers (the least recently
-# used closed first), so that a worker with hundreds of peers keeps few file descriptors
+# calls on their way at once to one peer worker, and to all of them, until their receivers
+# take them (calls beyond wait their turn); and idle connections kept open for later
+# calls, over all peers (the least recently used closed first), so that a worker with
+# hundreds of peers keeps few file descriptors
 CONNECTIONS_PER_PEER = 4
 CONNECTIONS_TOTAL = 64
 IDLE_KEPT = 32
@@ -171,6 +176,7 @@ class Turn:
     def __init__(self, peer_slots: Slots, all_slots: Slots) -> None:
         self._all_slots = all_slots
         self.total: asyncio.Future | None = None
+        self.given_back = False
         self.peer = peer_slots.ticket(on_turn=self._peer_turn)
 
     def _peer_turn(self) -> None:
@@ -185,6 +191,10 @@ class Turn:
         await self.total
 
     def give_back(self, peer_slots: Slots) -> None:
+        """Leave both lines (once; again is a no-op)."""
+        if self.given_back:
+            return
+        self.given_back = True
         peer_slots.done_with(self.peer)
         if self.total is not None:
             self._all_slots.done_with(self.total)
@@ -225,6 +235,7 @@ class _SocketReader(IncomingBuffers):
         self._limit = SCRATCH_BYTES
         self._taken: np.ndarray | None = None  # taken from the pool when first needed
         self._start = self._end = 0  # bytes read ahead into the scratch buffer
+        self._told_started = False
 
     @property
     def _scratch(self) -> np.ndarray:
@@ -232,6 +243,14 @@ class _SocketReader(IncomingBuffers):
             self._taken = self._pool.take()
             self._limit = self._taken.nbytes
         return self._taken
+
+    async def call_started(self) -> None:
+        """Tell the sender that its call took its turn here (``STARTED``): the sender
+        gives its connection's place in line to the next call to this worker, which may
+        be the one this call's method waits for."""
+        if not self._told_started:
+            self._told_started = True
+            await asyncio.get_running_loop().sock_sendall(self._sock, _REPLY.pack(STARTED))
 
     def release(self) -> None:
         """Give the scratch buffer back (the request is over)."""
@@ -306,6 +325,28 @@ class _SocketReader(IncomingBuffers):
         while self._left:
             await self._recv_payload(
                 memoryview(self._scratch[:min(self._left, self._scratch.nbytes)]))
+
+
+async def _answer(sock: socket.socket, started: Callable[[], None]) -> bytearray:
+    """The receiver's reply to a call, read from its connection; ``started()`` when the
+    receiver says the call took its turn there."""
+    head = bytearray(_REPLY.size)
+    while True:
+        await _recv_exactly(sock, memoryview(head))
+        (length,) = _REPLY.unpack(head)
+        if length != STARTED:
+            break
+        started()
+    body = bytearray(length)
+    await _recv_exactly(sock, memoryview(body))
+    return body
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    """(An answer's failure is the call's, raised where the call awaits it or its send
+    failed first: not "never retrieved".)"""
+    if not task.cancelled():
+        task.exception()
 
 
 def _set_if_pending(future: asyncio.Future) -> None:
@@ -494,29 +535,37 @@ class BulkLane:
             ticket = self.ticket(address)
         try:
             await ticket
-            return await self._call(address, request, arrays)
+            # the places in line are given back once the receiver took the call (its
+            # method may wait for a later call, whose turn must come), not when it returns
+            return await self._call(address, request, arrays,
+                                    functools.partial(self.done_with, address, ticket))
         finally:
             if own:
                 self.done_with(address, ticket)
 
-    async def _call(self, address: str, request: dict, arrays: Sequence[np.ndarray]) -> Any:
+    async def _call(self, address: str, request: dict, arrays: Sequence[np.ndarray],
+                    started: Callable[[], None] = lambda: None) -> Any:
         sock, token = await self._connection(address)
+        answer: asyncio.Task | None = None
         try:
             header = pickle.dumps({**request, "shapes": [a.shape for a in arrays],
                                    "dtypes": [a.dtype for a in arrays]})
             payload = sum(int(a.nbytes) for a in arrays)
             loop = asyncio.get_running_loop()
             await loop.sock_sendall(sock, _REQUEST.pack(token, len(header), payload) + header)
+            # read while the payload is written: the receiver may say STARTED before
+            # reading it (a method waiting for a later call first)
+            answer = asyncio.ensure_future(_answer(sock, started))
+            answer.add_done_callback(_retrieved)
             scratch = self.scratch.take()
             try:
                 await _send_arrays(sock, arrays, scratch)
             finally:
                 self.scratch.give(scratch)
-            head = bytearray(_REPLY.size)
-            await _recv_exactly(sock, memoryview(head))
-            body = bytearray(_REPLY.unpack(head)[0])
-            await _recv_exactly(sock, memoryview(body))
+            body = await answer
         except BaseException:
+            if answer is not None:
+                answer.cancel()
             self._drop(sock)
             self._endpoints.pop(address, None)  # asked again: the worker may be new
             raise

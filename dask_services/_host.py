@@ -676,6 +676,9 @@ class ServiceHost:
             for arg in (*args, *kwargs.values()):
                 if isinstance(arg, IncomingBuffers):
                     arg.method_returned()  # read later, it would take the next call's bytes
+                    # a copy the method gave up on (a timeout) writes on in a thread until
+                    # told to stop: the caller may reuse its arrays once answered
+                    await arg.stopped()
 
     @staticmethod
     def _count(sender: Instance | None, receiver: Instance | None, nbytes: int) -> None:

@@ -409,6 +409,7 @@ class ServiceWorkerPlugin(WorkerPlugin):
         call = f"{request['method']}() from {request['source']} to {request['target']}"
 
         async def load() -> tuple[tuple, dict]:
+            await incoming.call_started()  # (called once the call took its turn)
             try:
                 args, kwargs = pickle.loads(request["args"])
             except Exception as exc:

@@ -703,3 +703,118 @@ def test_calls_waiting_for_a_busy_peer_do_not_hold_up_the_others():
     with mock.patch.object(_bulk, "CONNECTIONS_TOTAL", 8), \
             mock.patch.object(_bulk, "CONNECTIONS_PER_PEER", 2):
         assert asyncio.run(main())
+
+
+def test_a_call_taken_by_the_receiver_gives_its_place_in_line_to_the_next():
+    """A method that waits for a later call before reading its arrays (all the pieces
+    announced, then each read at its offset): the calls beyond CONNECTIONS_PER_PEER waited
+    for a place that the waiting methods held until they returned, for ever.  A call
+    holds its place until the receiver has taken it (``call_started``)."""
+    n = _bulk.CONNECTIONS_PER_PEER + 3
+    announced: dict[int, tuple[int, ...]] = {}
+    everyone = asyncio.Event()
+    out: list[np.ndarray] = []
+
+    async def handler(request: dict, incoming: IncomingBuffers) -> Any:
+        await incoming.call_started()  # as the worker does once the call took its turn
+        announced[request["i"]] = incoming.shapes[0]
+        if len(announced) == n:
+            out.append(np.zeros(sum(s[0] for s in announced.values())))
+            everyone.set()
+        await everyone.wait()
+        offset = sum(announced[j][0] for j in range(request["i"]))
+        await incoming.read_into([out[0][offset:offset + announced[request["i"]][0]]])
+        return request["i"]
+
+    async def main() -> list[Any]:
+        receiver, sender = await _lanes(handler)
+        try:
+            # large enough that a piece cannot wait in the sockets' buffers: its sender
+            # is still writing when the receiver says it took the call
+            pieces = [np.full(1_000_000 + i, float(i)) for i in range(n)]
+            calls = [sender.call("tcp://peer:1", {"i": i}, [p]) for i, p in enumerate(pieces)]
+            return await asyncio.wait_for(asyncio.gather(*calls), 30)
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    assert asyncio.run(main()) == list(range(n))
+    expected = np.concatenate([np.full(1_000_000 + i, float(i)) for i in range(n)])
+    np.testing.assert_array_equal(out[0], expected)
+
+
+def test_a_copy_given_up_on_stops_writing_its_destination():
+    """Arrays in memory (the same worker, or no lane) are copied in a thread, which went
+    on writing the destination after the read was given up on (a timeout) and after the
+    method returned; and read the sender's arrays, which the sender may change once its
+    call is answered.  It stops at its next step, and ``stopped()`` waits for that."""
+
+    async def main() -> tuple[bool, int, int]:
+        source = np.ones(50_000_000, dtype="u1")  # 50 MB: steps of COPY_STEP_BYTES
+        incoming = ArraysInMemory([source])
+        dst = np.zeros_like(source)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(incoming.read_into([dst]), 0.0001)
+        incoming.method_returned()
+        await incoming.stopped()  # as the host does before answering the call
+        written = int(dst.sum())
+        source[:] = 7  # the sender reuses its array once answered
+        copying = incoming._copying
+        return copying is not None and copying.done(), written, int((dst == 7).sum())
+
+    thread_over, written, after = asyncio.run(main())
+    assert thread_over
+    assert written < 50_000_000  # stopped part-way
+    assert after == 0  # nothing written once stopped
+
+
+class Announced(Service):
+    """Each instance sends the leader's instance its pieces as ``Buffers``, more calls at
+    once than the lane lets wait; the receiving method reads only once every piece is
+    announced, at the piece's offset in one array (the output)."""
+
+    async def start(self, *args: Any, pieces: int = 6, **kwargs: Any) -> None:
+        self.n = pieces * len(self.peers)
+        self.shapes: dict[tuple[str, int], tuple[int, ...]] = {}
+        self.everyone = asyncio.Event()
+        self.out: np.ndarray | None = None
+
+    async def add_key(self, key, data) -> None:
+        pass
+
+    async def all_inputs_done(self) -> None:
+        pieces = [np.full(200_000 + i, float(i)) for i in range(self.n // len(self.peers))]
+        await asyncio.gather(*(self.peers[self.leader].piece(str(self.id), i, Buffers([p]))
+                               for i, p in enumerate(pieces)))
+        if self.id == self.leader:
+            await self.concierge.produce_key(self.output_keys[0], self.out)
+
+    @rpc
+    async def piece(self, sender: str, i: int, incoming: IncomingBuffers) -> None:
+        self.shapes[sender, i] = incoming.shapes[0]
+        if len(self.shapes) == self.n:
+            self.out = np.zeros(sum(s[0] for s in self.shapes.values()))
+            self.everyone.set()
+        await self.everyone.wait()
+        order = sorted(self.shapes)
+        offset = sum(self.shapes[k][0] for k in order[:order.index((sender, i))])
+        await incoming.read_into([self.out[offset:offset + self.shapes[sender, i][0]]])
+
+
+@pytest.mark.parametrize("lane", [True, False])
+@service_cluster()
+async def test_a_method_may_wait_for_later_calls_before_reading(c, s, a, b, lane):
+    """Written once for the lane and the comms, as the README says: with the lane, calls
+    beyond CONNECTIONS_PER_PEER to one worker waited for ever behind methods that waited
+    for them."""
+    with dask.config.set({"dask_services.bulk-lane": lane}):
+        (out,) = service_task(Announced, [dask.delayed(abs)(i) for i in range(2)],
+                              outputs=1, pieces=_bulk.CONNECTIONS_PER_PEER + 2)
+        got = await asyncio.wait_for(c.compute(out), 60)
+    per = _bulk.CONNECTIONS_PER_PEER + 2
+    # pieces in (sender id, i) order: each sender's pieces 0..per-1
+    expected = np.concatenate([np.full(200_000 + i, float(i))
+                               for _ in range(2) for i in range(per)])
+    np.testing.assert_array_equal(got, expected)
+    del out
+    await assert_nothing_left(s, [a, b])
