@@ -190,6 +190,16 @@ class ServiceTaskProcessing:
 
 
 @dataclass(frozen=True)
+class ServiceTaskExecuting:
+    """The service task started waiting for its outcome on ``worker`` without having it
+    there: the scheduler may have moved it without a transition (work stealing takes a
+    task from a worker's queue to another's), so an outcome sent before went elsewhere."""
+
+    worker: str
+    stimulus_id: str = stimulus_field("service-task-executing")
+
+
+@dataclass(frozen=True)
 class OutcomeUndelivered:
     """The outcome could not be delivered: the service task left ``processing`` on the
     worker it was meant for; it runs on ``worker`` now (None: nowhere yet)."""
@@ -268,6 +278,7 @@ Event = (
     | WantedGrew
     | WorkerLost
     | ServiceTaskProcessing
+    | ServiceTaskExecuting
     | OutcomeUndelivered
     | ServiceTaskReleased
     | ServiceTaskDone

@@ -70,6 +70,7 @@ from dask_services._run_events import (
     RunFailed,
     RunNeeded,
     ServiceTaskDone,
+    ServiceTaskExecuting,
     ServiceTaskForgotten,
     ServiceTaskProcessing,
     ServiceTaskReleased,
@@ -499,6 +500,19 @@ class ServiceTaskMachine:
         if not self.input_keys and self._may_start():
             return [PrepareRun()]  # nothing to hand off: the task itself needs the run
         return []
+
+    def _on_ServiceTaskExecuting(self, ev: ServiceTaskExecuting) -> list[Action]:
+        if ev.worker == self.task_worker:
+            return []  # an outcome decided went there, or will
+        # moved without a transition (work stealing): the outcome decided, if any, went
+        # to a worker that dropped it with the task; it goes to this one
+        self.task_worker = None
+        if self.pending_outcome is None and self.failure is not None:
+            self.pending_outcome = (self.failure,)
+        elif self.pending_outcome is None and self.run is not None and self.run.concluded:
+            self.pending_outcome = (None,)
+        return self._on_ServiceTaskProcessing(
+            ServiceTaskProcessing(ev.worker, stimulus_id=ev.stimulus_id))
 
     def _on_OutcomeUndelivered(self, ev: OutcomeUndelivered) -> list[Action]:
         # deliver the outcome wherever the service task runs next

@@ -126,6 +126,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
             "service-failed": self._guard(self._on_failed),
             "service-restart": self._guard(self._on_restart),
             "service-hooks-returned": self._guard(self._on_hooks_returned),
+            "service-task-executing": self._guard(self._on_task_executing),
         })
         scheduler.handlers["service_run_info"] = self.run_info
         scheduler.handlers["service_story"] = self.story
@@ -688,6 +689,15 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
     def _on_started(self, service_key: Key, run_id: int, id: str, worker: str = "") -> None:
         self._event(service_key, run_events.InstanceStarted(
             run_id, ServiceId(id), stimulus_id=run_model.new_stimulus_id(f"service-started-{id}")))
+
+    def _on_task_executing(self, key: Key, worker: str = "") -> None:
+        """The service task waits for its outcome on ``worker``, which does not have it."""
+        ts = self.scheduler.tasks.get(key)
+        if key not in self.machines or ts is None or ts.processing_on is None \
+                or ts.processing_on.address != worker:
+            return  # no longer (or not yet) meant to run there: a transition will say
+        self._event(key, run_events.ServiceTaskExecuting(
+            worker, stimulus_id=run_model.new_stimulus_id("service-task-executing")))
 
     def _on_handed_off(self, service_key: Key, run_id: int, key: Key, worker: str = "",
                        id: str | None = None) -> None:

@@ -559,6 +559,11 @@ class ServiceWorkerPlugin(WorkerPlugin):
             self.outcomes.pop(service_key, None)
             return ("cancelled", None)
         fut = self._outcome(service_key)
+        if not fut.done():
+            # the scheduler may have moved the task here without a transition its plugin
+            # sees (work stealing), after sending the outcome where it was queued before
+            self.worker.batched_stream.send({"op": "service-task-executing",
+                                             "key": service_key})
         try:
             return await fut
         finally:

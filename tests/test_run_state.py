@@ -743,3 +743,45 @@ def test_an_error_taken_by_a_stale_execution_reaches_the_next_one():
     m.handle(run_events.ServiceTaskDone(erred=True))
     assert m.failure is None
     m.validate()
+
+
+@pytest.mark.parametrize("fails", [True, False])
+def test_an_outcome_goes_again_to_a_service_task_moved_without_a_transition(fails):
+    """Work stealing moves a task from one worker's queue to another's without a
+    transition the plugin sees: the outcome went to the first worker, which dropped it
+    with the task, and the service task waited on the second for ever.  Its execution
+    there says so (``ServiceTaskExecuting``), and it gets the outcome decided."""
+    m = machine()
+    assert m.handle(run_events.ServiceTaskProcessing(WORKERS[0])) == []
+    need(m)
+    start_all(m)
+    for k in INPUTS:
+        m.handle(run_events.InputHandedOff(1, k))
+    if fails:
+        told = m.handle(run_events.RunFailed(1, ValueError("boom")))
+    else:
+        m.handle(run_events.OutputProduced(1, "o0", WORKERS[0]))
+        m.handle(run_events.OutputProduced(1, "o1", WORKERS[1]))
+        m.handle(run_events.OutputLanded("o0"))
+        told = m.handle(run_events.OutputLanded("o1"))
+    (first,) = [a for a in told if isinstance(a, run_events.NotifyServiceTask)]
+    assert first.worker == WORKERS[0]
+    # an execution where the outcome went: nothing more to say
+    assert m.handle(run_events.ServiceTaskExecuting(WORKERS[0])) == []
+    (again,) = m.handle(run_events.ServiceTaskExecuting(WORKERS[1]))
+    assert isinstance(again, run_events.NotifyServiceTask) and again.worker == WORKERS[1]
+    assert (again.error is first.error) if fails else again.error is None
+    assert m.handle(run_events.ServiceTaskExecuting(WORKERS[1])) == []  # told once
+    m.validate()
+
+
+def test_a_service_task_moved_while_its_run_goes_on_gets_the_outcome_where_it_waits():
+    m = machine()
+    m.handle(run_events.ServiceTaskProcessing(WORKERS[0]))
+    need(m)
+    start_all(m)
+    assert m.handle(run_events.ServiceTaskExecuting(WORKERS[1])) == []  # nothing decided
+    told = m.handle(run_events.RunFailed(1, ValueError("boom")))
+    (notify,) = [a for a in told if isinstance(a, run_events.NotifyServiceTask)]
+    assert notify.worker == WORKERS[1]
+    m.validate()
