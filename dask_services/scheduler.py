@@ -20,11 +20,13 @@ cut and restored), ``loose_restrictions``, ``resource_restrictions`` and ``prior
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+import dask.config
 from dask.typing import Key
 from dask.utils import parse_timedelta
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -961,6 +963,7 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         definition = self.definitions.get(service_key)
         name = definition.service_class.__name__ if definition else "?"
         machine = machine or self.machines.get(service_key)
+        action = _within_error_length(action)
         if machine is not None and self.observers:
             run = machine.run.snapshot() if machine.run is not None else None
             self._tell("run_logged", RunLogEntry(
@@ -982,3 +985,17 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
         with its time and stimulus id.  Forgotten service tasks are kept too, up to
         ``dask_services.story.runs`` of them."""
         return story_entries(self.machines, self.archive, self.output_of, key, run_id)
+
+
+def _within_error_length(action: run_events.Log) -> run_events.Log:
+    """``action`` with its detail cut to ``distributed.admin.max-error-length``
+    characters, as distributed cuts a task's error text: the event log, the logger, the
+    status table and the run history keep it, and a 50 MB exception message kept there
+    in full took the scheduler from 64 MB to 1.4 GB after two failures."""
+    limit = dask.config.get("distributed.admin.max-error-length", 10_000)
+    detail = action.detail
+    if not isinstance(limit, int) or limit <= 0 or len(detail) <= limit:
+        return action
+    return dataclasses.replace(
+        action, detail=detail[:limit] + f"... ({len(detail) - limit} characters cut)")
+
