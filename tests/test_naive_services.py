@@ -1827,3 +1827,39 @@ async def test_memory_a_failed_run_left_in_reference_cycles_is_freed_at_once(c, 
     finally:
         if enabled:
             gc.enable()
+
+
+class Unmeasurable:
+    """Pickles, but its ``__sizeof__`` raises."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __sizeof__(self):
+        raise RuntimeError("sizeof refuses")
+
+
+class PassesUnmeasurable(Service):
+    async def add_key(self, key, data):
+        pass
+
+    async def all_inputs_done(self):
+        others = [sid for sid in sorted(self.peers) if sid != self.id]
+        got = [(await self.peers[sid].echo(Unmeasurable(7))).value for sid in others]
+        for key in self.concierge.wanted_outputs:
+            if self.concierge.owner(key) == self.id:
+                await self.concierge.produce_key(key, got)
+
+    @dask_services.rpc
+    async def echo(self, thing):
+        return Unmeasurable(thing.value * 2)
+
+
+@service_cluster()
+async def test_arguments_and_results_whose_sizeof_raises_pass_between_workers(c, s, a, b):
+    # (refused as "could not be serialized", though they pickle, and pass on one worker)
+    outs = c.compute(dask_services.service_task(
+        PassesUnmeasurable, [dask.delayed(inc)(i) for i in range(2)], outputs=2))
+    assert await asyncio.wait_for(c.gather(outs), 30) == [[14], [14]]
+    del outs
+    await assert_nothing_left(s, [a, b])
