@@ -32,7 +32,7 @@ from dask_services._known_sizes import checked_nbytes, remember
 from dask_services._messages import (
     callable_name,
     contained,
-    future_safe,
+    raise_future_safe,
     without_stop_iteration,
 )
 from dask_services._payload import known_arguments_nbytes
@@ -817,7 +817,4 @@ async def _called(fn: Callable[..., Any], args: tuple, kwargs: dict, what: str) 
     except (StopIteration, RuntimeError) as e:
         # a StopIteration (from a plain def, or turned by Python into "coroutine raised
         # StopIteration", which names nothing) as a RuntimeError naming the hook
-        safe = future_safe(e, what, fails="the run")
-        if safe is e:
-            raise
-        raise safe from safe.__cause__
+        raise_future_safe(e, what, fails="the run")

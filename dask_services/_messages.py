@@ -12,7 +12,7 @@ import functools
 import pickle
 import traceback
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from distributed.protocol import pickle as dask_pickle
 from distributed.protocol.serialize import Serialize, ToPickle
@@ -148,6 +148,15 @@ def future_safe(exc: BaseException, what: str, fails: str = "the call",
         error.__cause__ = exc
         return error
     return contained(exc, what, fails, how)
+
+
+def raise_future_safe(exc: BaseException, what: str, fails: str = "the call") -> NoReturn:
+    """Raise ``exc`` as :func:`future_safe` makes it (``exc`` itself where it is safe as
+    it is), from within the ``except`` clause that caught it."""
+    safe = future_safe(exc, what, fails)
+    if safe is exc:
+        raise exc
+    raise safe from safe.__cause__
 
 
 def without_stop_iteration(fn: Callable[..., T], what: str | None = None

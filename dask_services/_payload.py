@@ -29,6 +29,7 @@ from distributed.protocol.serialize import (
 )
 from distributed.utils import offload
 
+from dask_services._counters import size_of
 from dask_services._quiet import quietly
 from dask_services.service import PeerCallError
 
@@ -94,16 +95,6 @@ def _deserialize(packed: Packed) -> Any:
     return deserialize(packed.header, packed.frames)
 
 
-def _measured(value: Any) -> int:
-    """``sizeof(value)``; 0 where it raises (a ``__sizeof__`` of the service's own): the
-    value is then serialized on the loop, as distributed takes such a value to be small,
-    rather than refused as one that "could not be serialized"."""
-    try:
-        return int(sizeof(value))
-    except Exception:
-        return 0
-
-
 def _large(nbytes: int) -> bool:
     return bool(OFFLOAD_THRESHOLD) and nbytes > OFFLOAD_THRESHOLD
 
@@ -113,7 +104,9 @@ async def pack(value: Any, what: str, nbytes: int | None = None) -> Packed:
     size is ``nbytes`` if given, else measured); :class:`PeerCallError` naming ``what`` if
     it cannot be."""
     try:
-        if _large(_measured(value) if nbytes is None else nbytes):
+        if _large(size_of(value) if nbytes is None else nbytes):
+            # (0 where sizeof raises: serialized here, as distributed takes such a value
+            # to be small, rather than refused as one that "could not be serialized")
             return await offload(_serialize, value)
         return _serialize(value)
     except Exception as exc:

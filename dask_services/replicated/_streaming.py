@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from distributed.comm.core import CommClosedError
 from distributed.core import Status
 
-from dask_services._messages import dumps_exception, future_safe, loads_exception
+from dask_services._messages import dumps_exception, loads_exception, raise_future_safe
 from dask_services._worker_context import in_current_context
 from dask_services.config import setting
 from dask_services.replicated._errors import (
@@ -73,10 +73,7 @@ def _step(gen: Any, what: str) -> Any:
     except StopIteration:
         return _END
     except BaseException as e:  # ("generator raised StopIteration" named: future_safe)
-        safe = future_safe(e, what, fails="the stream")
-        if safe is e:
-            raise
-        raise safe from safe.__cause__
+        raise_future_safe(e, what, fails="the stream")
 
 
 async def _anext(gen: Any, what: str) -> Any:
@@ -89,10 +86,7 @@ async def _anext(gen: Any, what: str) -> Any:
     except asyncio.CancelledError:
         raise
     except BaseException as e:  # ("async generator raised StopIteration" named)
-        safe = future_safe(e, what, fails="the stream")
-        if safe is e:
-            raise
-        raise safe from safe.__cause__
+        raise_future_safe(e, what, fails="the stream")
 
 
 async def _credits(comm: Any, credit: list[int], more: asyncio.Event) -> str:
