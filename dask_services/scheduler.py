@@ -181,6 +181,39 @@ class ServiceSchedulerPlugin(SchedulerPlugin):
 
     def update_graph(self, scheduler: Scheduler, *, keys: Any, tasks: Any = (),
                      **kwargs: Any) -> None:
+        known = set(self.machines)
+        try:
+            self._take_in(scheduler, keys, tasks)
+        except Exception as exc:
+            # distributed logs a plugin's exception here and goes on with the graph: a
+            # service task it made would wait for a run nothing prepares
+            logger.exception("dask_services: taking in a graph failed")
+            self._reject_new_service_tasks(tasks, known, exc)
+
+    def _reject_new_service_tasks(self, keys: Any, known: set[Key],
+                                  exc: Exception) -> None:
+        """Each service task this graph brought fails with ``exc`` named, once it runs."""
+        tasks = self.scheduler.tasks
+        for key in keys:
+            ts = tasks.get(key)
+            if ts is None or key in known or not isinstance(ts.run_spec, ServiceTaskSpec):
+                continue
+            try:
+                if key not in self.machines:
+                    definition = ts.run_spec.definition
+                    self.machines[key] = rs.ServiceTaskMachine(
+                        key, definition.input_keys, definition.output_keys,
+                        self.max_restarts)
+                self._event(key, run_events.GraphRejected(
+                    ServiceGraphError(
+                        f"the scheduler could not take in service task {key!r}: "
+                        f"{type(exc).__name__}: {exc} (its traceback is in the "
+                        "scheduler's log); nothing of it ran"),
+                    stimulus_id=run_model.new_stimulus_id("update-graph")))
+            except Exception:
+                logger.exception("dask_services: could not reject service task %r", key)
+
+    def _take_in(self, scheduler: Scheduler, keys: Any, tasks: Any) -> None:
         tasks_ = scheduler.tasks
         new_services = []
         for key in tasks:

@@ -251,3 +251,29 @@ async def test_a_paused_worker_gives_freed_memory_back(c, s, a, b, monkeypatch):
     await ext._check_memory()
     assert len(trims) == 3
     a.status = Status.running
+
+
+@pytest.mark.parametrize("step", ["_register", "_order_inputs", "_restrict_handoff"])
+@service_cluster()
+async def test_a_failure_taking_in_the_graph_errs_the_service_task(c, s, a, b, step):
+    """distributed logs an exception out of a scheduler plugin's graph intake and goes on
+    with the graph: the service task then waited for ever for a run nothing prepared.  It
+    fails now, naming what went wrong, and the next graph runs."""
+    plugin = s.plugins["dask_services"]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("intake broke here")
+
+    setattr(plugin, step, broken)
+    xs = [dask.delayed(inc)(i) for i in range(4)]
+    outs = c.compute(dask_services.service_task(Recorder, xs, outputs=2))
+    for fut in outs:
+        exc = await assert_errs(fut, dask_services.ServiceGraphError,
+                                "could not take in service task")
+        assert "RuntimeError: intake broke here" in str(exc)
+    s.validate_state()
+    delattr(plugin, step)
+    del outs, fut
+    await assert_nothing_left(s, [a, b])
+    outs = c.compute(dask_services.service_task(Recorder, xs, outputs=2))
+    assert len(await c.gather(outs)) == 2
