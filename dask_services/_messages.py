@@ -44,12 +44,60 @@ def dumps_exception(exc: BaseException) -> bytes:
         return original
     text = _traceback_text(exc)
     summary = describe_exception(exc)
-    try:
-        payload = quietly(dask_pickle.dumps, exc)
-        dask_pickle.loads(payload)
-    except Exception:
+    payload = _loadable_pickle(exc)
+    if payload is None and _printable(exc):  # (one that is not stays a RuntimeError
+        payload = _loadable_pickle(_ByParts(exc))  # that says so, as before)
+    if payload is None:
         payload = dask_pickle.dumps(RuntimeError(summary))
     return pickle.dumps((payload, text, summary))
+
+
+def _loadable_pickle(obj: Any) -> bytes | None:
+    try:
+        payload = quietly(dask_pickle.dumps, obj)
+        quietly(dask_pickle.loads, payload)
+    except Exception:
+        return None
+    return payload
+
+
+def _printable(exc: BaseException) -> bool:
+    try:
+        str(exc)
+    except Exception:
+        return False
+    return True
+
+
+class _ByParts:
+    """Pickles an exception as its class, ``args`` and attributes, rebuilt without
+    calling its ``__init__``: pickle calls ``cls(*args)``, which fails for a class whose
+    ``__init__`` takes other arguments than it gives ``Exception`` (a keyword-only one,
+    a message made of two), and such an exception lost its type on its way."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def __reduce__(self) -> tuple:
+        exc = self.exc
+        made_with = exc.args
+        if isinstance(exc, OSError) and exc.filename is not None:
+            # OSError.__new__ sets errno, strerror and the file names from its arguments
+            made_with = (exc.errno, exc.strerror, exc.filename, None, exc.filename2)
+        # an attribute that does not pickle (a lock, an open file) stays behind
+        attributes = {name: value for name, value in getattr(exc, "__dict__", {}).items()
+                      if _loadable_pickle(value) is not None}
+        return _rebuilt, (type(exc), made_with, exc.args, attributes)
+
+
+def _rebuilt(cls: type[BaseException], made_with: tuple, args: tuple,
+             attributes: dict) -> BaseException:
+    exc = cls.__new__(cls, *made_with)
+    if isinstance(exc, OSError):  # whose __new__ leaves them to an __init__ of its own
+        OSError.__init__(exc, *made_with)
+    exc.args = args
+    exc.__dict__.update(attributes)
+    return exc
 
 
 _NOTE = "Raised by a service instance:\n"

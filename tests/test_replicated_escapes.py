@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import dask
 import pytest
 from distributed import Client, LocalCluster
-from unruly_services import Unruly
+from unruly_services import Coded, Unruly
 from utils import validate_scheduler
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
@@ -130,3 +130,13 @@ def _outcome(call):
         return call.result(timeout=WAIT)
     except Exception as e:  # noqa: BLE001 - the outcome is what the test looks at
         return e
+
+
+def test_an_endpoint_exception_whose_init_takes_other_arguments_keeps_its_type(unruly):
+    """It came to the caller as a ``RuntimeError``: pickle remakes an exception as
+    ``cls(*args)``, which its ``__init__`` refuses."""
+    client, svc = unruly
+    with pytest.raises(Coded, match="5: from a replica") as info:
+        svc.coded.route(5).result(timeout=WAIT)
+    assert info.value.code == 5
+    assert [r["state"] for r in svc.replicas()] == ["healthy"]

@@ -1,6 +1,7 @@
 """A replicated service whose endpoints let out what an ``Exception`` handler does not
 catch (importable by worker processes): ``KeyboardInterrupt``, ``SystemExit``,
-``GeneratorExit`` and ``StopIteration``, raised or given as a batch's result."""
+``GeneratorExit`` and ``StopIteration``, raised or given as a batch's result; and one
+raising an exception that pickle cannot remake."""
 
 from __future__ import annotations
 
@@ -11,6 +12,14 @@ import dask_services
 # what a batch's request asks its slot to hold
 SLOT = {"kb": KeyboardInterrupt("in a slot"), "exit": SystemExit("in a slot"),
         "stop": StopIteration(), "genexit": GeneratorExit()}
+
+
+class Coded(Exception):
+    """Its ``__init__`` takes a keyword-only argument it does not give ``Exception``."""
+
+    def __init__(self, code, *, reason):
+        super().__init__(f"{code}: {reason}")
+        self.code = code
 
 
 class Unruly(dask_services.Service):
@@ -24,6 +33,10 @@ class Unruly(dask_services.Service):
     async def sleeps(self, seconds):
         await asyncio.sleep(seconds)
         return seconds
+
+    @dask_services.endpoint
+    async def coded(self, code):
+        raise Coded(code, reason="from a replica")
 
     @dask_services.endpoint
     async def interrupted(self):
