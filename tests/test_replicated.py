@@ -992,3 +992,31 @@ async def test_a_handle_whose_client_was_closed_uses_the_default_client(c, s, *w
     assert await svc.add.route(2) == 12  # through c, the default client
     await svc.shutdown()
     await assert_nothing_left(s, workers)
+
+
+@cluster()
+async def test_a_name_taken_says_by_what(c, s, *workers):
+    """A second deployment of a name was refused as "already deployed" while the first
+    was still setting up or shutting down; it now says which, and what to do."""
+    deploy = asyncio.ensure_future(
+        Adder.options(replicas=1, name="taken").as_service(setup_gate="setup", client=c))
+    await reached("setup")
+    with pytest.raises(DeploymentError, match=r"'taken' is being deployed \(this client's "
+                                              r"as_service\(\) has not returned yet\)"):
+        await Adder.options(name="taken").as_service(client=c)
+    GATES["setup"].set()
+    svc = await deploy
+    with pytest.raises(DeploymentError, match="'taken' is already deployed"):
+        await Adder.options(name="taken").as_service(client=c)
+    held = asyncio.ensure_future(svc.wait_for.route("held", 1))
+    await async_poll_for(lambda: "held" in GATES, timeout=10)  # the call is running
+    stopping = asyncio.ensure_future(svc.shutdown(timeout=30))
+    plugin = s.plugins["dask_services_replicated"]
+    await async_poll_for(lambda: plugin.deployments["taken"].stopping, timeout=10)
+    with pytest.raises(DeploymentError, match="'taken' is still shutting down; deploy it "
+                                              r"again once its shutdown\(\) returned"):
+        await Adder.options(name="taken").as_service(client=c)
+    GATES["held"].set()
+    assert await held == 1
+    await stopping
+    await assert_nothing_left(s, workers)

@@ -12,7 +12,7 @@ from distributed.utils_test import async_poll_for
 from replicated_services import GATES, Adder
 from test_replicated import assert_nothing_left, cluster, hosted
 
-from dask_services.replicated import _scheduler
+from dask_services.replicated import DeploymentError, _scheduler
 
 pytestmark = pytest.mark.timeout(60)
 EXT = "dask_services_replicated"
@@ -39,8 +39,11 @@ async def test_an_as_service_whose_client_closes_is_shut_down(c, s, *workers):
         setup_gate="closed-meanwhile", client=other))
     await async_poll_for(lambda: "closed-meanwhile-reached" in GATES, timeout=20)
     await other.close()
-    with pytest.raises(CommClosedError):  # its connection to the scheduler closed
+    # (a CommClosedError naming the connection, before)
+    with pytest.raises(DeploymentError, match="as_service.. of orphan was cut short: its "
+                                              "client closed while it waited") as info:
         await deploying
+    assert isinstance(info.value.__cause__, CommClosedError)
     # the client could not send the shutdown: the scheduler saw it leave
     await assert_nothing_left(s, workers)
     events = [e for _, e in await c.get_events("dask_services")

@@ -121,7 +121,9 @@ async def _deploy(client: Any, handle: ReplicatedService, blob: bytes,
                 raise ServiceShutdown(result["error"])
             raise DeploymentError(f"deploying {handle.name} failed: {result['error']}")
         await handle._refresh()
-    except BaseException:
+    except BaseException as e:
+        closed = client.status in ("closing", "closed") and isinstance(
+            e, (OSError, RuntimeError, asyncio.CancelledError))
         if left:
             # interrupted (cancelled, timed out by the caller, the client closing) with
             # the deployment perhaps made: no one holds a handle, so it goes.  The uid is
@@ -130,6 +132,11 @@ async def _deploy(client: Any, handle: ReplicatedService, blob: bytes,
             # stops.  (The scheduler also shuts it down should this client leave before
             # it could send this.)
             _send_shutdown(scheduler, handle.name, handle._uid)
+        if closed:  # (a CommClosedError naming a connection, or the pool "closed")
+            raise DeploymentError(
+                f"as_service() of {handle.name} was cut short: its client closed while "
+                "it waited; the deployment is shut down (the scheduler shuts down a "
+                "deployment whose deploying client left)") from e
         raise
     return handle
 

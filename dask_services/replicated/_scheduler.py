@@ -53,6 +53,20 @@ HANDLERS = ("replicated_deploy", "replicated_wait", "replicated_table", "replica
             "replicated_wake")
 
 
+def _name_taken(dep: Deployment, client: str | None) -> str:
+    """Why a deployment of ``dep``'s name is refused, as the one holding it stands."""
+    name = dep.name
+    if dep.stopping:
+        return (f"a service named {name!r} is still shutting down; deploy it again once "
+                "its shutdown() returned, or pick another options(name=...)")
+    if dep.deploying_client is not None:
+        whose = "this client's" if dep.deploying_client == client else "another client's"
+        return (f"a service named {name!r} is being deployed ({whose} as_service() has "
+                "not returned yet); pick another options(name=...), or use the handle "
+                "that as_service() returns")
+    return f"a service named {name!r} is already deployed; pick another options(name=...)"
+
+
 class Deployments(SchedulerPlugin):
     """Every replicated service deployed on this scheduler (a scheduler plugin and
     extension, ``EXTENSION``)."""
@@ -183,8 +197,7 @@ class Deployments(SchedulerPlugin):
         deployment's, made by that client, so that it can shut the deployment down even
         when it was interrupted before this answered."""
         if name in self.deployments:
-            return {"status": "error", "error": f"a service named {name!r} is already "
-                                                "deployed; pick another options(name=...)"}
+            return {"status": "error", "error": _name_taken(self.deployments[name], client)}
         policy = None
         if autoscaling is not None:
             policy = AutoscalePolicy(AutoscalingConfig(**autoscaling))
