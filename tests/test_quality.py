@@ -60,7 +60,7 @@ def test_every_public_name_of_the_subpackages_has_a_docstring(module):
 # ------------------------------------------------------------------ the core names no extension
 
 CORE = ("service", "_run_state", "_run_events", "_run_model", "_run_story", "_run_placement",
-        "_run_log", "scheduler", "worker", "_host", "graph")
+        "_run_log", "_graph_intake", "scheduler", "worker", "_host", "graph")
 EXTENSIONS = ("dask_services.replicated", "dask_services.dataframe", "dask_services.array",
               "dask_services._observe", "dask_services._status", "dask_services._metrics",
               "dask_services.dashboard", "dask_services.cli")
