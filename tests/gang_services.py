@@ -94,3 +94,41 @@ class Sleeper(dask_services.Service):
     async def work(self, x: int) -> int:
         await asyncio.sleep(self.seconds)
         return x + 1
+
+
+class UnrulyGang(dask_services.Service):
+    """Rank 1 lets out what an ``Exception`` handler does not catch, from an endpoint or
+    from an ``@rpc`` method rank 0 calls (``what``: "kb", "exit", "genexit", "stop")."""
+
+    @staticmethod
+    def _let_out(what: str) -> None:
+        if what == "kb":
+            raise KeyboardInterrupt("on rank 1")
+        if what == "exit":
+            raise SystemExit(3)
+        if what == "genexit":
+            raise GeneratorExit()
+        if what == "stop":
+            next(iter([]))
+
+    @dask_services.endpoint
+    async def on_every_rank(self, what: str) -> int:
+        if self.rank == 1:
+            self._let_out(what)
+        return self.rank
+
+    @dask_services.endpoint
+    def on_every_rank_sync(self, what: str) -> int:
+        if self.rank == 1:
+            self._let_out(what)
+        return self.rank
+
+    @dask_services.rpc
+    async def part(self, what: str) -> int:
+        if self.rank == 1:
+            self._let_out(what)
+        return self.rank
+
+    @dask_services.endpoint(ranks="first")
+    async def through_rank_calls(self, what: str) -> list[int]:
+        return list(await asyncio.gather(*(self.ranks[r].part(what) for r in self.ranks)))

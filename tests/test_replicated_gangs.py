@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import dask
 import pytest
 from distributed import Worker
 from distributed.utils_test import async_poll_for
-from gang_services import Sharded
+from gang_services import Sharded, UnrulyGang
 from test_replicated import assert_nothing_left, cluster, hosted
 
 from dask_services.replicated import _lifecycle as lc
@@ -248,3 +249,45 @@ def test_gangs_competing_for_too_few_worker_processes():
         b.shutdown()
         a.shutdown()
         poll_for(lambda: not any(_hosted_by_process(client).values()), timeout=20)
+
+
+@pytest.fixture(scope="module")
+def unruly_gang():
+    from distributed import Client
+
+    with _process_cluster(n_workers=2) as lc_, Client(lc_) as client:
+        svc = UnrulyGang.options(procs_per_replica=2).as_service(client=client)
+        try:
+            yield client, svc
+        finally:
+            svc.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("endpoint", ["on_every_rank", "on_every_rank_sync",
+                                      "through_rank_calls"])
+@pytest.mark.parametrize("what, match", [
+    ("kb", r"raised KeyboardInterrupt\('on rank 1'\), which is not an Exception"),
+    ("exit", r"raised SystemExit\(3\), which is not an Exception"),
+    ("genexit", r"raised GeneratorExit\(\), which is not an Exception"),
+    ("stop", r"raised StopIteration \(a next\(\) on an exhausted iterator\?"),
+])
+def test_a_rank_letting_it_out_fails_the_call_and_the_gang_goes_on(
+        unruly_gang, endpoint, what, match):
+    """Rank 1's part of a call (an endpoint run on every rank, or an ``@rpc`` method rank
+    0 calls) let a ``KeyboardInterrupt``, ``SystemExit`` or ``GeneratorExit`` out of the
+    task running it: it stopped the worker's event loop, the call was re-sent to the
+    relaunched gang and stopped the next worker, until the retries ran out (a
+    ``ServiceUnavailable`` after 9 attempts); a ``StopIteration`` from a sync endpoint
+    would never be the outcome of its future."""
+    from utils import validate_scheduler
+
+    client, svc = unruly_gang
+    before = client.run(os.getpid)
+    with pytest.raises(RuntimeError, match=match):
+        getattr(svc, endpoint).route(what).result(timeout=30)
+    assert svc.on_every_rank.route("nothing").result(timeout=30) == 0
+    assert client.run(os.getpid) == before
+    assert [r["state"] for r in svc.replicas()] == ["healthy"]
+    validate_scheduler(client)
