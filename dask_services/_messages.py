@@ -7,11 +7,12 @@ distributed's serialization (``Serialize``, ``ToPickle``) are unwrapped on arriv
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import pickle
 import traceback
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 
 from distributed.protocol import pickle as dask_pickle
@@ -205,6 +206,39 @@ def raise_future_safe(exc: BaseException, what: str, fails: str = "the call") ->
     if safe is exc:
         raise exc
     raise safe from safe.__cause__
+
+
+async def guarded(awaitable: Awaitable[T], what: str, fails: str) -> T:
+    """``await awaitable``, with what it raises that is not an ``Exception``
+    (``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit``) or that no future can carry
+    (``StopIteration``) made what :func:`future_safe` makes of it: a task letting out the
+    first stops the worker's event loop."""
+    try:
+        return await awaitable
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:
+        raise_future_safe(e, what, fails)
+
+
+def guarded_in_thread(fn: Callable[[], T], what: str, fails: str) -> Callable[[], T]:
+    """``fn``, for a thread whose outcome a future carries to the event loop, with the same
+    exceptions made safe as :func:`guarded` makes them, in the thread: set on that future,
+    a ``KeyboardInterrupt`` would stop the loop where it is awaited, and a
+    ``StopIteration`` could not be set (its awaiter waiting for ever)."""
+
+    @functools.wraps(fn)
+    def call() -> T:
+        try:
+            return fn()
+        except Exception as e:
+            if isinstance(e, StopIteration):
+                raise_future_safe(e, what, fails)
+            raise
+        except BaseException as e:
+            raise_future_safe(e, what, fails)
+
+    return call
 
 
 def without_stop_iteration(fn: Callable[..., T], what: str | None = None

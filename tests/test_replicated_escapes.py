@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import dask
 import pytest
 from distributed import Client, LocalCluster
-from unruly_services import Coded, Unruly
+from unruly_services import Coded, Unruly, UnrulyHooks, UnrulySyncHooks
 from utils import validate_scheduler
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
@@ -140,3 +140,64 @@ def test_an_endpoint_exception_whose_init_takes_other_arguments_keeps_its_type(u
         svc.coded.route(5).result(timeout=WAIT)
     assert info.value.code == 5
     assert [r["state"] for r in svc.replicas()] == ["healthy"]
+
+
+LET_OUT = [
+    ("kb", r"raised KeyboardInterrupt\('in a hook'\), which is not an Exception"),
+    ("exit", r"raised SystemExit\(3\), which is not an Exception"),
+    ("genexit", r"raised GeneratorExit\(\), which is not an Exception"),
+    ("stop", r"raised StopIteration \(a next\(\) on an exhausted iterator\?"),
+]
+HOOKS = [UnrulyHooks, UnrulySyncHooks]
+
+
+@pytest.mark.parametrize("cls", HOOKS, ids=["async", "sync"])
+@pytest.mark.parametrize("what, match", LET_OUT, ids=[w for w, _ in LET_OUT])
+def test_a_setup_letting_it_out_fails_the_deployment_and_the_worker_goes_on(
+        unruly, cls, what, match):
+    """``setup()``, ``check_health()`` and ``stop()`` of a replica letting out a
+    ``KeyboardInterrupt``, ``SystemExit`` or ``GeneratorExit`` stopped its worker's event
+    loop (every worker a relaunch reached, in the end none running); a ``StopIteration``
+    out of a plain-``def`` one could never be its outcome."""
+    client, _ = unruly
+    before = pids(client)
+    with pytest.raises(RuntimeError, match=r"setup\(\) of replica \S+ " + match):
+        cls.options(replicas=1).as_service("setup", what, client=client)
+    assert pids(client) == before
+    validate_scheduler(client)
+
+
+@pytest.mark.parametrize("cls", HOOKS, ids=["async", "sync"])
+@pytest.mark.parametrize("what", ["kb", "stop"])
+def test_a_probe_letting_it_out_relaunches_the_replica_and_the_worker_goes_on(
+        unruly, tmp_path, cls, what):
+    from distributed.utils_test import poll_for
+
+    client, _ = unruly
+    before = pids(client)
+    flag = tmp_path / "failing"
+    svc = cls.options(replicas=1).as_service("check_health", what, str(flag), client=client)
+    try:
+        first = svc.replicas()[0]["id"]
+        flag.touch()  # the next probe fails, and the replica is relaunched
+        poll_for(lambda: [r["id"] for r in svc.replicas()] not in ([first], []), timeout=30)
+        flag.unlink()
+        assert svc.ok.route().result(timeout=WAIT) == 1
+        assert pids(client) == before
+    finally:
+        svc.shutdown()
+    validate_scheduler(client)
+
+
+@pytest.mark.parametrize("cls", HOOKS, ids=["async", "sync"])
+@pytest.mark.parametrize("what", [w for w, _ in LET_OUT])
+def test_a_stop_letting_it_out_is_logged_and_the_worker_goes_on(unruly, cls, what):
+    client, _ = unruly
+    before = pids(client)
+    svc = cls.options(replicas=1).as_service("stop", what, client=client)
+    assert svc.ok.route().result(timeout=WAIT) == 1
+    svc.shutdown()
+    assert pids(client) == before
+    assert client.run(lambda dask_worker: dask_worker.status.name) == dict.fromkeys(
+        before, "running")
+    validate_scheduler(client)

@@ -6,6 +6,7 @@ raising an exception that pickle cannot remake."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import dask_services
 
@@ -85,3 +86,59 @@ class Unruly(dask_services.Service):
     def stopped_stream_sync(self):
         yield 0
         next(iter([]))
+
+
+def let_out(what: str) -> None:
+    if what == "kb":
+        raise KeyboardInterrupt("in a hook")
+    if what == "exit":
+        raise SystemExit(3)
+    if what == "genexit":
+        raise GeneratorExit()
+    if what == "stop":
+        next(iter([]))
+
+
+class UnrulyHooks(dask_services.Service):
+    """``hook`` ("setup", "check_health" once ``flag`` exists, or "stop") lets out
+    ``what`` (see :func:`let_out`)."""
+
+    async def setup(self, hook: str, what: str, flag: str | None = None) -> None:
+        self.hook, self.what, self.flag = hook, what, flag
+        if hook == "setup":
+            let_out(what)
+
+    async def check_health(self) -> bool:
+        if self.hook == "check_health" and os.path.exists(self.flag):
+            let_out(self.what)
+        return True
+
+    async def stop(self) -> None:
+        if self.hook == "stop":
+            let_out(self.what)
+
+    @dask_services.endpoint
+    async def ok(self) -> int:
+        return 1
+
+
+class UnrulySyncHooks(dask_services.Service):
+    """:class:`UnrulyHooks` with plain-``def`` hooks (run in threads)."""
+
+    def setup(self, hook: str, what: str, flag: str | None = None) -> None:
+        self.hook, self.what, self.flag = hook, what, flag
+        if hook == "setup":
+            let_out(what)
+
+    def check_health(self) -> bool:
+        if self.hook == "check_health" and os.path.exists(self.flag):
+            let_out(self.what)
+        return True
+
+    def stop(self) -> None:
+        if self.hook == "stop":
+            let_out(self.what)
+
+    @dask_services.endpoint
+    async def ok(self) -> int:
+        return 1

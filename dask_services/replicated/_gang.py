@@ -30,7 +30,13 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.protocol.serialize import to_serialize
 
-from dask_services._messages import dumps_exception, loads_exception, raise_future_safe, unwrap
+from dask_services._messages import (
+    dumps_exception,
+    guarded,
+    guarded_in_thread,
+    loads_exception,
+    unwrap,
+)
 from dask_services._worker_context import in_current_context
 from dask_services.replicated._errors import (
     ReplicaGone,
@@ -276,32 +282,11 @@ async def _run(rep: HostedReplica, method: str, args: tuple, kwargs: dict) -> An
     re-sent, the next worker's."""
     fn = getattr(rep.service, method)
     what = f"{rep.name}.{method} (rank {rep.gang.rank if rep.gang else 0})"
-    try:
-        if inspect.iscoroutinefunction(fn):
-            return await fn(*args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(
-            rep.executor, in_current_context(_contained_in_thread(
-                functools.partial(fn, *args, **kwargs), what)))
-    except asyncio.CancelledError:
-        raise
-    except BaseException as e:
-        raise_future_safe(e, what)
-
-
-def _contained_in_thread(fn: Callable[[], Any], what: str) -> Callable[[], Any]:
-    """``fn`` with what it raises that is not an ``Exception`` made a ``RuntimeError`` in
-    its own thread: set on the future that carries it to the loop, a ``GeneratorExit``
-    closed the connection of the call instead of failing it."""
-
-    def call() -> Any:
-        try:
-            return fn()
-        except Exception:
-            raise
-        except BaseException as e:
-            raise_future_safe(e, what)
-
-    return call
+    if inspect.iscoroutinefunction(fn):
+        return await guarded(fn(*args, **kwargs), what, "the call")
+    return await asyncio.get_running_loop().run_in_executor(
+        rep.executor, in_current_context(guarded_in_thread(
+            functools.partial(fn, *args, **kwargs), what, "the call")))
 
 
 async def gang_call(ext: ReplicaWorker, rep: HostedReplica, method: str, args: tuple,

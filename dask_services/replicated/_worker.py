@@ -24,7 +24,13 @@ from distributed.core import Status
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import pickle
 
-from dask_services._messages import describe_exception, dumps_exception, future_safe
+from dask_services._messages import (
+    describe_exception,
+    dumps_exception,
+    future_safe,
+    guarded,
+    guarded_in_thread,
+)
 from dask_services._worker_context import in_current_context, worker_handler
 from dask_services.replicated._batching import Batcher
 from dask_services.replicated._errors import (
@@ -251,13 +257,13 @@ class ReplicaWorker(WorkerPlugin):
         setup = getattr(rep.service, "setup", None)
         if setup is None:
             return
+        what = f"setup() of replica {rep.id}"
         if inspect.iscoroutinefunction(setup):
-            coro = setup(*args, **kwargs)
+            coro = guarded(setup(*args, **kwargs), what, "the setup")
         else:
             loop = asyncio.get_running_loop()
-            coro = loop.run_in_executor(
-                rep.executor, in_current_context(functools.partial(setup, *args, **kwargs))
-            )
+            coro = loop.run_in_executor(rep.executor, in_current_context(guarded_in_thread(
+                functools.partial(setup, *args, **kwargs), what, "the setup")))
         try:
             await within(coro, timeout)
         except Late:
@@ -317,10 +323,12 @@ class ReplicaWorker(WorkerPlugin):
             stop = getattr(rep.service, "stop", None)
             if stop is not None:
                 try:
+                    what = f"stop() of replica {rep.id}"
                     if inspect.iscoroutinefunction(stop):
-                        await asyncio.wait_for(stop(), 30)
+                        await asyncio.wait_for(guarded(stop(), what, "the stop"), 30)
                     else:  # never on the event loop
-                        await asyncio.wait_for(asyncio.to_thread(stop), 30)
+                        await asyncio.wait_for(asyncio.to_thread(
+                            guarded_in_thread(stop, what, "the stop")), 30)
                 except Exception:
                     logger.exception("stop() of replica %s raised", rep.id)
         finally:
@@ -361,11 +369,13 @@ class ReplicaWorker(WorkerPlugin):
         if check is None:
             return {"status": "ok"}
         try:
+            what = f"check_health() of replica {rep.id}"
             if inspect.iscoroutinefunction(check):
-                ok = await within(check(), timeout)
+                ok = await within(guarded(check(), what, "the probe"), timeout)
             else:
                 # Not in the replica's own threads: busy endpoints must not fail the probe.
-                ok = await within(asyncio.to_thread(check), timeout)
+                ok = await within(asyncio.to_thread(
+                    guarded_in_thread(check, what, "the probe")), timeout)
         except Late:
             return {"status": "error", "error": f"check_health() took longer than {timeout} s"}
         except Exception as e:
