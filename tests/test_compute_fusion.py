@@ -80,6 +80,38 @@ def test_an_already_fused_expression_is_left_as_it_is():
     assert expr.optimize()._name == _dask_optimize(expr)._name
 
 
+def chain_of_shuffles(steps: int) -> dd.DataFrame:
+    """Each shuffle followed by a step that reads the shuffled frame twice: the paths
+    through the expression double with each shuffle."""
+    frame = source(4)
+    for _ in range(steps):
+        frame = frame.shuffle("key", shuffle_method="service")
+        frame = frame.assign(value=frame.value + 1)
+    return frame
+
+
+def test_a_chain_of_shuffles_is_computed_unfused_where_fusing_it_costs_too_much():
+    """dask's fusion walks an expression once per path to each step: a chain of 20
+    shuffles each followed by such a step spent minutes in ``compute()`` before a task
+    ran (3.8 s at 12).  Past ``MAX_FUSED_PATHS`` the chain runs as dask's own
+    ``compute()`` runs it; a short one is still fused."""
+    from dask_services.dataframe._compute_fusion import (
+        MAX_FUSED_PATHS,
+        fused_if_shuffled,
+        paths_beyond,
+    )
+
+    long_chain = _dask_optimize(FinalizeCompute(chain_of_shuffles(20).expr))
+    assert paths_beyond(long_chain, MAX_FUSED_PATHS)
+    assert fused_if_shuffled(long_chain) is long_chain
+    short_chain = _dask_optimize(FinalizeCompute(chain_of_shuffles(2).expr))
+    assert not paths_beyond(short_chain, MAX_FUSED_PATHS)
+    assert fused_if_shuffled(short_chain) is not short_chain
+    expected = pd.concat([make(i) for i in range(4)]).value.sum() + 20 * 4 * 50
+    assert dask.compute(chain_of_shuffles(20).value.sum(), scheduler="sync")[0] == \
+        pytest.approx(expected)
+
+
 @service_cluster()
 async def test_compute_on_a_cluster_runs_fused_tasks_and_matches_pandas(c, s, a, b):
     src = source(8)
