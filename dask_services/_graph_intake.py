@@ -113,7 +113,10 @@ class GraphIntake:
             # an output's owner follows the key's meaning now (made again, as a claim or
             # a plain task, after it was forgotten while its service task stayed)
             if isinstance(ts.run_spec, OutputClaimSpec):
-                if ts.run_spec.service_key in self.machines:
+                machine = self.machines.get(ts.run_spec.service_key)
+                # (a claim its service task does not list, as dask's graph_manipulation
+                # makes by renaming keys, is refused below and never counted)
+                if machine is not None and key in machine.output_key_set:
                     self.output_of[key] = ts.run_spec.service_key
                 if self._is_orphan_claim(ts):
                     orphans.append(key)
@@ -225,7 +228,10 @@ class GraphIntake:
                 if dts.key not in self.output_of or self.output_of[dts.key] != ts.key:
                     problem = (
                         f"task {dts.key!r} depends on service task {ts.key!r} but is not "
-                        "one of its outputs; depend on the outputs instead"
+                        "one of its outputs; depend on the outputs instead (a graph whose "
+                        "keys were renamed after it was built, as dask.graph_manipulation's "
+                        "clone() and bind() rename them, still names the original service "
+                        "task inside its tasks: build the collection again instead)"
                     )
         elif isinstance(ts.run_spec, OutputClaimSpec) and len(ts.dependencies) > 1:
             problem = (

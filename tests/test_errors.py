@@ -277,3 +277,26 @@ async def test_a_failure_taking_in_the_graph_errs_the_service_task(c, s, a, b, s
     await assert_nothing_left(s, [a, b])
     outs = c.compute(dask_services.service_task(Recorder, xs, outputs=2))
     assert len(await c.gather(outs)) == 2
+
+
+@service_cluster()
+async def test_a_cloned_service_rechunk_is_refused_naming_clone_and_leaves_nothing(
+        c, s, a, b):
+    """dask.graph_manipulation.clone() renames a graph's keys but not the keys inside its
+    tasks: the cloned claims still name the original service task.  Refused, the plugin
+    kept each such claim as an output of that service task for good."""
+    import dask.array as da
+    import numpy as np
+    from dask.graph_manipulation import clone
+
+    x = da.from_array(np.arange(160_000.0).reshape(400, 400), chunks=(50, 400))
+    y = x.rechunk((400, 50), method="service")
+    plugin = s.plugins["dask_services"]
+    for _ in range(2):
+        futures = c.compute([y, clone(y, omit=x)])
+        errors = [await f.exception() for f in futures]
+        assert any(isinstance(e, dask_services.ServiceGraphError)
+                   and "clone() and bind() rename them" in str(e) for e in errors), errors
+        del futures, errors
+        await assert_nothing_left(s, [a, b])
+        assert not plugin.output_of
