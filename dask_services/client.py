@@ -10,7 +10,7 @@ from typing import Any
 
 import dask
 from dask.base import is_dask_collection, tokenize
-from dask.core import flatten
+from dask.core import flatten, validate_key
 from dask.delayed import Delayed
 from dask.highlevelgraph import HighLevelGraph
 from dask.typing import Key
@@ -96,8 +96,11 @@ def _output_names(outputs: int | Sequence[Key], name: str, token: str) -> tuple[
         raise TypeError("outputs must be a number of outputs or a list of output keys, got "
                         f"a {type(outputs).__name__}") from None
     for k in names:
-        if not isinstance(k, (str, int, tuple)):
-            raise TypeError(f"output key {k!r} is not a valid dask key (str, int or tuple)")
+        try:  # dask's own rule: str, int, float, or a tuple of those (nested)
+            validate_key(k)
+        except TypeError as e:
+            raise TypeError(f"output key {k!r} is not a valid dask key ({e}): give str, "
+                            "int or float keys, or tuples of them") from None
     if len(set(names)) != len(names):
         twice = sorted({str(k) for k in names if names.count(k) > 1})
         raise ServiceGraphError(f"output keys given twice to service_task(): {twice[:5]}; "

@@ -9,6 +9,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import dask
 import pandas as pd
 import pytest
 from distributed import Client, LocalCluster
@@ -177,3 +178,25 @@ def test_a_bad_replica_count_gets_one_message(replicas, message):
 
     with pytest.raises(ValueError, match=message):
         Adder.options(replicas=replicas)
+
+
+@pytest.mark.parametrize("bad", [("a", None), b"raw", None, ("a", object())])
+def test_an_output_key_dask_refuses_is_refused_naming_it(bad):
+    """A tuple holding something that is not a key passed the check and failed only at
+    compute time, with dask's own message."""
+    from dask_services.examples import AllReduce
+
+    with pytest.raises(TypeError, match="is not a valid dask key"):
+        dask_services.service_task(AllReduce, [dask.delayed(1)], outputs=["ok", bad])
+
+
+def test_float_output_keys_are_keys_as_dask_has_them():
+    """Float keys, which dask and distributed accept, were refused."""
+    from dask_services.examples import AllReduce
+
+    inputs = [dask.delayed(i) for i in range(4)]
+    by_float = dask_services.service_task(AllReduce, inputs, outputs=[1.5, ("b", 2.5)])
+    by_name = dask_services.service_task(AllReduce, inputs, outputs=["x", "y"])
+    assert [o.key for o in by_float] == [1.5, ("b", 2.5)]
+    assert dask.compute(*by_float, scheduler="sync") == \
+        dask.compute(*by_name, scheduler="sync")
