@@ -20,7 +20,12 @@ from dask_services import _run_events as run_events
 from dask_services import _run_model as run_model
 from dask_services import _run_placement as placement
 from dask_services import _run_state as rs
-from dask_services.graph import OutputClaimSpec, ServiceDefinition, ServiceTaskSpec
+from dask_services.graph import (
+    ConsumingClaimSpec,
+    OutputClaimSpec,
+    ServiceDefinition,
+    ServiceTaskSpec,
+)
 from dask_services.service import ServiceGraphError
 
 if TYPE_CHECKING:
@@ -161,8 +166,11 @@ class GraphIntake:
         (``dask.annotate(resources=...)`` annotates them with the rest of the graph): the
         service task only waits for its run (seceded, it would hold the unit all along,
         and the claims needing it on its worker would never run), and a claim runs on the
-        worker that produced its output, whatever that worker has."""
-        if ts is not None and ts.state == "released" and ts.resource_restrictions:
+        worker that produced its output, whatever that worker has.  A claim running its
+        output's consumer (``ConsumingClaimSpec``) keeps the consumer's: its output is
+        produced on a worker that has them (``_run_placement.with_resources``)."""
+        if ts is not None and ts.state == "released" and ts.resource_restrictions \
+                and not isinstance(ts.run_spec, ConsumingClaimSpec):
             ts.resource_restrictions = None
 
     def _register(self, ts: TaskState) -> None:

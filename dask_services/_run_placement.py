@@ -85,6 +85,38 @@ def near_inputs(tasks: Mapping[Key, Any], affinity: Mapping[Key, Key],
     return placement
 
 
+def with_resources(tasks: Mapping[Key, Any], output_keys: Sequence[Key],
+                   participants: Sequence[str], workers: Mapping[str, Any],
+                   places: dict[Key, str] | None) -> tuple[dict[Key, str] | None, list[Key]]:
+    """``places`` with each output whose claim needs worker resources (a consumer run in
+    it, annotated with ``resources=``) on a participant that has them, spread over those
+    in turn; and the outputs no participant has them for."""
+    eligible_by_need: dict[tuple, list[str]] = {}
+    turn: dict[tuple, int] = {}
+    lacking = []
+    for key in output_keys:
+        ts = tasks.get(key)
+        need = getattr(ts, "resource_restrictions", None) if ts is not None else None
+        if not need:
+            continue
+        signature = tuple(sorted(need.items()))
+        eligible = eligible_by_need.get(signature)
+        if eligible is None:
+            eligible = eligible_by_need[signature] = [
+                w for w in participants if w in workers and all(
+                    workers[w].resources.get(r, 0) >= q for r, q in need.items())]
+        if not eligible:
+            lacking.append(key)
+            continue
+        if places is not None and places.get(key) in eligible:
+            continue
+        i = turn.get(signature, 0)
+        turn[signature] = i + 1
+        places = dict(places or {})
+        places[key] = eligible[i % len(eligible)]
+    return places, lacking
+
+
 @dataclass
 class PlacementGroup:
     """The agreement of the service tasks sharing a ``placement=`` name: output index ->

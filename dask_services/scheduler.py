@@ -477,6 +477,15 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
         elif definition.affinity and participants:
             places = placement.near_inputs(tasks, definition.affinity, participants)
         wanted = self._wanted(service_key)
+        if participants:
+            places, lacking = placement.with_resources(
+                tasks, wanted, participants, self.scheduler.workers, places)
+            for key in lacking:  # its claim would wait for ever on its producer
+                logger.warning(
+                    "dask_services: no worker of the run of %r has the resources %s that "
+                    "the consumer run with output %r needs; it runs without them",
+                    service_key, tasks[key].resource_restrictions, key)
+                tasks[key].resource_restrictions = None
         first_owner = 0
         if input_holders is None and participants:
             # not "involved" (whose outputs go to the input holders first): start where the

@@ -463,3 +463,32 @@ def test_a_collision_other_than_the_cut_edge_is_still_logged():
     assert drop.filter(record(("out", 1), set(), {"service-1"}))
     plugin.cut = {}
     assert drop.filter(record(("out", 0), set(), {"service-1"}))
+
+
+def _needs_a_gpu(block: np.ndarray) -> np.ndarray:
+    from distributed import get_worker
+
+    if "GPU" not in get_worker().state.total_resources:
+        raise RuntimeError("a consumer needing a GPU ran on a worker without one")
+    return block
+
+
+@service_cluster(nthreads=[("127.0.0.1", 1, {"resources": {"GPU": 1}}), ("127.0.0.1", 1)],
+                 timeout=90)
+async def test_a_consumer_needing_resources_runs_where_they_are(c, s, gpu, cpu):
+    """A consumer run in its output's claim was freed of the resources its annotation
+    asks for, with the claim (which runs where the output was produced, whatever that
+    worker has): on a worker without them in 5 of 6 runs.  Its output is now produced
+    on a worker that has them."""
+    arr = np.arange(400 * 400.0).reshape(400, 400)
+    with dask.annotate(resources={"GPU": 1}):
+        x = da.from_array(arr, chunks=(50, 400))
+        y = x.rechunk((400, 50), method="service").map_blocks(_needs_a_gpu, dtype=float)
+        z = c.compute(y.sum(axis=0))
+    np.testing.assert_array_equal(await z, arr.sum(axis=0))
+    # (the consumers ran in the claims, each on the worker with the GPU)
+    kinds = Counter(type(ts.run_spec).__name__ for ts in s.tasks.values())
+    assert kinds["ConsumingClaimSpec"] == 8, kinds
+    s.validate_state()
+    del z
+    await assert_nothing_left(s, [gpu, cpu])

@@ -14,6 +14,7 @@ from dask_services._run_placement import (
     input_holders,
     near_inputs,
     participants,
+    with_resources,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -129,3 +130,20 @@ def test_a_placement_group_places_every_output_on_a_participant(start, n_outputs
         assert list(placed) == outputs
         assert set(placed.values()) <= set(run)
     assert group.place(outputs, sorted(workers), RUNNING) == placed
+
+
+def test_outputs_whose_claims_need_resources_go_where_they_are():
+    """A consumer run in its output's claim keeps its resources: the output goes to a
+    participant that has them, in turn; one no participant has them for is named."""
+    workers = {"w1": SimpleNamespace(resources={"GPU": 1}), "w2": SimpleNamespace(resources={}),
+               "w3": SimpleNamespace(resources={"GPU": 2, "FPGA": 1})}
+    needs = {"a": {"GPU": 1}, "b": {"GPU": 1}, "c": {"GPU": 2}, "d": None, "e": {"TPU": 1}}
+    tasks = {k: SimpleNamespace(resource_restrictions=v) for k, v in needs.items()}
+    places, lacking = with_resources(tasks, list(needs), ["w1", "w2", "w3"], workers,
+                                     {"a": "w2", "d": "w2"})
+    assert places["a"] in ("w1", "w3") and places["b"] in ("w1", "w3")
+    assert places["a"] != places["b"]  # spread
+    assert places["c"] == "w3" and places["d"] == "w2" and "e" not in places
+    assert lacking == ["e"]
+    # nothing needing resources: the placement as it was
+    assert with_resources(tasks, ["d"], ["w1"], workers, None) == (None, [])
