@@ -99,3 +99,24 @@ def test_what_consumers_fused_into_claims_rely_on():
     assert hasattr(SchedulerState, "bulk_schedule_unrunnable_after_adding_worker")
     assert "bulk_schedule_unrunnable_after_adding_worker" in inspect.getsource(
         Scheduler.handle_worker_status_change)
+
+
+def test_the_array_optimizer_is_taken_where_fuse_consumers_is_carried():
+    """``array/_fusion`` wraps ``Array.__dask_optimize__`` (dask's ``GlobalMethod``, whose
+    default is ``dask.array.optimization.optimize``) to carry ``fuse-consumers`` to where
+    distributed optimizes the graph; ``HLGExpr.from_collection`` takes it from the
+    collection when ``compute()`` is called."""
+    from dask._expr import HLGExpr
+    from dask.array.core import Array
+    from dask.array.optimization import optimize
+    from dask.context import GlobalMethod
+
+    import dask_services  # noqa: F401
+    from dask_services.array import _fusion, _rechunk  # noqa: F401
+
+    wrapped = Array.__dict__["__dask_optimize__"]
+    assert getattr(wrapped, "carries_consumer_fusion", False)
+    assert isinstance(wrapped.dasks, GlobalMethod)
+    assert wrapped.dasks.__get__(None, Array) is optimize
+    assert "collection.__dask_optimize__ if optimize_graph" in inspect.getsource(
+        HLGExpr.from_collection)

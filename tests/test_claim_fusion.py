@@ -492,3 +492,31 @@ async def test_a_consumer_needing_resources_runs_where_they_are(c, s, gpu, cpu):
     s.validate_state()
     del z
     await assert_nothing_left(s, [gpu, cpu])
+
+
+def test_fuse_consumers_off_where_compute_is_called_is_carried_to_the_optimizer():
+    """distributed optimizes an array's graph where it builds it, on the scheduler, after
+    ``compute()`` returned: ``fuse-consumers: false`` set around ``compute()`` on the
+    client did not reach it.  The optimizer taken in the block carries it."""
+    from dask._expr import HLGExpr
+
+    total = all_to_all().sum()
+    with dask.config.set({"dask_services.fuse-consumers": False}):
+        expr = HLGExpr.from_collection(total, optimize_graph=True)
+    graph = dict(expr.__dask_graph__())  # optimized here, the block over
+    assert claims(graph) == {"OutputClaimSpec": 6}, claims(graph)
+    assert claims(dict(HLGExpr.from_collection(total, optimize_graph=True)
+                       .__dask_graph__())) == {"ConsumingClaimSpec": 6}
+
+
+@service_cluster(timeout=90)
+async def test_fuse_consumers_off_around_compute_holds_on_a_cluster(c, s, a, b):
+    arr = np.arange(400 * 400.0).reshape(400, 400)
+    y = da.from_array(arr, chunks=(20, 400)).rechunk((400, 20), method="service")
+    with dask.config.set({"dask_services.fuse-consumers": False}):
+        total = c.compute(y.sum())
+    assert await total == arr.sum()
+    kinds = Counter(type(ts.run_spec).__name__ for ts in s.tasks.values())
+    assert not kinds["ConsumingClaimSpec"] and kinds["OutputClaimSpec"] == 20, kinds
+    del total
+    await assert_nothing_left(s, [a, b])

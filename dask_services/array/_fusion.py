@@ -85,9 +85,46 @@ def _fuse_keeping_consumer_keys(fuse: Callable) -> Callable:
     return fuse_linear_task_spec
 
 
+def optimize_without_consumer_fusion(dsk: Any, keys: Any, **kwargs: Any) -> Any:
+    """dask.array's ``optimize`` with ``dask_services.fuse-consumers`` off: what an array
+    computed where that setting is off optimizes with, wherever it is optimized."""
+    import dask.config
+
+    with dask.config.set({"dask_services.fuse-consumers": False}):
+        return _optimization.optimize(dsk, keys, **kwargs)
+
+
+class _CarryingConsumerFusion:
+    """``Array.__dask_optimize__``: dask's own (a ``GlobalMethod``), and where
+    ``dask_services.fuse-consumers`` is off in the process computing the array,
+    :func:`optimize_without_consumer_fusion` in its place.  distributed optimizes an
+    array's graph where it builds it, on the scheduler, whose config the setting made
+    around ``compute()`` does not reach (with the scheduler in the client's process, the
+    block may have ended by then); the optimizer is taken when ``compute()`` is called,
+    and carries the choice made there."""
+
+    carries_consumer_fusion = True
+
+    def __init__(self, dasks: Any) -> None:
+        self.dasks = dasks
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        from dask_services.config import setting
+
+        chosen = self.dasks.__get__(instance, owner)
+        if chosen is _optimization.optimize and not setting("fuse-consumers"):
+            return optimize_without_consumer_fusion
+        return chosen
+
+
 def install() -> None:
     """Make dask.array's optimization fuse the rechunk's copies under their consumers'
-    keys (idempotent)."""
+    keys, and carry ``fuse-consumers`` to where an array is optimized (idempotent)."""
+    from dask.array.core import Array
+
     current = _optimization.fuse_linear_task_spec
     if not getattr(current, "keeps_consumer_keys", False):
         _optimization.fuse_linear_task_spec = _fuse_keeping_consumer_keys(current)
+    dasks = Array.__dict__["__dask_optimize__"]
+    if not getattr(dasks, "carries_consumer_fusion", False):
+        Array.__dask_optimize__ = _CarryingConsumerFusion(dasks)  # type: ignore[assignment]
