@@ -46,8 +46,10 @@ def dumps_exception(exc: BaseException) -> bytes:
     text = _traceback_text(exc)
     summary = describe_exception(exc)
     payload = _loadable_pickle(exc)
-    if payload is None and _printable(exc):  # (one that is not stays a RuntimeError
-        payload = _loadable_pickle(_ByParts(exc))  # that says so, as before)
+    if payload is None and _printable(exc) and _pickled_as_exceptions_are(type(exc)):
+        # (one whose str() raises, or whose class pickles itself its own way, stays a
+        # RuntimeError that says what it was)
+        payload = _loadable_pickle(_ByParts(exc))
     if payload is None:
         payload = dask_pickle.dumps(RuntimeError(summary))
     return pickle.dumps((payload, text, summary))
@@ -60,6 +62,17 @@ def _loadable_pickle(obj: Any) -> bytes | None:
     except Exception:
         return None
     return payload
+
+
+def _pickled_as_exceptions_are(cls: type) -> bool:
+    """Whether ``cls`` pickles as Python's exceptions do (no ``__reduce__`` or
+    ``__reduce_ex__`` of its own): a class that defines its own way, or refuses, is not
+    rebuilt behind its back."""
+    for name in ("__reduce__", "__reduce_ex__"):
+        owner = next((k for k in cls.__mro__ if name in vars(k)), object)
+        if owner.__module__ != "builtins":
+            return False
+    return True
 
 
 def _printable(exc: BaseException) -> bool:
