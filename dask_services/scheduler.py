@@ -477,7 +477,8 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
         elif definition.affinity and participants:
             places = placement.near_inputs(tasks, definition.affinity, participants)
         wanted = self._wanted(service_key)
-        if participants:
+        if participants and getattr(definition.service_class, "outputs_by_position", False):
+            # (only such a service's outputs run their consumers: _claim_fusion)
             places, lacking = placement.with_resources(
                 tasks, wanted, participants, self.scheduler.workers, places)
             for key in lacking:  # its claim would wait for ever on its producer

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+from unruly_services import let_out
+
 import dask_services
 
 
@@ -100,33 +102,22 @@ class UnrulyGang(dask_services.Service):
     """Rank 1 lets out what an ``Exception`` handler does not catch, from an endpoint or
     from an ``@rpc`` method rank 0 calls (``what``: "kb", "exit", "genexit", "stop")."""
 
-    @staticmethod
-    def _let_out(what: str) -> None:
-        if what == "kb":
-            raise KeyboardInterrupt("on rank 1")
-        if what == "exit":
-            raise SystemExit(3)
-        if what == "genexit":
-            raise GeneratorExit()
-        if what == "stop":
-            next(iter([]))
-
     @dask_services.endpoint
     async def on_every_rank(self, what: str) -> int:
         if self.rank == 1:
-            self._let_out(what)
+            let_out(what, "on rank 1")
         return self.rank
 
     @dask_services.endpoint
     def on_every_rank_sync(self, what: str) -> int:
         if self.rank == 1:
-            self._let_out(what)
+            let_out(what, "on rank 1")
         return self.rank
 
     @dask_services.rpc
     async def part(self, what: str) -> int:
         if self.rank == 1:
-            self._let_out(what)
+            let_out(what, "on rank 1")
         return self.rank
 
     @dask_services.endpoint(ranks="first")

@@ -88,9 +88,11 @@ class Unruly(dask_services.Service):
         next(iter([]))
 
 
-def let_out(what: str) -> None:
+def let_out(what: str, where: str = "in a hook") -> None:
+    """Raise what an ``Exception`` handler does not catch (``what``: "kb", "exit",
+    "genexit") or a ``StopIteration`` ("stop"); a ``KeyboardInterrupt`` says ``where``."""
     if what == "kb":
-        raise KeyboardInterrupt("in a hook")
+        raise KeyboardInterrupt(where)
     if what == "exit":
         raise SystemExit(3)
     if what == "genexit":
