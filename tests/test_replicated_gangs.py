@@ -291,3 +291,35 @@ def test_a_rank_letting_it_out_fails_the_call_and_the_gang_goes_on(
     assert client.run(os.getpid) == before
     assert [r["state"] for r in svc.replicas()] == ["healthy"]
     validate_scheduler(client)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_call_that_kills_a_rank_fails_past_allowed_failures():
+    """A call whose part on rank 1 ends rank 1's process (an endpoint run on every rank,
+    or an ``@rpc`` method rank 0 calls) was re-sent to each relaunched gang as if rank 1
+    had merely been unreachable: it killed a worker per attempt until the call retries
+    ran out (9 attempts, 6-7 workers). A rank lost while it had the call now counts as a
+    replica lost so: past ``distributed.scheduler.allowed-failures`` the call fails
+    saying it may be what kills them, as ``KilledWorker`` says of a task."""
+    from distributed import Client
+    from distributed.utils_test import poll_for
+    from utils import validate_scheduler
+
+    from dask_services.replicated import ServiceUnavailable
+
+    with _process_cluster() as lc_, Client(lc_) as client:
+        svc = UnrulyGang.options(procs_per_replica=2).as_service(client=client)
+        for endpoint in ("on_every_rank", "through_rank_calls"):
+            with dask.config.set({"distributed.scheduler.allowed-failures": 1}):
+                with pytest.raises(ServiceUnavailable) as info:
+                    getattr(svc, endpoint).route("die").result(timeout=100)
+            message = str(info.value)
+            assert "lost on 2 replicas while they had it" in message, message
+            assert "allowed-failures=1" in message and "was lost while it had" in message
+            poll_for(lambda: [r["state"] for r in svc.replicas()] == ["healthy"],
+                     timeout=60)
+            assert svc.on_every_rank.route("nothing").result(timeout=30) == 0
+        validate_scheduler(client)
+        svc.shutdown()
+        poll_for(lambda: not any(_hosted_by_process(client).values()), timeout=20)

@@ -90,7 +90,10 @@ class Unruly(dask_services.Service):
 
 def let_out(what: str, where: str = "in a hook") -> None:
     """Raise what an ``Exception`` handler does not catch (``what``: "kb", "exit",
-    "genexit") or a ``StopIteration`` ("stop"); a ``KeyboardInterrupt`` says ``where``."""
+    "genexit") or a ``StopIteration`` ("stop"), or end the process at once ("die"); a
+    ``KeyboardInterrupt`` says ``where``."""
+    if what == "die":
+        os._exit(1)
     if what == "kb":
         raise KeyboardInterrupt(where)
     if what == "exit":

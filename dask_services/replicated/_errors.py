@@ -29,6 +29,15 @@ class ReplicaGone(ServiceError):
     """The addressed replica does not exist (any more) on that worker; internal, retried."""
 
 
+def gone_answer(e: ReplicaGone) -> dict:
+    """The answer to a call a lost replica (or rank) ended: re-sent by the caller.
+    ``lost_in_flight`` when a rank of a gang was lost while it had the call (its worker
+    died, perhaps of the call), which the caller counts against
+    ``distributed.scheduler.allowed-failures`` as it counts a replica lost so."""
+    return {"status": "gone", "message": str(e),
+            "lost_in_flight": bool(getattr(e, "in_flight", False))}
+
+
 class ScaledDown(ReplicaGone):
     """The replica is being scaled down: calls it has not started are sent elsewhere, a
     call still running when its drain ends is not (it started, and may have had effects);

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from distributed.core import send_recv
 from distributed.protocol.serialize import to_serialize
 
 from dask_services._messages import (
@@ -43,6 +44,7 @@ from dask_services.replicated._errors import (
     ScaledDown,
     ServiceOverloaded,
     ServiceShutdown,
+    gone_answer,
 )
 from dask_services.replicated._options import endpoint_ranks
 from dask_services.service import RPCRefused, ServiceId, is_rpc_method
@@ -55,7 +57,14 @@ RANK_QUEUE = 1_000_000  # ranks > 0 queue what rank 0 admitted: never refused fo
 
 class RankLost(ReplicaGone):
     """Another rank of the replica could not be reached: the replica is being recovered,
-    and the call is re-sent to a healthy replica."""
+    and the call is re-sent to a healthy replica.  ``in_flight``: the connection broke
+    after the rank was sent the call (its worker died, perhaps of the call), which the
+    caller counts against ``distributed.scheduler.allowed-failures`` as it counts a
+    replica lost while it had the call."""
+
+    def __init__(self, message: str, in_flight: bool = False) -> None:
+        super().__init__(message)
+        self.in_flight = in_flight
 
 
 def rank_id(replica: str, rank: int) -> ServiceId:
@@ -215,18 +224,34 @@ async def _send_rank_rpc(ext: ReplicaWorker, rep: HostedReplica, target: int, se
     gang = rep.gang
     assert gang is not None
     target_id, address = gang.ranks[target]
-    try:
-        resp = await ext.worker.rpc(address).replicated_rank_rpc(
-            target=str(target_id), source=gang.rank, seq=seq, method=method,
-            payload=to_serialize((args, kwargs)))
-    except OSError as e:
-        raise RankLost(f"rank {target} of {incarnation_of(rep.id)} on {address} is "
-                       f"unreachable: {type(e).__name__}: {e}") from e
+    resp = await _rank_request(ext, address, f"rank {target} of {incarnation_of(rep.id)}",
+                               op="replicated_rank_rpc", target=str(target_id),
+                               source=gang.rank, seq=seq, method=method,
+                               payload=to_serialize((args, kwargs)))
     if resp["status"] == "ok":
         return unwrap(resp["result"])
     if resp["status"] == "gone":
-        raise RankLost(resp["message"])
+        raise RankLost(resp["message"], in_flight=bool(resp.get("lost_in_flight")))
     raise loads_exception(resp["exception"])
+
+
+async def _rank_request(ext: ReplicaWorker, address: str, rank: str, **msg: Any) -> dict:
+    """Send ``msg`` to ``rank`` on ``address`` and return its answer; ``RankLost`` if it
+    cannot be reached, ``RankLost(in_flight=True)`` if the connection broke once sent (the
+    rank may have been running it: its worker died, perhaps of the call)."""
+    pool = ext.worker.rpc
+    try:
+        comm = await pool.connect(address)
+    except OSError as e:
+        raise RankLost(f"{rank} on {address} is unreachable: {type(e).__name__}: {e}"
+                       ) from e
+    try:
+        return await send_recv(comm, **msg)
+    except OSError as e:
+        raise RankLost(f"{rank} on {address} was lost while it had the call: "
+                       f"{type(e).__name__}: {e}", in_flight=True) from e
+    finally:
+        pool.reuse(address, comm)
 
 
 async def rank_rpc(ext: ReplicaWorker, target: str, source: int, seq: int, method: str,
@@ -265,7 +290,7 @@ async def rank_rpc(ext: ReplicaWorker, target: str, source: int, seq: int, metho
         args, kwargs = unwrap(payload)
         result = await _run(rep, method, args, kwargs)
     except ReplicaGone as e:
-        return {"status": "gone", "message": str(e)}
+        return gone_answer(e)
     except Exception as e:
         return {"status": "error", "exception": dumps_exception(e)}
     return {"status": "ok", "result": to_serialize(result)}
@@ -301,19 +326,17 @@ async def gang_call(ext: ReplicaWorker, rep: HostedReplica, method: str, args: t
 
     async def remote(rank: int) -> Any:
         sid, address = gang.ranks[rank]
-        try:
-            resp = await ext.worker.rpc(address).replicated_rank_call(
-                id=str(sid), method=method, payload=payload)
-        except OSError as e:
-            raise RankLost(f"rank {rank} of {rep.id} on {address} is unreachable: "
-                           f"{type(e).__name__}: {e}") from e
+        resp = await _rank_request(ext, address, f"rank {rank} of {rep.id}",
+                                   op="replicated_rank_call", id=str(sid), method=method,
+                                   payload=payload)
         if resp["status"] == "ok":
             return None
         if resp["status"] == "error":
             raise loads_exception(resp["exception"])
         if resp["status"] == "cut":  # it started there: not to be run again
             raise ScaledDown(resp["message"])
-        raise RankLost(f"rank {rank} of {rep.id}: {resp.get('message', resp['status'])}")
+        raise RankLost(f"rank {rank} of {rep.id}: {resp.get('message', resp['status'])}",
+                       in_flight=bool(resp.get("lost_in_flight")))
 
     results = await asyncio.gather(_run(rep, method, args, kwargs),
                                    *(remote(r) for r in range(1, gang.world_size)),
@@ -353,7 +376,7 @@ async def rank_call(ext: ReplicaWorker, id: str, method: str, payload: Any) -> d
             return {"status": "cut", "message": f"rank {id} was scaled down mid-call"}
         return {"status": "gone", "message": f"rank {id} stopped"}
     except ReplicaGone as e:
-        return {"status": "gone", "message": str(e)}
+        return gone_answer(e)
     except Exception as e:
         return {"status": "error", "exception": dumps_exception(e)}
     finally:

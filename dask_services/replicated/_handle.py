@@ -338,19 +338,8 @@ class ReplicatedService:
                     failure = f"{target.id} on {target.worker}: {type(e).__name__}: {e}"
                     if isinstance(e, LostInFlight):
                         in_flight_losses += 1
-                        allowed = int(dask.config.get(
-                            "distributed.scheduler.allowed-failures", 3))
-                        if in_flight_losses > allowed:
-                            self._drop(target.id)
-                            raise ServiceUnavailable(
-                                f"{self.name}.{method}: the call was lost on "
-                                f"{in_flight_losses} replicas while they had it (a "
-                                "worker died, or its replica stopped answering its "
-                                "health probes, frozen or blocked, and was replaced), "
-                                "more than distributed.scheduler.allowed-failures="
-                                f"{allowed} allows: the call itself may be what kills "
-                                "or freezes them (as KilledWorker says of a task); "
-                                f"last failure: {failure}") from None
+                        self._give_up_if_killing(method, target, in_flight_losses,
+                                                 failure)
                 else:
                     status = resp.get("status") if isinstance(resp, dict) else None
                     if status == "ok":
@@ -367,6 +356,10 @@ class ReplicatedService:
                     failure = (f"{target.id}: {resp['message']}"
                                if status in ("gone", "overloaded")
                                else f"{target.id} on {target.worker}: no answer ({resp!r})")
+                    if status == "gone" and resp.get("lost_in_flight"):
+                        in_flight_losses += 1  # another rank of a gang died with it
+                        self._give_up_if_killing(method, target, in_flight_losses,
+                                                 failure)
                 finally:
                     self._outstanding[target.id] -= 1
                     if self._outstanding[target.id] <= 0:
@@ -410,6 +403,22 @@ class ReplicatedService:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, max_delay)
             await self._refresh()
+
+    def _give_up_if_killing(self, method: str, target: _Replica, losses: int,
+                            failure: str) -> None:
+        """A call lost ``losses`` times while a replica (or a rank of one) had it fails
+        past ``distributed.scheduler.allowed-failures``, as a task does with
+        ``KilledWorker``: re-sent again, it may kill the next worker too."""
+        allowed = int(dask.config.get("distributed.scheduler.allowed-failures", 3))
+        if losses > allowed:
+            self._drop(target.id)
+            raise ServiceUnavailable(
+                f"{self.name}.{method}: the call was lost on {losses} replicas while "
+                "they had it (a worker died, or its replica stopped answering its "
+                "health probes, frozen or blocked, and was replaced), more than "
+                f"distributed.scheduler.allowed-failures={allowed} allows: the call "
+                "itself may be what kills or freezes them (as KilledWorker says of a "
+                f"task); last failure: {failure}")
 
     async def _send(self, target: _Replica, msg: dict) -> Any:
         """Send one call's message to ``target`` and return its answer.

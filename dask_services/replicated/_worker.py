@@ -39,6 +39,7 @@ from dask_services.replicated._errors import (
     ScaledDown,
     ServiceOverloaded,
     ServiceShutdown,
+    gone_answer,
 )
 from dask_services.replicated._metrics import ReplicaMetrics
 from dask_services.replicated._options import (
@@ -503,7 +504,7 @@ class ReplicaWorker(WorkerPlugin):
         except ScaledDown as e:  # another rank was cut by a scale-down mid-call
             return _cut(rep, str(e))
         except ReplicaGone as e:  # another rank of the replica is lost: re-sent
-            return {"status": "gone", "message": str(e)}
+            return gone_answer(e)
         except Exception as e:  # ("coroutine raised StopIteration" named: future_safe)
             return {"status": "error", "exception": dumps_exception(
                 future_safe(e, f"{rep.name}.{method}"))}
