@@ -4,6 +4,7 @@ processes)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -87,6 +88,12 @@ class Streamer(dask_services.Service):
                 yield i
         finally:
             RECORD[tag].append("finally")
+
+    @dask_services.endpoint
+    async def ends_its_process(self) -> AsyncIterator[int]:
+        """Ends its worker's process before its first item (a native crash, say)."""
+        os._exit(1)
+        yield 0
 
     @dask_services.endpoint
     def count_sync(self, n: int, tag: str = "count_sync") -> Iterator[int]:

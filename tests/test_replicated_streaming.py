@@ -178,6 +178,33 @@ def test_streams_on_worker_processes_from_sync_code_and_tasks(tmp_path):
         svc.shutdown()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_stream_that_kills_its_worker_fails_past_allowed_failures(tmp_path):
+    """A generator ending its worker's process before its first item was re-sent as if
+    its replica had merely been unreachable: it killed a worker per attempt until the
+    call retries ran out (9 attempts). A connection broken once the stream was asked for
+    counts as a call lost in flight does: past ``distributed.scheduler.allowed-failures``
+    the stream fails saying it may be what kills them."""
+    from distributed.utils_test import poll_for
+
+    from dask_services.replicated import ServiceUnavailable
+
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=True,
+                      dashboard_address=":0", local_directory=str(tmp_path)) as lc, \
+            Client(lc) as client:
+        svc = Streamer.as_service(client=client)
+        with dask.config.set({"distributed.scheduler.allowed-failures": 1}), \
+                pytest.raises(ServiceUnavailable) as info:
+            list(svc.ends_its_process.stream())
+        message = str(info.value)
+        assert "ends_its_process (stream): the call was lost on 2 replicas" in message
+        assert "allowed-failures=1" in message
+        poll_for(lambda: [r["state"] for r in svc.replicas()] == ["healthy"], timeout=60)
+        assert list(svc.count.stream(3)) == [0, 1, 2]
+        svc.shutdown()
+
+
 @pytest.mark.parametrize("method, last, errors", [("fine", "done", 0), ("fails", "error", 1)])
 def test_a_stream_is_counted_before_its_last_message_goes_out(method, last, errors):
     """A caller that has read a stream's end (or its error) and then asks for

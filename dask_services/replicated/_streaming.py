@@ -438,6 +438,7 @@ class Stream:
                             f"replica: {e}") from None
         failures: list[str] = []
         woken = False  # waited for a replica of a service scaled to zero (``_wake``)
+        in_flight_losses = 0  # connections that broke once the stream was asked for
         while True:
             target = h._choose(self._session)
             if target is not None:
@@ -445,6 +446,7 @@ class Stream:
                 self._target = target
                 comm = None
                 watch: ReplacementWatch | None = None
+                lost_in_flight = False
                 try:
                     comm = await h._connect(target, connect_timeout)
                     watch = ReplacementWatch(h, target, comm)
@@ -458,6 +460,9 @@ class Stream:
                 except (CommClosedError, OSError) as e:
                     failure = (watch.replaced if watch is not None and watch.replaced else
                                f"{target.id} on {target.worker}: {type(e).__name__}: {e}")
+                    # connected: the replica may have been running the generator (its
+                    # worker died, perhaps of it, before the first item)
+                    lost_in_flight = comm is not None
                 except BaseException:
                     if comm is not None:
                         self._abort_now(comm)
@@ -484,6 +489,10 @@ class Stream:
                     self._abort_now(comm)
                 self._release_target()
                 h._drop(target.id)
+                if lost_in_flight:
+                    in_flight_losses += 1
+                    h._give_up_if_killing(f"{self._method} (stream)", target,
+                                          in_flight_losses, failure)
             else:
                 if not woken and await h._wake():
                     woken = True  # not a failure: the service was at zero replicas
