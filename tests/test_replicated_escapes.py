@@ -201,3 +201,32 @@ def test_a_stop_letting_it_out_is_logged_and_the_worker_goes_on(unruly, cls, wha
     assert client.run(lambda dask_worker: dask_worker.status.name) == dict.fromkeys(
         before, "running")
     validate_scheduler(client)
+
+
+def test_a_setup_that_kills_its_worker_fails_past_allowed_failures(tmp_path):
+    """A ``setup()`` that ends its worker's process (a model too large for it, a crash in
+    native code) was relaunched on every next worker until the deployment timed out (17
+    workers killed in 300 s on two). A worker that dies while it starts the replica now
+    counts as a task's worker does: past ``distributed.scheduler.allowed-failures`` the
+    replica is unhealthy and the deployment fails saying ``setup()`` may be what kills
+    them; nothing stays on the workers."""
+    from distributed.utils_test import poll_for
+
+    from dask_services.replicated import DeploymentError
+
+    config = {"distributed.scheduler.validate": True, "distributed.worker.validate": True,
+              "distributed.scheduler.allowed-failures": 1}
+    with dask.config.set(config), LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+        local_directory=str(tmp_path),
+    ) as cluster, Client(cluster) as client:
+        with pytest.raises(DeploymentError) as info:
+            UnrulyHooks.options(replicas=1).as_service("setup", "die", client=client)
+        message = str(info.value)
+        assert "a worker died while it started the replica 2 times in a row" in message
+        assert "allowed-failures=1" in message and "setup() itself" in message
+        client.wait_for_workers(2, timeout=60)
+        poll_for(lambda: not any(client.run(lambda dask_worker: len(
+            dask_worker.extensions["dask_services_replicated"].replicas)).values()),
+            timeout=20)
+        validate_scheduler(client)

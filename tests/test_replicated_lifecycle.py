@@ -111,6 +111,50 @@ def test_launch_failures_that_are_not_setup_do_not_count():
     assert m.state is ReplicaState.UNINITIALIZED
 
 
+def test_workers_dying_while_they_start_it_end_unhealthy_past_the_allowance():
+    """A worker lost while it starts the replica (the start's connection broke once sent,
+    or the worker left while its setup ran) counts: more than ``max_lost_in_setup`` in a
+    row and the replica is unhealthy, saying ``setup()`` may be what kills them; a setup
+    that succeeds resets the count, and workers lost otherwise never count."""
+    m = ReplicaMachine("svc.0", max_lost_in_setup=2)
+    m.start()
+    placed(m, "a")
+    assert m.handle(lc.LaunchLost(m.id, "a lost", in_flight=True)) == [
+        lc.Launch(m.id, frozenset({"a"}))]
+    placed(m, "b")
+    actions = m.handle(lc.WorkerLost("b"))  # before the start's answer
+    assert actions == [lc.Launch(m.id, frozenset({"b"}))]
+    placed(m, "c")
+    assert m.handle(lc.LaunchLost(m.id, "c lost", in_flight=True)) == [
+        lc.StateChanged(ReplicaState.UNHEALTHY)]
+    assert m.worker is None and m.lost_in_setup == 3
+    assert "3 times in a row" in m.last_error and "allowed-failures=2" in m.last_error
+    assert "last: c lost" in m.last_error
+    m.validate()
+    # reset by a setup that succeeds; a healthy replica's lost worker does not count
+    m = ReplicaMachine("svc.0", max_lost_in_setup=1)
+    m.start()
+    placed(m, "a")
+    m.handle(lc.WorkerLost("a"))
+    placed(m, "b")
+    m.handle(lc.SetupSucceeded(m.id))
+    assert m.lost_in_setup == 0
+    m.handle(lc.WorkerLost("b"))
+    placed(m, "c")
+    assert m.lost_in_setup == 0 and m.state is ReplicaState.RECOVERING
+    # a gang: the other ranks are stopped, and no relaunch
+    m = ReplicaMachine("svc.0", size=2, max_lost_in_setup=0)
+    (launch,) = m.start()
+    m.handle(lc.Placed(launch.id, "a", ("b",)))
+    assert m.handle(lc.WorkerLost("b")) == [
+        lc.Stop(launch.id, "a", drain=False, others=()),
+        lc.StateChanged(ReplicaState.UNHEALTHY)]
+    assert m.workers == ()
+    m.validate()
+    with pytest.raises(ValueError, match="max_lost_in_setup"):
+        ReplicaMachine("x", max_lost_in_setup=-1)
+
+
 def test_no_worker_waits_for_one():
     m = ReplicaMachine("svc.0")
     m.start()
@@ -157,6 +201,7 @@ def events_for(m: ReplicaMachine):
         st.just(lc.SetupSucceeded(m.id)),
         st.just(lc.SetupFailed(m.id, "boom")),
         st.just(lc.LaunchLost(m.id, "lost")),
+        st.just(lc.LaunchLost(m.id, "lost while starting", in_flight=True)),
         st.sampled_from(WORKERS).map(lc.WorkerLost),
         st.sampled_from(WORKERS).map(lc.WorkerRetiring),
         st.just(lc.ProbeFailed(m.id, "slow")),
@@ -166,9 +211,9 @@ def events_for(m: ReplicaMachine):
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.data(), st.integers(1, 4))
-def test_invariants_hold_for_any_sequence_of_events(data, attempts):
-    m = ReplicaMachine("svc.0", attempts)
+@given(st.data(), st.integers(1, 4), st.integers(0, 3))
+def test_invariants_hold_for_any_sequence_of_events(data, attempts, lost_allowed):
+    m = ReplicaMachine("svc.0", attempts, max_lost_in_setup=lost_allowed)
     seen_ids: set = set()
     unplaced: set = set()  # launched ids answered with NoWorker: nobody else knows them
     actions = m.start()
@@ -196,7 +241,8 @@ def test_invariants_hold_for_any_sequence_of_events(data, attempts):
             assert m.worker is not None
             was_healthy = True
         if m.state is ReplicaState.UNHEALTHY:
-            assert m.setup_failures >= attempts and m.last_error
+            assert m.setup_failures >= attempts or m.lost_in_setup > lost_allowed
+            assert m.last_error
         if m.state is ReplicaState.RECOVERING:
             assert was_healthy  # only a replica that was healthy once recovers
         if m.state is ReplicaState.UNINITIALIZED:

@@ -15,6 +15,11 @@ events for another id are ignored.
          +--setup failed n times in a row--> UNHEALTHY <--setup failed n times--+
     any state --stop requested--> STOPPED
 
+A worker that dies while it starts the replica (``setup`` under way) counts too: more
+than ``max_lost_in_setup`` in a row (``distributed.scheduler.allowed-failures``) and the
+replica is UNHEALTHY, as a task is erred with ``KilledWorker``, rather than a ``setup`` that
+kills its worker relaunched on every next one.
+
 Nothing here does I/O; the scheduler part (``_scheduler.py``) feeds events and carries out
 the actions (choose a worker, start the instance there, stop an instance).  As in
 ``dask_services._run_state``: one handler per event (``_on_<Event>``), an event without one
@@ -113,10 +118,13 @@ class SetupFailed:
 @dataclass(frozen=True)
 class LaunchLost:
     """Starting incarnation ``id`` failed for a reason that is not ``setup`` (a lost
-    connection, a worker closing): not counted against the setup attempts."""
+    connection, a worker closing): not counted against the setup attempts.
+    ``in_flight``: the connection broke once the start was sent (the worker died while it
+    started the replica, perhaps of ``setup``), counted against ``max_lost_in_setup``."""
 
     id: ServiceId
     error: str
+    in_flight: bool = False
     stimulus_id: str = _stimulus("replica-launch-lost")
 
 
@@ -237,13 +245,17 @@ class ReplicaMachine:
     """One replica slot of a deployment.
 
     ``base`` prefixes the incarnation ids (``<base>.<n>``); ``max_setup_attempts`` is how
-    many times in a row ``setup`` may fail before the replica is ``UNHEALTHY``; ``size`` is
-    the number of ranks (``procs_per_replica``): rank 0 on ``worker``, the others on
-    ``others``, placed, started, lost and stopped together.
+    many times in a row ``setup`` may fail before the replica is ``UNHEALTHY``, and
+    ``max_lost_in_setup`` how many times in a row a worker may die while it starts the
+    replica (``distributed.scheduler.allowed-failures``: ``setup`` itself may be what kills
+    them, as ``KilledWorker`` says of a task); ``size`` is the number of ranks
+    (``procs_per_replica``): rank 0 on ``worker``, the others on ``others``, placed,
+    started, lost and stopped together.
     """
 
     base: str
     max_setup_attempts: int = 3
+    max_lost_in_setup: int = 3
     size: int = 1
     state: ReplicaState = ReplicaState.UNINITIALIZED
     incarnation: int = 0
@@ -253,6 +265,7 @@ class ReplicaMachine:
     launching: bool = False  # a Launch awaits its Placed / NoWorker
     starting: bool = False  # a StartOn awaits its setup result
     setup_failures: int = 0
+    lost_in_setup: int = 0  # workers that died in a row while they started the replica
     last_error: str | None = None
     excluded: frozenset[str] = field(default_factory=frozenset)
     story_log: deque[ReplicaStoryEntry] = field(default_factory=_story_log, repr=False,
@@ -265,6 +278,8 @@ class ReplicaMachine:
             raise ValueError(f"max_setup_attempts must be >= 1, got {self.max_setup_attempts}")
         if self.size < 1:
             raise ValueError(f"size must be >= 1, got {self.size}")
+        if self.max_lost_in_setup < 0:
+            raise ValueError(f"max_lost_in_setup must be >= 0, got {self.max_lost_in_setup}")
 
     @property
     def workers(self) -> tuple[str, ...]:
@@ -341,6 +356,8 @@ class ReplicaMachine:
         stops: list[Action] = []
         if survivors:  # the gang goes as a whole: its other ranks are stopped at once
             stops.append(Stop(old_id, survivors[0], drain=False, others=survivors[1:]))
+        if self._setup_answered() and self._too_many_lost_in_setup():
+            return stops + self._set(ReplicaState.UNHEALTHY)
         return stops + self._recover(frozenset({event.worker}))
 
     def _on_WorkerRetiring(self, event: WorkerRetiring) -> list[Action]:
@@ -377,10 +394,26 @@ class ReplicaMachine:
         self.starting = False
         return True
 
+    def _too_many_lost_in_setup(self) -> bool:
+        """One more worker died while it started the replica: whether that is more in a
+        row than ``max_lost_in_setup`` allows (then ``last_error`` says so)."""
+        self.lost_in_setup += 1
+        if self.lost_in_setup <= self.max_lost_in_setup:
+            return False
+        self.worker = None
+        self.others = ()
+        self.last_error = (
+            f"a worker died while it started the replica {self.lost_in_setup} times in a "
+            "row, more than distributed.scheduler.allowed-failures="
+            f"{self.max_lost_in_setup} allows: setup() itself may be what kills them (as "
+            f"KilledWorker says of a task); last: {self.last_error}")
+        return True
+
     def _on_SetupSucceeded(self, event: SetupSucceeded) -> list[Action]:
         if not self._setup_answered():
             return []  # no setup under way for this incarnation
         self.setup_failures = 0
+        self.lost_in_setup = 0
         self.last_error = None
         return self._set(ReplicaState.HEALTHY)
 
@@ -403,6 +436,8 @@ class ReplicaMachine:
         failed_on = frozenset(self.workers)
         self.worker = None
         self.others = ()
+        if event.in_flight and self._too_many_lost_in_setup():
+            return self._set(ReplicaState.UNHEALTHY)
         return self._relaunch(failed_on)
 
     def _on_ProbeFailed(self, event: ProbeFailed) -> list[Action]:
@@ -454,6 +489,9 @@ class ReplicaMachine:
             assert self.worker is None and not (self.launching or self.starting
                                                 or self.waiting_for_worker)
         assert 0 <= self.setup_failures <= self.max_setup_attempts
+        assert 0 <= self.lost_in_setup <= self.max_lost_in_setup + 1
+        if self.state is ReplicaState.UNHEALTHY:
+            assert self.worker is None and not (self.launching or self.starting)
 
     # ------------------------------------------------------------ helpers
 

@@ -13,6 +13,8 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from distributed.comm import CommClosedError
+
 from dask_services.replicated._gang import rank_id
 from dask_services.replicated._options import config_seconds
 
@@ -40,7 +42,11 @@ async def start_rank(rpc: Callable[[str], Any], dep: Deployment, rank: int,
                 setup_timeout=config_seconds("setup-timeout"), peers_of=dep.name,
                 uid=dep.uid, **gang,
             )
-        except Exception as e:  # lost connection, worker closing
+        except CommClosedError as e:  # sent: the worker died or closed while starting it
+            return {"status": "lost", "error": f"{worker} was lost while it started the "
+                                              f"replica: {type(e).__name__}: {e}",
+                    "in_flight": True}
+        except Exception as e:  # no connection made, worker closing
             return {"status": "lost", "error": f"{type(e).__name__}: {e}"}
         if isinstance(resp, dict):
             return resp

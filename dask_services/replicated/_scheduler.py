@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Coroutine, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import dask.config
 from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
@@ -524,6 +525,8 @@ class Deployments(Scaling, SchedulerPlugin):
         machine = lc.ReplicaMachine(
             base=f"{self._prefix}{dep.name}.{slot}",
             max_setup_attempts=int(setting("replicated.setup-attempts")),
+            max_lost_in_setup=int(dask.config.get("distributed.scheduler.allowed-failures",
+                                                  3)),
             size=dep.procs_per_replica,
         )
         dep.slots[slot] = machine
@@ -707,7 +710,8 @@ class Deployments(Scaling, SchedulerPlugin):
             dep.errors[slot] = resp.get("exception")
             event = lc.SetupFailed(sid, resp["error"], stimulus_id=stimulus_id)
         elif status == "lost":
-            event = lc.LaunchLost(sid, resp["error"], stimulus_id=stimulus_id)
+            event = lc.LaunchLost(sid, resp["error"], in_flight=bool(resp.get("in_flight")),
+                                  stimulus_id=stimulus_id)
         else:
             return
         self._apply(dep, slot, machine.handle(event))
