@@ -9,12 +9,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import dask
-from dask.base import is_dask_collection, tokenize
+from dask.base import is_dask_collection, replace_name_in_key, tokenize
 from dask.core import flatten, validate_key
 from dask.delayed import Delayed
 from dask.highlevelgraph import HighLevelGraph
 from dask.typing import Key
-from dask.utils import funcname
+from dask.utils import ensure_dict, funcname
 
 from dask_services._config_check import check_config
 from dask_services._lazy_arguments import lazy_arguments
@@ -163,6 +163,34 @@ def _definition(service_class: type[Service], input_keys: Sequence[Key],
     return service_key, definition
 
 
+class ServiceOutput(Delayed):
+    """One output of a service task: a ``Delayed`` whose graph layer is its service
+    task's.  Rebuilt (``dask.graph_manipulation``'s ``wait_on``), dask's own ``Delayed``
+    looks for a layer named like its key, which has none.  ``clone`` and ``bind`` (with
+    outputs as children) rename the service task's keys but not the ones its tasks name
+    inside them: refused here, as the graph is built, rather than failing on the cluster."""
+
+    __slots__ = ()
+
+    def _rebuild(self, dsk: Any, *, rename: Any = None) -> Delayed:
+        key = replace_name_in_key(self.key, rename) if rename else self.key
+        if not isinstance(dsk, HighLevelGraph):
+            return Delayed(key, dsk, self._length)
+        if rename and self._layer not in dsk.layers:
+            raise ServiceGraphError(
+                f"the graph of service task output {self.key!r} was rebuilt with its "
+                "service task's keys renamed (dask.graph_manipulation's clone(), or bind() "
+                "with service task outputs as children): its tasks still name the original "
+                "keys inside them; call service_task() again for a second copy, or "
+                "wait_on() / bind() with the outputs as parents to order it")
+        for name in (self._layer, key, key[0] if isinstance(key, tuple) and key else None):
+            if name is not None and name in dsk.layers:
+                return Delayed(key, dsk, self._length, layer=name)
+        if len(dsk.layers) == 1:
+            return Delayed(key, dsk, self._length, layer=next(iter(dsk.layers)))
+        return Delayed(key, ensure_dict(dsk), self._length)
+
+
 def service_task(service_class: type[Service], inputs: Sequence[Any] | Any, *,
                  outputs: int | Sequence[Key], placement: str | None = None,
                  name: str | None = None, participants: str = "all",
@@ -220,7 +248,7 @@ def service_task(service_class: type[Service], inputs: Sequence[Any] | Any, *,
     layer = build_service_graph(definition, service_key, input_keys)
     graph = HighLevelGraph.from_collections(service_key, layer, dependencies=inputs)
     _maybe_install_default_client()
-    return [Delayed(k, graph, layer=service_key) for k in definition.output_keys]
+    return [ServiceOutput(k, graph, layer=service_key) for k in definition.output_keys]
 
 
 def submit(service_class: type[Service], inputs: Sequence[Any], *,

@@ -300,3 +300,30 @@ async def test_a_cloned_service_rechunk_is_refused_naming_clone_and_leaves_nothi
         del futures, errors
         await assert_nothing_left(s, [a, b])
         assert not plugin.output_of
+
+
+@service_cluster()
+async def test_graph_manipulation_of_service_task_outputs(c, s, a, b):
+    """``wait_on`` of service task outputs failed in dask (a ``Delayed`` rebuilt looked for
+    a graph layer named like its tuple key); it now orders them as for any ``Delayed``.
+    ``clone`` (and ``bind`` with the outputs as children) rename the service task's keys
+    but not those inside its tasks: refused as the graph is built, naming what to do,
+    where the computation's outputs were cancelled with "lost dependencies"."""
+    from dask.graph_manipulation import bind, checkpoint, clone, wait_on
+
+    from dask_services.examples import AllReduce
+
+    xs = [dask.delayed(i) for i in range(4)]
+    outs = dask_services.service_task(AllReduce, xs, outputs=4)
+    waited = wait_on(*outs)
+    assert all(w.key != o.key for w, o in zip(waited, outs, strict=True))
+    assert await c.gather(c.compute(list(waited))) == [6] * 4
+    after = bind(dask.delayed(sum)(xs), outs)  # outputs as parents
+    assert await c.compute(after) == 6
+    assert await c.compute(checkpoint(*outs)) is None
+    for rebuild in (lambda: clone(*outs), lambda: bind(outs[0], xs[0])):
+        with pytest.raises(dask_services.ServiceGraphError,
+                           match=r"clone\(\), or bind\(\) with service task outputs as "
+                                 r"children.*call service_task\(\) again"):
+            rebuild()
+    await assert_nothing_left(s, [a, b])
