@@ -246,7 +246,8 @@ async def _rank_request(ext: ReplicaWorker, address: str, rank: str, **msg: Any)
         raise RankLost(f"{rank} on {address} is unreachable: {type(e).__name__}: {e}"
                        ) from e
     try:
-        return await send_recv(comm, **msg)
+        return await send_recv(comm, serializers=pool.serializers,
+                               deserializers=pool.deserializers, **msg)
     except OSError as e:
         raise RankLost(f"{rank} on {address} was lost while it had the call: "
                        f"{type(e).__name__}: {e}", in_flight=True) from e
