@@ -550,6 +550,12 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
             stimulus_id=run_model.new_stimulus_id("service-handed-off")))
 
     def _on_produced(self, service_key: Key, run_id: int, key: Key, worker: str = "") -> None:
+        if service_key not in self.machines:
+            # produced after its service task was forgotten (a consumer failed, the
+            # computation was let go of, while the run's last outputs were being made):
+            # no machine decides any more, and nothing will ever take the value
+            self._send(worker, {"op": "service-drop-output", "key": key})
+            return
         self._event(service_key, run_events.OutputProduced(
             run_id, key, worker, stimulus_id=run_model.new_stimulus_id("service-produced")))
 

@@ -464,3 +464,22 @@ def test_rechunk_task_costs_refuse_a_truncated_task_stream():
         # as many records as the scheduler keeps: the run's first ones may be gone
         truncated = _task_costs([record] * 3, start=1.0, chunks=10)
         assert math.isnan(truncated["first_task_s"]) and len(truncated) == 1
+
+
+@service_cluster()
+async def test_an_output_produced_after_its_service_task_was_forgotten_is_dropped(
+        c, s, a, b):
+    """A run's last outputs can be made (in a service thread, say) while the scheduler
+    forgets the service task: a consumer failed and the computation was let go of. The
+    ``service-produced`` message then found no machine and was ignored, and the value
+    stayed on the worker for good (a failing consumer after a spilling service rechunk: 4
+    outputs of 1.3 MB left by 10 runs). The scheduler now tells the worker to drop it."""
+    produced = a.extensions["dask_services"].produced
+    key = ("rechunk-output-forgotten", 0)
+    produced.put(key, b"x" * 1_000_000)
+    plugin = s.plugins["dask_services"]
+    assert "service-forgotten" not in plugin.machines
+    # as the worker's stream delivers it (``_worker_environment.produced``)
+    s.stream_handlers["service-produced"](service_key="service-forgotten", run_id=1,
+                                          key=key, worker=a.address)
+    await async_poll_for(lambda: key not in produced, timeout=10)
