@@ -32,9 +32,39 @@ from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
+import cloudpickle
+
 from dask_services._memory import release_freed_memory
 
 Partition = Hashable
+
+
+def _dump(piece: Any, f: Any) -> None:
+    """Append ``piece`` to ``f``: pickled, or where pickle refuses it (objects of classes
+    defined in a client's ``__main__``, lambdas: distributed sent them with cloudpickle)
+    with cloudpickle, over what pickle had written of it."""
+    start = f.tell()
+    try:
+        pickle.dump(piece, f, protocol=5)
+    except (pickle.PicklingError, AttributeError, TypeError):
+        f.seek(start)
+        f.truncate()
+        cloudpickle.dump(piece, f, protocol=5)
+
+
+def _as_pickled_faithfully(piece: Any) -> Any:
+    """``piece``, or a contiguous copy of a numpy array that pickle would not give back as
+    it is: numpy pickles a non-contiguous array of non-native byte order (``>f8`` on this
+    machine) as native ones."""
+    if type(piece) is tuple:  # (offset, array) of a rechunk's piece
+        return tuple(_as_pickled_faithfully(p) for p in piece)
+    dtype = getattr(piece, "dtype", None)
+    flags = getattr(piece, "flags", None)
+    if (dtype is not None and not getattr(dtype, "isnative", True)
+            and not (getattr(flags, "c_contiguous", True)
+                     or getattr(flags, "f_contiguous", True))):
+        return piece.copy(order="C")
+    return piece
 
 
 class OutOfDiskError(OSError):
@@ -155,7 +185,7 @@ class SpillBuffer:
                 with open(path, "ab") as f:
                     start = f.tell()
                     for piece in pieces:
-                        pickle.dump(piece, f, protocol=5)
+                        _dump(_as_pickled_faithfully(piece), f)
                     sizes[partition] = (f.tell(), f.tell() - start)
             except OSError as e:
                 if e.errno == errno.ENOSPC:
