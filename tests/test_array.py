@@ -279,6 +279,10 @@ def test_masked_chunks_behind_a_numpy_meta_are_refused_on_every_path(new):
         lambda b: np.ma.masked_greater(b, 100), meta=np.array((), dtype="f8"))
     with pytest.raises(TypeError, match="is a MaskedArray. Use method='tasks'"):
         x.rechunk(new, method="service").compute(scheduler="sync")
+    # under the setting (dask's own rechunks too), the message names the meta's lie
+    with dask.config.set({"array.rechunk.method": "service"}), pytest.raises(
+            TypeError, match=r"this array's meta says numpy: give its true type .*meta="):
+        x.reshape(-1).compute(scheduler="sync")
 
 
 @pytest.mark.parametrize("spec", [(10, 40), (10, None), (20, 30)])

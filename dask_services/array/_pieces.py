@@ -35,7 +35,11 @@ def plain_numpy(block: Any, key: Any = None) -> np.ndarray:
         chunk = "a chunk" if key is None else f"chunk {key!r}"
         raise TypeError(
             f"the 'service' rechunk handles numpy chunks; {chunk} is a "
-            f"{type(block).__name__}. Use method='tasks' (or 'p2p') for other array types"
+            f"{type(block).__name__}. Use method='tasks' (or 'p2p') for other array types; "
+            "under the array.rechunk.method setting they get 'tasks' when the array's meta "
+            "says so, and this array's meta says numpy: give its true type where the array "
+            "is made (from_delayed(..., meta=...), map_blocks(..., meta=...), e.g. "
+            "meta=np.ma.masked_array(np.empty((0,) * ndim)))"
         )
     return np.asarray(block)
 
