@@ -211,6 +211,44 @@ def test_empty_outputs_have_no_rows_where_the_meta_has_some(split_out):
             assert 0 in lengths, (method, lengths)  # some output partitions received nothing
 
 
+def _dtypes_of_partitions(collection) -> list[tuple[int, list[str]]]:
+    parts = dask.compute(*collection.to_delayed(), scheduler="sync")
+    return [(len(p), [str(d) for d in p.dtypes] + [str(p.index.dtype)]) for p in parts]
+
+
+def test_empty_outputs_are_made_like_the_data_where_the_meta_differs():
+    """An output partition that received no rows was made from the meta, whose dtypes
+    can differ from the data's (a sum of ``Int8`` is ``Int64``, a ``map_partitions``
+    whose ``meta=`` is wrong, the placeholder category of unknown categoricals): its
+    partitions then disagreed among themselves, where ``tasks`` makes them all like the
+    data (p2p is like the first)."""
+    n = 8000
+    pdf = pd.DataFrame({"k": np.arange(n) % 7,
+                        "x": pd.array(np.arange(n) % 5, dtype="Int8")})
+    ddf = dd.from_pandas(pdf, npartitions=4)
+    floats = ddf.map_partitions(lambda p: p.assign(x=p.x.astype("float64")),
+                                meta=ddf._meta)  # the meta says Int8
+    cats = dd.from_pandas(pd.DataFrame({"k": np.arange(60) % 2,
+                                        "c": pd.Categorical(list("abc") * 20)}), 4)
+    cats = cats.assign(c=cats.c.cat.as_unknown())
+    cases = {
+        "groupby": lambda: ddf.groupby("k").agg({"x": "sum"}, split_out=4),
+        "shuffle": lambda: floats.shuffle(on="k", npartitions=4),
+        "unknown categories": lambda: cats.shuffle(on="k", npartitions=4),
+    }
+    for name, make in cases.items():
+        got = {}
+        for method in ("tasks", "service"):
+            with dask.config.set({"dataframe.shuffle.method": method}):
+                got[method] = _dtypes_of_partitions(make())
+        assert any(rows == 0 for rows, _ in got["service"]), (name, got)
+        assert got["service"] == got["tasks"], name
+    with dask.config.set({"dataframe.shuffle.method": "service"}):
+        parts = dask.compute(*cats.shuffle(on="k", npartitions=4).to_delayed(),
+                             scheduler="sync")
+    assert all(list(p.c.cat.categories) == list("abc") for p in parts)
+
+
 @pytest.mark.parametrize("selected", [[1, 1], [4, 4, 2, 4, 1]])
 def test_a_partition_selected_twice_is_returned_twice(selected):
     pdf = pd.DataFrame({"k": np.arange(2000) % 300, "x": np.arange(2000.0)})

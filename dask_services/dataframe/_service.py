@@ -311,7 +311,8 @@ SMALL_PIECE_ROWS = 256
 
 def assemble_group(received: list[Received], window: list[int], meta: pd.DataFrame,
                    ignore_index: bool, uniform: bool | None = None,
-                   freqs: dict[int, Any] | None = None) -> list[pd.DataFrame]:
+                   freqs: dict[int, Any] | None = None,
+                   empty: pd.DataFrame | None = None) -> list[pd.DataFrame]:
     """The output partitions ``window`` (in order) from every frame received for them.
 
     Rows keep the order ``tasks`` gives them: by input partition, then as they were in it.
@@ -324,10 +325,10 @@ def assemble_group(received: list[Received], window: list[int], meta: pd.DataFra
     over its own pieces), always take the first way.  ``uniform``: whether that is known
     not to be the case (found with :func:`frame_is_uniform` otherwise).  ``freqs``: the
     frequency each input's index kept through its split, where it kept one
-    (:func:`with_index_freq`).
+    (:func:`with_index_freq`); ``empty`` as for :func:`assemble`.
     """
     if not received:
-        return [assemble([], meta, ignore_index) for _ in window]
+        return [assemble([], meta, ignore_index, empty=empty) for _ in window]
     pairs = sum(len(parts) for _, _, parts, _ in received)
     rows = sum(bounds[-1] - bounds[0] for _, _, _, bounds in received)
     if uniform is None:
@@ -335,7 +336,7 @@ def assemble_group(received: list[Received], window: list[int], meta: pd.DataFra
                       for _, frame, _, _ in received)
     if rows >= SMALL_PIECE_ROWS * pairs or not uniform:
         by_partition = pieces_by_partition(received)
-        return [assemble(by_partition.get(p, []), meta, ignore_index, freqs)
+        return [assemble(by_partition.get(p, []), meta, ignore_index, freqs, empty)
                 for p in window]
     received = sorted(received, key=lambda item: item[0])
     part = np.concatenate([
@@ -371,7 +372,7 @@ def assemble_group(received: list[Received], window: list[int], meta: pd.DataFra
     for j in range(len(window)):
         a, b = cuts[j], cuts[j + 1]
         if b == a:
-            out.append(assemble([], meta, ignore_index))
+            out.append(assemble([], meta, ignore_index, empty=empty))
         else:
             out.append(frame.iloc[a:b].reset_index(drop=True) if ignore_index
                        else with_index_freq(frame.iloc[a:b], [
@@ -411,24 +412,47 @@ def frame_is_uniform(frame: pd.DataFrame, meta: pd.DataFrame) -> bool:
 
 
 def assemble_many(pieces: list[list[tuple[int, pd.DataFrame | FrameRows]]], meta: pd.DataFrame,
-                  ignore_index: bool, freqs: dict[int, Any] | None = None
-                  ) -> list[pd.DataFrame]:
+                  ignore_index: bool, freqs: dict[int, Any] | None = None,
+                  empty: pd.DataFrame | None = None) -> list[pd.DataFrame]:
     """:func:`assemble` for several output partitions in one call."""
-    return [assemble(p, meta, ignore_index, freqs) for p in pieces]
+    return [assemble(p, meta, ignore_index, freqs, empty) for p in pieces]
+
+
+def rows_unlike_meta(frame: pd.DataFrame | FrameRows, meta: pd.DataFrame
+                     ) -> pd.DataFrame | None:
+    """No rows of ``frame``, if its dtypes (columns' or index's) are not the meta's: an
+    output partition without rows is then made like the data, as ``tasks`` makes it (the
+    empty slices of the inputs, concatenated), not like the meta (a ``map_partitions``
+    whose ``meta=`` says ``int64`` for ``float64`` data, categoricals of unknown
+    categories, whose meta holds a placeholder category); else None."""
+    if isinstance(frame, FrameRows):
+        frame = frame.frame(meta)
+    if getattr(frame, "ndim", 0) != 2 or getattr(meta, "ndim", 0) != 2:
+        return None
+    n = len(meta.columns)
+    if not frame.columns[:n].equals(meta.columns):
+        return None
+    frame = frame.iloc[:0, :n]  # (an input has the column of output partitions last)
+    if (frame.dtypes.tolist() == meta.dtypes.tolist()
+            and frame.index.dtype == meta.index.dtype):
+        return None
+    return frame
 
 
 def assemble(pieces: list[tuple[int, pd.DataFrame | FrameRows]], meta: pd.DataFrame,
-             ignore_index: bool, freqs: dict[int, Any] | None = None) -> pd.DataFrame:
+             ignore_index: bool, freqs: dict[int, Any] | None = None,
+             empty: pd.DataFrame | None = None) -> pd.DataFrame:
     """One output partition from its pieces, in input-partition order (as ``tasks`` does):
     column by column where the pieces allow it (``_rows.py``), else by pandas; ``freqs``
-    as for :func:`assemble_group`."""
+    as for :func:`assemble_group`.  ``empty``: what a partition without pieces is made
+    from where the data's dtypes are not the meta's (:func:`rows_unlike_meta`)."""
     from dask.dataframe.core import _concat
 
     if not pieces:
         # a frame of its own (a consumer may change it in place) and without rows: dask's
         # meta may have some (a categorical ``value_counts`` step's: a zero count per
         # category), which an output partition that received nothing does not
-        empty = meta.iloc[:0].copy()
+        empty = (meta if empty is None else empty).iloc[:0].copy()
         return empty.reset_index(drop=True) if ignore_index else empty
     pieces.sort(key=lambda item: item[0])
     rows = [piece if isinstance(piece, FrameRows) else FrameRows(RowSource(piece), 0, len(piece))
@@ -467,6 +491,11 @@ class DataFrameShuffle(PeerExchange):
         self.routing = Routing(self.destination)
         self.column_way = ColumnWay(meta)
         self.mixed_groups: set[int] = set()  # groups with frames of other dtypes than meta's
+        # no rows of the first frame received, if its dtypes are not the meta's: what
+        # output partitions without rows are made from (``rows_unlike_meta``); looked at
+        # once (a frame's dtypes cost ~0.1 ms, thousands of batches arrive)
+        self.empty_like: pd.DataFrame | None = None
+        self.looked_at_dtypes = False
         # the index frequency each input kept through its split, where it kept one
         self.index_freqs: dict[int, Any] = {}
         # an input's columns as expected (the meta's, and dask's column of output
@@ -485,6 +514,7 @@ class DataFrameShuffle(PeerExchange):
         if columns is not None and not columns.equals(self.input_columns):
             data = check_input_columns(index, data, self.meta,
                                        self.column if self.assign is None else None)
+        self._look_at_dtypes(data)
         args = (data, self.assign, self.column, self.destination, nbytes, self.routing,
                 self.id, self.column_way)
         if nbytes < INLINE_SPLIT_BYTES:
@@ -532,6 +562,8 @@ class DataFrameShuffle(PeerExchange):
         # the meta's dtypes, is found once per batch (~0.35 ms a frame, on the event loop)
         column_way: bool | None = None
         uniform: bool | None = None
+        if batch:
+            self._look_at_dtypes(batch[0][0])
         for frame, partitions, bounds, nbytes in batch:
             self.received_bytes += nbytes
             if len(frame) >= SMALL_PIECE_ROWS * len(partitions):
@@ -602,7 +634,7 @@ class DataFrameShuffle(PeerExchange):
             uniform = not self.mixed_groups.intersection(window)
             frames = await self.concierge.run_in_executor(
                 measured, assemble_group, small, partitions, self.meta, self.ignore_index,
-                uniform, self.index_freqs)
+                uniform, self.index_freqs, self.empty_like)
             del small
             await self._trim(trim, held)
             for p, (frame, nbytes) in zip(partitions, frames, strict=True):
@@ -617,12 +649,19 @@ class DataFrameShuffle(PeerExchange):
             pieces = [await self.buffer.take(p) + rest.pop(p, []) for p in batch]
             frames = await self.concierge.run_in_executor(
                 measured, assemble_many, pieces, self.meta, self.ignore_index,
-                self.index_freqs)
+                self.index_freqs, self.empty_like)
             del pieces
             await self._trim(trim, held)
             for p, (frame, nbytes) in zip(batch, frames, strict=True):
                 await self.concierge.produce_key(key_of[p], frame, nbytes=nbytes)
             del frames
+
+    def _look_at_dtypes(self, frame: Any) -> None:
+        """The first frame this instance sees (an input, or rows received) decides what
+        its output partitions without rows are made from (``rows_unlike_meta``)."""
+        if not self.looked_at_dtypes:
+            self.looked_at_dtypes = True
+            self.empty_like = rows_unlike_meta(frame, self.meta)
 
     async def _trim(self, trim: TrimAfter, held: int) -> None:
         """Give memory back to the OS once enough was freed since ``held`` was read."""
