@@ -426,7 +426,9 @@ def rows_unlike_meta(frame: pd.DataFrame | FrameRows, meta: pd.DataFrame
     whose ``meta=`` says ``int64`` for ``float64`` data, categoricals of unknown
     categories, whose meta holds a placeholder category); else None."""
     if isinstance(frame, FrameRows):
-        frame = frame.frame(meta)
+        # rows taking the column way have the meta's dtypes (``ColumnWay``); making their
+        # frame would copy its arrays on the event loop, and keep the copy in its source
+        return None
     if getattr(frame, "ndim", 0) != 2 or getattr(meta, "ndim", 0) != 2:
         return None
     n = len(meta.columns)

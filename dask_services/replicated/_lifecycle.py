@@ -356,7 +356,7 @@ class ReplicaMachine:
         stops: list[Action] = []
         if survivors:  # the gang goes as a whole: its other ranks are stopped at once
             stops.append(Stop(old_id, survivors[0], drain=False, others=survivors[1:]))
-        if self._setup_answered() and self._too_many_lost_in_setup():
+        if self._setup_answered() and self._count_lost_in_setup():
             return stops + self._set(ReplicaState.UNHEALTHY)
         return stops + self._recover(frozenset({event.worker}))
 
@@ -394,9 +394,10 @@ class ReplicaMachine:
         self.starting = False
         return True
 
-    def _too_many_lost_in_setup(self) -> bool:
-        """One more worker died while it started the replica: whether that is more in a
-        row than ``max_lost_in_setup`` allows (then ``last_error`` says so)."""
+    def _count_lost_in_setup(self) -> bool:
+        """Count one more worker that died while it started the replica; True once that
+        is more in a row than ``max_lost_in_setup`` allows (``last_error`` then says so,
+        and the replica holds no worker)."""
         self.lost_in_setup += 1
         if self.lost_in_setup <= self.max_lost_in_setup:
             return False
@@ -436,7 +437,7 @@ class ReplicaMachine:
         failed_on = frozenset(self.workers)
         self.worker = None
         self.others = ()
-        if event.in_flight and self._too_many_lost_in_setup():
+        if event.in_flight and self._count_lost_in_setup():
             return self._set(ReplicaState.UNHEALTHY)
         return self._relaunch(failed_on)
 
