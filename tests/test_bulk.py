@@ -777,6 +777,8 @@ class Announced(Service):
         self.n = pieces * len(self.peers)
         self.shapes: dict[tuple[str, int], tuple[int, ...]] = {}
         self.everyone = asyncio.Event()
+        self.read = 0
+        self.all_read = asyncio.Event()  # every piece is in ``out``
         self.out: np.ndarray | None = None
 
     async def add_key(self, key, data) -> None:
@@ -787,6 +789,9 @@ class Announced(Service):
         await asyncio.gather(*(self.peers[self.leader].piece(str(self.id), i, Buffers([p]))
                                for i, p in enumerate(pieces)))
         if self.id == self.leader:
+            # its own calls returned, not necessarily the other senders': their reads
+            # may still be under way (produced then, their pieces read as zeros)
+            await self.all_read.wait()
             await self.concierge.produce_key(self.output_keys[0], self.out)
 
     @rpc
@@ -799,6 +804,9 @@ class Announced(Service):
         order = sorted(self.shapes)
         offset = sum(self.shapes[k][0] for k in order[:order.index((sender, i))])
         await incoming.read_into([self.out[offset:offset + self.shapes[sender, i][0]]])
+        self.read += 1
+        if self.read == self.n:
+            self.all_read.set()
 
 
 @pytest.mark.parametrize("lane", [True, False])
