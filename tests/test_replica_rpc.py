@@ -122,15 +122,28 @@ def test_a_stop_that_fails_is_logged_not_raised(caplog):
 ])
 def test_a_probe_answers_none_when_healthy_else_why(answer, expected):
     pool = FakeWorkers(replicated_health=answer)
-    assert asyncio.run(rpc_calls.probe_rank(pool, "svc.0", 1, "tcp://b", 5)) == expected
+    assert asyncio.run(rpc_calls.probe_rank(pool, "svc.0", 1, "tcp://b", 5)) == (
+        expected, False)
     [(worker, _, kwargs)] = pool.calls
     assert worker == "tcp://b" and kwargs["id"] == str(rank_id("svc.0", 1))
 
 
 def test_a_silent_probe_says_how_long_it_waited():
     pool = FakeWorkers(replicated_health=_never)
-    error = asyncio.run(rpc_calls.probe_rank(pool, "svc.0", 0, "tcp://a", 0.05))
-    assert error == f"no answer from {rank_id('svc.0', 0)} within 0.05 s"
+    error, in_flight = asyncio.run(rpc_calls.probe_rank(pool, "svc.0", 0, "tcp://a", 0.05))
+    assert error == f"no answer from {rank_id('svc.0', 0)} within 0.05 s" and not in_flight
+
+
+def test_a_probe_whose_connection_breaks_once_sent_says_its_worker_was_lost():
+    """A broken connection once the probe was sent is told apart from one never made:
+    the worker died while ``check_health`` ran, perhaps of it, which counts."""
+    from distributed.comm import CommClosedError
+
+    pool = FakeWorkers(replicated_health=lambda worker, **_: _raise(CommClosedError("eof")))
+    error, in_flight = asyncio.run(rpc_calls.probe_rank(pool, "svc.0", 1, "tcp://b", 5))
+    assert in_flight
+    assert error == f"tcp://b was lost while its probe of {rank_id('svc.0', 1)} ran: " \
+                    "CommClosedError: eof"
 
 
 def test_figures_are_asked_once_per_worker_and_a_silent_worker_gives_none(monkeypatch):

@@ -34,6 +34,11 @@ def unruly():
             svc.shutdown()
 
 
+def workers_removed(client) -> int:
+    """How many times a worker left the cluster (the scheduler's event log)."""
+    return sum(msg.get("action") == "remove-worker" for _, msg in client.get_events("all"))
+
+
 def pids(client) -> dict[str, int]:
     import os
 
@@ -215,7 +220,7 @@ def test_a_setup_that_kills_its_worker_fails_past_allowed_failures(tmp_path):
     from dask_services.replicated import DeploymentError
 
     config = {"distributed.scheduler.validate": True, "distributed.worker.validate": True,
-              "distributed.scheduler.allowed-failures": 1}
+              "distributed.scheduler.allowed-failures": 2}
     with dask.config.set(config), LocalCluster(
         n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
         local_directory=str(tmp_path),
@@ -223,9 +228,59 @@ def test_a_setup_that_kills_its_worker_fails_past_allowed_failures(tmp_path):
         with pytest.raises(DeploymentError) as info:
             UnrulyHooks.options(replicas=1).as_service("setup", "die", client=client)
         message = str(info.value)
-        assert "a worker died while it started the replica 2 times in a row" in message
-        assert "allowed-failures=1" in message and "setup() itself" in message
+        assert "a worker died while it started the replica 3 times in a row" in message
+        assert "allowed-failures=2" in message and "setup() itself" in message
         client.wait_for_workers(2, timeout=60)
+        # one death counted once: a relaunch placed on the dying worker before its
+        # removal counted a second loss for it
+        assert workers_removed(client) == 3
+        poll_for(lambda: not any(client.run(lambda dask_worker: len(
+            dask_worker.extensions["dask_services_replicated"].replicas)).values()),
+            timeout=20)
+        validate_scheduler(client)
+
+
+def test_a_check_health_that_kills_its_worker_ends_unhealthy_past_allowed_failures(tmp_path):
+    """A ``check_health()`` that ends its worker's process was relaunched on every next
+    worker, one killed per health period, for as long as the service was deployed (a
+    healthy replica's lost worker did not count). A worker that dies while the scheduler's
+    probe of the replica runs now counts as one dying while it starts the replica: past
+    ``distributed.scheduler.allowed-failures`` in a row the replica is unhealthy, saying
+    ``check_health()`` may be what kills them, and calls fail naming it; nothing stays on
+    the workers."""
+    from distributed.utils_test import poll_for
+
+    from dask_services.replicated import ServiceUnavailable
+
+    flag = tmp_path / "failing"
+    flag.touch()  # from the first probe on
+    config = {"distributed.scheduler.validate": True, "distributed.worker.validate": True,
+              "distributed.scheduler.allowed-failures": 1,
+              "dask_services.replicated.health-check-period": "200ms"}
+    with dask.config.set(config), LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+        local_directory=str(tmp_path),
+    ) as cluster, Client(cluster) as client:
+        svc = UnrulyHooks.options(replicas=1).as_service("check_health", "die", str(flag),
+                                                         client=client)
+        try:
+            poll_for(lambda: [r["state"] for r in svc.replicas()] == ["unhealthy"],
+                     timeout=60)
+            (replica,) = svc.replicas()
+            assert "a worker died while the health probe of the replica ran 2 times in a " \
+                   "row" in replica["last_error"]
+            assert "allowed-failures=1" in replica["last_error"]
+            assert "check_health() itself" in replica["last_error"]
+            with pytest.raises(ServiceUnavailable, match=r"check_health\(\) itself"):
+                svc.ok.route().result(timeout=WAIT)
+            client.wait_for_workers(2, timeout=60)
+            assert workers_removed(client) == 2
+            # no third worker was killed: both running ones are still the ones there
+            workers = pids(client)
+            flag.unlink()
+            assert pids(client) == workers
+        finally:
+            svc.shutdown()
         poll_for(lambda: not any(client.run(lambda dask_worker: len(
             dask_worker.extensions["dask_services_replicated"].replicas)).values()),
             timeout=20)

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from dask_services.replicated import _lifecycle as lc
 from dask_services.replicated._lifecycle import ReplicaMachine, ReplicaState
+from dask_services.service import ServiceId
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -155,6 +156,58 @@ def test_workers_dying_while_they_start_it_end_unhealthy_past_the_allowance():
         ReplicaMachine("x", max_lost_in_setup=-1)
 
 
+def test_workers_dying_while_it_is_probed_end_unhealthy_past_the_allowance():
+    """A worker lost while the replica's health probe ran (its connection broke once the
+    probe was sent, or the worker left while the probe was under way) counts: more than
+    ``max_lost_in_probe`` in a row and the replica is unhealthy, saying
+    ``check_health()`` may be what kills them; a probe that passes resets the count, and
+    workers lost while no probe ran never count."""
+    m = ReplicaMachine("svc.0", max_lost_in_probe=1)
+    m.start()
+    placed(m, "a")
+    m.handle(lc.SetupSucceeded(m.id))
+    sid = m.id
+    assert m.handle(lc.WorkerLost("a", probing=frozenset({sid}))) == [
+        lc.StateChanged(ReplicaState.RECOVERING), lc.Launch(m.id, frozenset({"a"}))]
+    assert m.lost_in_probe == 1
+    placed(m, "b")
+    m.handle(lc.SetupSucceeded(m.id))  # a setup that succeeds does not reset it
+    assert m.lost_in_probe == 1
+    assert m.handle(lc.ProbeFailed(m.id, "b lost", in_flight=True)) == [
+        lc.Stop(m.id, "b", drain=False), lc.StateChanged(ReplicaState.UNHEALTHY)]
+    assert m.worker is None and m.lost_in_probe == 2
+    assert "health probe of the replica ran 2 times in a row" in m.last_error
+    assert "allowed-failures=1" in m.last_error and "check_health() itself" in m.last_error
+    assert "last: health probe failed: b lost" in m.last_error
+    m.validate()
+    # reset by a probe that passes; lost otherwise, or probing another replica: not counted
+    m = ReplicaMachine("svc.0", max_lost_in_probe=1)
+    m.start()
+    placed(m, "a")
+    m.handle(lc.SetupSucceeded(m.id))
+    m.handle(lc.WorkerLost("a", probing=frozenset({m.id})))
+    placed(m, "b")
+    m.handle(lc.SetupSucceeded(m.id))
+    m.handle(lc.ProbePassed(m.id))
+    assert m.lost_in_probe == 0
+    m.handle(lc.WorkerLost("b", probing=frozenset({ServiceId("other.0.1")})))
+    placed(m, "c")
+    m.handle(lc.SetupSucceeded(m.id))
+    m.handle(lc.ProbeFailed(m.id, "probe timed out"))
+    assert m.lost_in_probe == 0 and m.state is ReplicaState.RECOVERING
+    # a gang: the other ranks are stopped
+    m = ReplicaMachine("svc.0", size=2, max_lost_in_probe=0)
+    (launch,) = m.start()
+    m.handle(lc.Placed(launch.id, "a", ("b",)))
+    m.handle(lc.SetupSucceeded(launch.id))
+    assert m.handle(lc.WorkerLost("b", probing=frozenset({launch.id}))) == [
+        lc.Stop(launch.id, "a", drain=False, others=()),
+        lc.StateChanged(ReplicaState.UNHEALTHY)]
+    m.validate()
+    with pytest.raises(ValueError, match="max_lost_in_probe"):
+        ReplicaMachine("x", max_lost_in_probe=-1)
+
+
 def test_no_worker_waits_for_one():
     m = ReplicaMachine("svc.0")
     m.start()
@@ -203,8 +256,11 @@ def events_for(m: ReplicaMachine):
         st.just(lc.LaunchLost(m.id, "lost")),
         st.just(lc.LaunchLost(m.id, "lost while starting", in_flight=True)),
         st.sampled_from(WORKERS).map(lc.WorkerLost),
+        st.sampled_from(WORKERS).map(lambda w: lc.WorkerLost(w, probing=frozenset({m.id}))),
         st.sampled_from(WORKERS).map(lc.WorkerRetiring),
         st.just(lc.ProbeFailed(m.id, "slow")),
+        st.just(lc.ProbeFailed(m.id, "lost while probed", in_flight=True)),
+        st.just(lc.ProbePassed(m.id)),
         st.just(lc.StopRequested()),
         st.just(lc.SetupSucceeded("svc.0.0")),  # a stale id
     )
@@ -213,7 +269,8 @@ def events_for(m: ReplicaMachine):
 @settings(max_examples=150, deadline=None)
 @given(st.data(), st.integers(1, 4), st.integers(0, 3))
 def test_invariants_hold_for_any_sequence_of_events(data, attempts, lost_allowed):
-    m = ReplicaMachine("svc.0", attempts, max_lost_in_setup=lost_allowed)
+    m = ReplicaMachine("svc.0", attempts, max_lost_in_setup=lost_allowed,
+                       max_lost_in_probe=lost_allowed)
     seen_ids: set = set()
     unplaced: set = set()  # launched ids answered with NoWorker: nobody else knows them
     actions = m.start()
@@ -241,7 +298,8 @@ def test_invariants_hold_for_any_sequence_of_events(data, attempts, lost_allowed
             assert m.worker is not None
             was_healthy = True
         if m.state is ReplicaState.UNHEALTHY:
-            assert m.setup_failures >= attempts or m.lost_in_setup > lost_allowed
+            assert m.setup_failures >= attempts or m.lost_in_setup > lost_allowed \
+                or m.lost_in_probe > lost_allowed
             assert m.last_error
         if m.state is ReplicaState.RECOVERING:
             assert was_healthy  # only a replica that was healthy once recovers

@@ -18,7 +18,9 @@ events for another id are ignored.
 A worker that dies while it starts the replica (``setup`` under way) counts too: more
 than ``max_lost_in_setup`` in a row (``distributed.scheduler.allowed-failures``) and the
 replica is UNHEALTHY, as a task is erred with ``KilledWorker``, rather than a ``setup`` that
-kills its worker relaunched on every next one.
+kills its worker relaunched on every next one.  So does a worker that dies while the
+scheduler's health probe of a healthy replica runs (``max_lost_in_probe``, reset by a probe
+that passes): a ``check_health`` that kills its worker is not relaunched for ever.
 
 Nothing here does I/O; the scheduler part (``_scheduler.py``) feeds events and carries out
 the actions (choose a worker, start the instance there, stop an instance).  As in
@@ -130,9 +132,11 @@ class LaunchLost:
 
 @dataclass(frozen=True)
 class WorkerLost:
-    """``worker`` left the cluster."""
+    """``worker`` left the cluster; ``probing``: the incarnations whose health probe was
+    under way then (a worker dying of ``check_health`` counts)."""
 
     worker: str
+    probing: frozenset[ServiceId] = frozenset()
     stimulus_id: str = _stimulus("replica-worker-lost")
 
 
@@ -146,11 +150,23 @@ class WorkerRetiring:
 
 @dataclass(frozen=True)
 class ProbeFailed:
-    """The health probe of incarnation ``id`` failed or timed out."""
+    """The health probe of incarnation ``id`` failed or timed out.  ``in_flight``: a
+    rank's connection broke once the probe was sent (its worker died while
+    ``check_health`` ran, perhaps of it), counted against ``max_lost_in_probe``."""
 
     id: ServiceId
     error: str
+    in_flight: bool = False
     stimulus_id: str = _stimulus("replica-probe-failed")
+
+
+@dataclass(frozen=True)
+class ProbePassed:
+    """The health probe of incarnation ``id`` passed after workers were lost while it ran
+    (sent only then): the count of those starts again."""
+
+    id: ServiceId
+    stimulus_id: str = _stimulus("replica-probe-passed")
 
 
 @dataclass(frozen=True)
@@ -160,7 +176,7 @@ class StopRequested:
 
 
 Event = (Placed | NoWorker | WorkerAdded | SetupSucceeded | SetupFailed | LaunchLost
-         | WorkerLost | WorkerRetiring | ProbeFailed | StopRequested)
+         | WorkerLost | WorkerRetiring | ProbeFailed | ProbePassed | StopRequested)
 
 
 # ------------------------------------------------------------------ actions
@@ -248,14 +264,16 @@ class ReplicaMachine:
     many times in a row ``setup`` may fail before the replica is ``UNHEALTHY``, and
     ``max_lost_in_setup`` how many times in a row a worker may die while it starts the
     replica (``distributed.scheduler.allowed-failures``: ``setup`` itself may be what kills
-    them, as ``KilledWorker`` says of a task); ``size`` is the number of ranks
-    (``procs_per_replica``): rank 0 on ``worker``, the others on ``others``, placed,
-    started, lost and stopped together.
+    them, as ``KilledWorker`` says of a task), and ``max_lost_in_probe`` how many times in
+    a row one may die while its health probe runs (``check_health`` may be); ``size`` is
+    the number of ranks (``procs_per_replica``): rank 0 on ``worker``, the others on
+    ``others``, placed, started, lost and stopped together.
     """
 
     base: str
     max_setup_attempts: int = 3
     max_lost_in_setup: int = 3
+    max_lost_in_probe: int = 3
     size: int = 1
     state: ReplicaState = ReplicaState.UNINITIALIZED
     incarnation: int = 0
@@ -266,6 +284,7 @@ class ReplicaMachine:
     starting: bool = False  # a StartOn awaits its setup result
     setup_failures: int = 0
     lost_in_setup: int = 0  # workers that died in a row while they started the replica
+    lost_in_probe: int = 0  # ... while its health probe ran (since a probe last passed)
     last_error: str | None = None
     excluded: frozenset[str] = field(default_factory=frozenset)
     story_log: deque[ReplicaStoryEntry] = field(default_factory=_story_log, repr=False,
@@ -278,8 +297,9 @@ class ReplicaMachine:
             raise ValueError(f"max_setup_attempts must be >= 1, got {self.max_setup_attempts}")
         if self.size < 1:
             raise ValueError(f"size must be >= 1, got {self.size}")
-        if self.max_lost_in_setup < 0:
-            raise ValueError(f"max_lost_in_setup must be >= 0, got {self.max_lost_in_setup}")
+        for name in ("max_lost_in_setup", "max_lost_in_probe"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     @property
     def workers(self) -> tuple[str, ...]:
@@ -358,6 +378,9 @@ class ReplicaMachine:
             stops.append(Stop(old_id, survivors[0], drain=False, others=survivors[1:]))
         if self._setup_answered() and self._count_lost_in_setup():
             return stops + self._set(ReplicaState.UNHEALTHY)
+        if self.state is ReplicaState.HEALTHY and self.id in event.probing \
+                and self._count_lost_in_probe():
+            return stops + self._set(ReplicaState.UNHEALTHY)
         return stops + self._recover(frozenset({event.worker}))
 
     def _on_WorkerRetiring(self, event: WorkerRetiring) -> list[Action]:
@@ -410,6 +433,21 @@ class ReplicaMachine:
             f"KilledWorker says of a task); last: {self.last_error}")
         return True
 
+    def _count_lost_in_probe(self) -> bool:
+        """Count one more worker that died while the replica's health probe ran; True once
+        that is more in a row than ``max_lost_in_probe`` allows (as ``_count_lost_in_setup``)."""
+        self.lost_in_probe += 1
+        if self.lost_in_probe <= self.max_lost_in_probe:
+            return False
+        self.worker = None
+        self.others = ()
+        self.last_error = (
+            f"a worker died while the health probe of the replica ran {self.lost_in_probe} "
+            "times in a row, more than distributed.scheduler.allowed-failures="
+            f"{self.max_lost_in_probe} allows: check_health() itself may be what kills them "
+            f"(as KilledWorker says of a task); last: {self.last_error}")
+        return True
+
     def _on_SetupSucceeded(self, event: SetupSucceeded) -> list[Action]:
         if not self._setup_answered():
             return []  # no setup under way for this incarnation
@@ -446,8 +484,15 @@ class ReplicaMachine:
             return []
         old_id, old_worker, old_others = self.id, self.worker, self.others
         self.last_error = f"health probe failed: {event.error}"
-        return [Stop(old_id, old_worker, drain=False, others=old_others),
-                *self._recover(frozenset({old_worker, *old_others}))]
+        stop = Stop(old_id, old_worker, drain=False, others=old_others)
+        if event.in_flight and self._count_lost_in_probe():
+            return [stop, *self._set(ReplicaState.UNHEALTHY)]
+        return [stop, *self._recover(frozenset({old_worker, *old_others}))]
+
+    def _on_ProbePassed(self, event: ProbePassed) -> list[Action]:
+        if self.state is ReplicaState.HEALTHY:
+            self.lost_in_probe = 0
+        return []
 
     # ------------------------------------------------------------ story
 
@@ -491,6 +536,7 @@ class ReplicaMachine:
                                                 or self.waiting_for_worker)
         assert 0 <= self.setup_failures <= self.max_setup_attempts
         assert 0 <= self.lost_in_setup <= self.max_lost_in_setup + 1
+        assert 0 <= self.lost_in_probe <= self.max_lost_in_probe + 1
         if self.state is ReplicaState.UNHEALTHY:
             assert self.worker is None and not (self.launching or self.starting)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from distributed.comm import CommClosedError
 
@@ -72,19 +72,30 @@ async def stop_rank(rpc: Callable[[str], Any], worker: str, sid: Any, timeout: f
         logger.info("stopping replica %s on %s: %r", sid, worker, e)
 
 
+class ProbeAnswer(NamedTuple):
+    """A rank's answer to a health probe: ``error`` None if healthy, else why not;
+    ``in_flight``: its connection broke once the probe was sent (the worker died while
+    ``check_health`` ran, perhaps of it)."""
+
+    error: str | None
+    in_flight: bool = False
+
+
 async def probe_rank(rpc: Callable[[str], Any], sid: Any, rank: int, worker: str,
-                     timeout: float) -> str | None:
-    """Probe rank ``rank`` of incarnation ``sid`` on ``worker``: None if healthy, else
-    why not."""
+                     timeout: float) -> ProbeAnswer:
+    """Probe rank ``rank`` of incarnation ``sid`` on ``worker``."""
     rid = str(rank_id(str(sid), rank))
     try:
         resp = await asyncio.wait_for(
             rpc(worker).replicated_health(id=rid, timeout=timeout), timeout + 1)
-        return None if resp["status"] == "ok" else resp["error"]
+        return ProbeAnswer(None if resp["status"] == "ok" else resp["error"])
     except TimeoutError:
-        return f"no answer from {rid} within {timeout} s"
+        return ProbeAnswer(f"no answer from {rid} within {timeout} s")
+    except CommClosedError as e:
+        return ProbeAnswer(f"{worker} was lost while its probe of {rid} ran: "
+                           f"{type(e).__name__}: {e}", in_flight=True)
     except Exception as e:
-        return f"{type(e).__name__}: {e}"
+        return ProbeAnswer(f"{type(e).__name__}: {e}")
 
 
 async def replica_stats(rpc: Callable[[str], Any], placed: Mapping[str, str]

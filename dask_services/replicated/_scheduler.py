@@ -32,6 +32,7 @@ from dask_services.replicated import _adaptive, _placement
 from dask_services.replicated import _lifecycle as lc
 from dask_services.replicated import _replica_rpc as _rpc
 from dask_services.replicated._autoscale import AutoscalePolicy, AutoscalingConfig
+from dask_services.replicated._departures import Departures
 from dask_services.replicated._deployment import Deployment, WakeAsk, first_set
 from dask_services.replicated._gang import incarnation_of, rank_id
 from dask_services.replicated._lifecycle import ReplicaState
@@ -43,6 +44,8 @@ from dask_services.replicated._worker import EXTENSION, ReplicaWorker
 
 if TYPE_CHECKING:
     from distributed.scheduler import Scheduler, WorkerState
+
+    from dask_services.service import ServiceId
 
 logger = logging.getLogger("dask_services")
 NAMES_KEPT = 10_000  # service names whose slot counts are kept (``_slots_made``)
@@ -81,7 +84,10 @@ class Deployments(Scaling, SchedulerPlugin):
         # name not kept starts above every slot of a dropped one
         self._slots_made: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._dropped_slots = 0
-        self._probing: set[str] = set()
+        # incarnations whose health probe runs, with their ranks' workers
+        self._probing: dict[ServiceId, tuple[str, ...]] = {}
+        # workers whose connection broke once sent a start or probe, awaited to leave
+        self._departures = Departures()
         self._probe: PeriodicCallback | None = None
         self._autoscaler: PeriodicCallback | None = None
         self.reports = ReplicaReports()  # figures of each replica, from worker heartbeats
@@ -165,7 +171,10 @@ class Deployments(Scaling, SchedulerPlugin):
                       **kwargs: Any) -> None:
         """A worker left: its replicas are relaunched elsewhere."""
         self._broadcast(lc.WorkerLost(
-            worker, stimulus_id=stimulus_id or new_stimulus_id(f"remove-worker-{worker}")))
+            worker, probing=frozenset(sid for sid, on in self._probing.items()
+                                      if worker in on),
+            stimulus_id=stimulus_id or new_stimulus_id(f"remove-worker-{worker}")))
+        self._departures.left(worker)
 
     def valid_workers_downscaling(self, scheduler: Scheduler,
                                   workers: list[WorkerState]) -> list[WorkerState]:
@@ -522,11 +531,11 @@ class Deployments(Scaling, SchedulerPlugin):
         slot = dep.next_slot
         dep.next_slot += 1
         self._slots_made[dep.name] = dep.next_slot
+        allowed_failures = int(dask.config.get("distributed.scheduler.allowed-failures", 3))
         machine = lc.ReplicaMachine(
             base=f"{self._prefix}{dep.name}.{slot}",
             max_setup_attempts=int(setting("replicated.setup-attempts")),
-            max_lost_in_setup=int(dask.config.get("distributed.scheduler.allowed-failures",
-                                                  3)),
+            max_lost_in_setup=allowed_failures, max_lost_in_probe=allowed_failures,
             size=dep.procs_per_replica,
         )
         dep.slots[slot] = machine
@@ -694,6 +703,11 @@ class Deployments(Scaling, SchedulerPlugin):
     async def _start(self, dep: Deployment, slot: int, sid: Any,
                      workers: tuple[str, ...]) -> None:
         resp = await self._start_gang(dep, sid, workers)
+        if resp.get("in_flight"):
+            # the worker most likely died while it started the replica: its removal
+            # (counted then, the start being under way) comes first, rather than a
+            # relaunch placed on it again and lost a second time for one death
+            await self._gone_within(workers)
         machine = dep.slots.get(slot)
         current = (self.deployments.get(dep.name) is dep and machine is not None
                    and machine.id == sid and machine.state is not ReplicaState.STOPPED)
@@ -748,27 +762,43 @@ class Deployments(Scaling, SchedulerPlugin):
                 continue
             for slot, m in list(dep.slots.items()):
                 if m.state is ReplicaState.HEALTHY and m.id not in self._probing:
-                    self._probing.add(m.id)
+                    self._probing[m.id] = m.workers
                     self._spawn(dep, self._probe_one(dep, slot, m.id, m.workers, timeout))
 
     async def _probe_one(self, dep: Deployment, slot: int, sid: Any,
                          workers: tuple[str, ...], timeout: float) -> None:
-        """Probe every rank; the first failure is the replica's."""
+        """Probe every rank; the first failure is the replica's.  A rank whose connection
+        broke once probed most likely died while ``check_health`` ran: its removal is
+        awaited, and counts (the probe being under way) as a worker lost in a probe."""
         try:
-            errors = await asyncio.gather(*(
+            answers = await asyncio.gather(*(
                 _rpc.probe_rank(self.scheduler.rpc, sid, r, w, timeout)
                 for r, w in enumerate(workers)))
-            error = next((e for e in errors if e is not None), None)
+            failed = next((a for a in answers if a.error is not None), None)
+            if failed is not None and failed.in_flight:
+                await self._gone_within(workers)
             machine = dep.slots.get(slot)
-            if error is not None and machine is not None and machine.id == sid \
-                    and not dep.stopping \
-                    and all(w in self.scheduler.workers for w in workers):
-                logger.warning("replica %s of %s failed its health probe: %s", sid,
-                               dep.name, error)
-                self._apply(dep, slot, machine.handle(lc.ProbeFailed(
-                    sid, error, stimulus_id=new_stimulus_id(f"probe-failed-{sid}"))))
+            if machine is None or machine.id != sid or dep.stopping \
+                    or not all(w in self.scheduler.workers for w in workers):
+                return
+            if failed is None:
+                if machine.lost_in_probe:
+                    self._apply(dep, slot, machine.handle(lc.ProbePassed(
+                        sid, stimulus_id=new_stimulus_id(f"probe-passed-{sid}"))))
+                return
+            logger.warning("replica %s of %s failed its health probe: %s", sid,
+                           dep.name, failed.error)
+            self._apply(dep, slot, machine.handle(lc.ProbeFailed(
+                sid, failed.error, in_flight=failed.in_flight,
+                stimulus_id=new_stimulus_id(f"probe-failed-{sid}"))))
         finally:
-            self._probing.discard(sid)
+            self._probing.pop(sid, None)
+
+    async def _gone_within(self, workers: tuple[str, ...]) -> bool:
+        """Whether one of ``workers`` left, or leaves within ``health-check-timeout``."""
+        return await self._departures.any_gone_within(
+            workers, lambda w: w in self.scheduler.workers,
+            config_seconds("health-check-timeout"))
 
     # ------------------------------------------------------------ events
 
