@@ -140,3 +140,28 @@ def whoami_from_task(svc, i: int) -> str:
 
 def inc(x: int) -> int:
     return x + 1
+
+
+class Tally(dask_services.Service):
+    """Counts the calls of its slow endpoints that ran (one at a time)."""
+
+    service_options = {"max_concurrency": 1, "max_queued": 1000}
+
+    def setup(self) -> None:
+        self.ran = 0
+
+    @dask_services.endpoint
+    def sync_work(self, seconds: float) -> int:
+        time.sleep(seconds)
+        self.ran += 1
+        return self.ran
+
+    @dask_services.endpoint
+    async def async_work(self, seconds: float) -> int:
+        await asyncio.sleep(seconds)
+        self.ran += 1
+        return self.ran
+
+    @dask_services.endpoint
+    async def ran_so_far(self) -> int:
+        return self.ran

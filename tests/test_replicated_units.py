@@ -138,6 +138,50 @@ def test_shed_gives_back_the_last_movable_queued_calls_and_keeps_the_order_of_th
     run(main())
 
 
+def test_the_queued_calls_of_a_caller_gone_are_given_back_and_the_others_keep_their_order():
+    """A caller left the cluster: its queued calls, async and sync, session or not, go
+    back (``CallMoved``), the running one finishes, other callers' calls and a batch
+    waiting for a slot stay in their order, and nothing is kept of the calls gone."""
+
+    async def main():
+        gate = CallGate(1, 10, name="replica x")
+        executor = ThreadPoolExecutor(1)
+        await gate.acquire(caller="gone")  # running: it finishes
+        order = []
+
+        async def call(i, caller, internal=False):
+            await gate.acquire(caller=caller, movable=i % 2 == 0, internal=internal)
+            order.append(i)
+            gate.release()
+            return i
+
+        callers = ["gone", "stays", "gone", "stays", None, "gone"]
+        tasks = [asyncio.ensure_future(call(i, c)) for i, c in enumerate(callers)]
+        batch = asyncio.ensure_future(call(6, "gone", internal=True))
+        await until(lambda: all(suspended_in(t, "CallGate.acquire", gate)
+                                for t in [*tasks, batch]))
+        gone_sync = gate.admit_to_thread(executor, lambda: "sync", caller="gone")
+        kept_sync = gate.admit_to_thread(executor, lambda: "kept", caller="stays")
+        assert (gate.in_flight, gate.queued) == (1, 8)
+        assert gate.give_back_calls_of({"gone"}, "gave the call back: its caller "
+                                                 "left") == 4
+        with pytest.raises(CallMoved, match="replica x gave the call back: its caller"):
+            await gate.outcome(gone_sync)
+        for i in (0, 2, 5):
+            with pytest.raises(CallMoved):
+                await tasks[i]
+        assert (gate.in_flight, gate.queued) == (1, 4)
+        assert gate.give_back_calls_of({"gone"}, "again") == 0
+        gate.release()
+        assert await gate.outcome(kept_sync) == "kept"
+        await asyncio.gather(tasks[1], tasks[3], tasks[4], batch)
+        assert order == [1, 3, 4, 6]
+        assert gate._callers == {} and gate.in_flight == 0 and gate.queued == 0
+        executor.shutdown()
+
+    run(main())
+
+
 def test_shed_skips_a_thread_call_whose_caller_was_just_cancelled():
     """The caller's cancellation cancels the call's future at once and takes it out of
     the queue a step later: a shed in between failed on it and left the calls it had
@@ -436,6 +480,8 @@ def test_a_handle_whose_client_was_closed_says_what_to_do_without_another():
     from dask_services.replicated._transport import Transport
 
     class ClosedClientTransport(Transport):
+        caller = "client-closed"
+
         def closed(self) -> bool:
             return True
 

@@ -328,7 +328,8 @@ class ReplicatedService:
                 self._outstanding[target.id] += 1
                 status = None
                 try:
-                    msg = {"id": str(target.id), "method": method, **payload}
+                    msg = {"id": str(target.id), "method": method,
+                           "caller": self._transport.caller, **payload}
                     if movable:
                         msg["movable"] = True
                     if moved:

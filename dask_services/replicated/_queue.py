@@ -6,7 +6,10 @@ Calls waiting to join a batch (``_batching.py``) are *held*: they count as queue
 the batch they join takes one slot (``acquire(internal=True)``, which is not a queued call).
 A call admitted as *movable* (no session holds it here, nor was it addressed to this
 replica) may be given back while it waits (:meth:`CallGate.shed`), the last queued
-first, when replicas are added.
+first, when replicas are added.  A queued call also names its *caller* (a client's id, or
+the address of the worker whose task or replica made it): the calls of a caller that left
+the cluster are given back at once (:meth:`CallGate.give_back_calls_of`) instead of run
+for nobody.
 
 A sync call queues as a :class:`ThreadCall` (``admit_to_thread``): the thread that ends
 one call takes the next queued thread call itself, slot and all, so a busy replica of a
@@ -45,6 +48,7 @@ class ThreadCall:
     state: str = "queued"  # -> "running" (has the slot) or "dropped" (left the queue)
     what: str = "the call"  # named in its error if its thread is interrupted
     movable: bool = False  # may be given back while queued (:meth:`CallGate.shed`)
+    caller: str | None = None  # who made it (:meth:`CallGate.give_back_calls_of`)
 
 
 class CallGate:
@@ -59,6 +63,7 @@ class CallGate:
         self._lock = threading.Lock()  # the queue, which threads ending a call also take from
         self._internal: set[asyncio.Future] = set()  # waiters that are batches, not calls
         self._movable: set[asyncio.Future] = set()  # waiting calls that may be given back
+        self._callers: dict[asyncio.Future, str] = {}  # who made each waiting call
         self.held = 0  # calls waiting to join a batch (counted as queued)
         # the calls of running batches beyond the one slot each batch takes: a batch of
         # 16 requests is 16 calls running (what the autoscaler and the routers count)
@@ -103,11 +108,13 @@ class CallGate:
         """``n`` held calls joined a running batch or left."""
         self.held -= n
 
-    async def acquire(self, internal: bool = False, movable: bool = False) -> None:
+    async def acquire(self, internal: bool = False, movable: bool = False,
+                      caller: str | None = None) -> None:
         """Wait for a slot; ``ServiceOverloaded`` at once when the queue is full.
 
         ``internal``: a batch of held calls asks, never refused for a full queue.
-        ``movable``: while it waits, :meth:`shed` may give the call back (``CallMoved``)."""
+        ``movable``: while it waits, :meth:`shed` may give the call back (``CallMoved``).
+        ``caller``: who made the call (:meth:`give_back_calls_of`)."""
         if self._closed is not None:
             raise self._closed
         if self.in_flight < self.max_concurrency and not self._waiters:
@@ -122,6 +129,8 @@ class CallGate:
             self._internal.add(fut)
         elif movable:
             self._movable.add(fut)
+        if caller is not None and not internal:
+            self._callers[fut] = caller
         try:
             await fut
         except asyncio.CancelledError:
@@ -142,8 +151,7 @@ class CallGate:
                     waiter.state = "running"
                     self._start(waiter)
                     return
-                self._internal.discard(waiter)
-                self._movable.discard(waiter)
+                self._forget(waiter)
                 if not waiter.done():
                     self._take()
                     waiter.set_result(None)
@@ -161,8 +169,7 @@ class CallGate:
             if isinstance(waiter, ThreadCall):
                 waiter.state = "dropped"
                 waiter = waiter.future
-            self._internal.discard(waiter)
-            self._movable.discard(waiter)
+            self._forget(waiter)
             if not waiter.done():
                 waiter.set_exception(self._closed)
 
@@ -189,17 +196,43 @@ class CallGate:
                 self._waiters.remove(waiter)
                 if isinstance(waiter, ThreadCall):
                     waiter.state = "dropped"
-        for waiter in moved:
+        return self._give_back(moved, why, replicas)
+
+    def give_back_calls_of(self, callers: set[str], why: str) -> int:
+        """Give back every queued call made by one of ``callers`` (clients or workers that
+        left the cluster): a caller gone reads no answer, and one still there (a client
+        whose connection to the scheduler broke and came back) sends the call again, as
+        for :meth:`shed`.  Returns how many were given back."""
+        leaving: list[asyncio.Future | ThreadCall] = []
+        with self._lock:
+            for waiter in self._waiters:
+                if isinstance(waiter, ThreadCall):
+                    if waiter.caller in callers and waiter.state == "queued" \
+                            and not waiter.future.done():
+                        leaving.append(waiter)
+                elif self._callers.get(waiter) in callers and not waiter.done():
+                    leaving.append(waiter)
+            for waiter in leaving:
+                self._waiters.remove(waiter)
+                if isinstance(waiter, ThreadCall):
+                    waiter.state = "dropped"
+        return self._give_back(leaving, why, None)
+
+    def _give_back(self, waiters: list[asyncio.Future | ThreadCall], why: str,
+                   replicas: list | None) -> int:
+        """Fail ``waiters``, taken out of the queue, with ``CallMoved``."""
+        for waiter in waiters:
             future = waiter.future if isinstance(waiter, ThreadCall) else waiter
-            self._movable.discard(future)
+            self._forget(future)
             if not future.done():
                 future.set_exception(CallMoved(f"{self.name} {why}", replicas))
-        return len(moved)
+        return len(waiters)
 
     # ------------------------------------------------------------ sync calls
 
     def admit_to_thread(self, executor: Executor, fn: Callable[[], Any],
-                        what: str = "the call", movable: bool = False) -> ThreadCall:
+                        what: str = "the call", movable: bool = False,
+                        caller: str | None = None) -> ThreadCall:
         """Admit sync call ``fn`` (run on ``executor``): started at once if a slot is
         free, else queued; ``ServiceOverloaded`` (or the closing error) at once when the
         queue is full.  Await its outcome with :meth:`outcome`; its slot is given back
@@ -208,7 +241,7 @@ class CallGate:
             raise self._closed
         loop = asyncio.get_running_loop()
         call = ThreadCall(fn, executor, loop, loop.create_future(), what=what,
-                          movable=movable)
+                          movable=movable, caller=caller)
         with self._lock:
             if self.in_flight < self.max_concurrency and not self._waiters:
                 self._take()
@@ -291,9 +324,14 @@ class CallGate:
         self.in_flight += 1
         self._idle.clear()
 
-    def _discard(self, fut: asyncio.Future) -> None:
+    def _forget(self, fut: asyncio.Future) -> None:
+        """What was kept of a waiter that left the queue."""
         self._internal.discard(fut)
         self._movable.discard(fut)
+        self._callers.pop(fut, None)
+
+    def _discard(self, fut: asyncio.Future) -> None:
+        self._forget(fut)
         with self._lock:
             try:
                 self._waiters.remove(fut)

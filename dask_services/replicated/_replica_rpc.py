@@ -119,6 +119,17 @@ async def replica_stats(rpc: Callable[[str], Any], placed: Mapping[str, str]
     return found
 
 
+async def callers_left(rpc: Callable[[str], Any], worker: str, callers: list[str]) -> int:
+    """Tell ``worker`` that ``callers`` left the cluster, so that its replicas give back
+    their queued calls: how many it gave back; none if it does not answer within
+    ``STATS_TIMEOUT`` s (the calls then run, as before)."""
+    try:
+        return await asyncio.wait_for(rpc(worker).replicated_callers_left(callers=callers),
+                                      STATS_TIMEOUT)
+    except (OSError, TimeoutError):
+        return 0
+
+
 async def shed_calls(rpc: Callable[[str], Any], worker: str, rid: str, keep: int,
                      table: list) -> int:
     """Replica ``rid`` gives back its queued calls beyond ``keep`` (with ``table``, the

@@ -99,6 +99,8 @@ class Deployments(Scaling, SchedulerPlugin):
         self._freed_pending = False  # a "capacity freed" broadcast is due this loop turn
         # shutdowns of deployments whose deploying client left (``remove_client``)
         self._abandoned_shutdowns: set[asyncio.Task] = set()
+        # messages telling workers that a caller left (``_callers_left``)
+        self._callers_told: set[asyncio.Task] = set()
         # resources that instances being stopped (draining their calls) still hold
         self._held_by_stops: dict[tuple[str, str], dict[str, float]] = {}
 
@@ -133,6 +135,7 @@ class Deployments(Scaling, SchedulerPlugin):
         tasks = [task for dep in self.deployments.values() for task in dep.tasks]
         tasks += self._orphan_stops.values()
         tasks += self._abandoned_shutdowns
+        tasks += self._callers_told
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -150,8 +153,10 @@ class Deployments(Scaling, SchedulerPlugin):
         self.worker_report(ws.address, data or ())
 
     def remove_client(self, scheduler: Scheduler, client: str) -> None:
-        """A client left: a deployment it was still waiting for (its ``as_service()``
-        interrupted by the client closing) is shut down, since no one holds a handle."""
+        """A client left: the replicas give back the calls it had queued, and a
+        deployment it was still waiting for (its ``as_service()`` interrupted by the
+        client closing) is shut down, since no one holds a handle."""
+        self._callers_left(client)
         for dep in list(self.deployments.values()):
             if dep.deploying_client == client and not dep.stopping:
                 self.scheduler.log_event(EVENT_TOPIC, {
@@ -175,6 +180,18 @@ class Deployments(Scaling, SchedulerPlugin):
                                       if worker in on),
             stimulus_id=stimulus_id or new_stimulus_id(f"remove-worker-{worker}")))
         self._departures.left(worker)
+        self._callers_left(worker)
+
+    def _callers_left(self, caller: str) -> None:
+        """Tell the workers holding replicas that ``caller`` (a client's id, a worker's
+        address) left: they give back the calls it had queued, which no one would read."""
+        hosts = {w for dep in self.deployments.values() for m in dep.slots.values()
+                 for w in m.workers if w != caller and w in self.scheduler.workers}
+        for worker in hosts:
+            task = asyncio.ensure_future(_rpc.callers_left(self.scheduler.rpc, worker,
+                                                           [caller]))
+            self._callers_told.add(task)
+            task.add_done_callback(self._callers_told.discard)
 
     def valid_workers_downscaling(self, scheduler: Scheduler,
                                   workers: list[WorkerState]) -> list[WorkerState]:

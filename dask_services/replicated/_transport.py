@@ -24,6 +24,12 @@ class Transport(abc.ABC):
         """Whether what this transport goes through was closed (a closed ``Client``)."""
         return False
 
+    @property
+    @abc.abstractmethod
+    def caller(self) -> str:
+        """Who calls through it, as the scheduler names it when it leaves (a client's id,
+        a worker's address): replicas give back the queued calls of a caller gone."""
+
     def in_loop(self) -> bool:
         """Whether the caller runs on this transport's event loop (async code)."""
         try:
@@ -72,6 +78,10 @@ class ClientTransport(Transport):
     def closed(self) -> bool:
         return self.client.status in ("closing", "closed")
 
+    @property
+    def caller(self) -> str:
+        return str(self.client.id)
+
 
 class WorkerTransport(Transport):
     """Through the worker a task or a replica runs on."""
@@ -79,6 +89,10 @@ class WorkerTransport(Transport):
     def __init__(self, worker: Any) -> None:
         self.worker = worker
         _connect(self, worker)
+
+    @property
+    def caller(self) -> str:
+        return str(self.worker.address)
 
 
 def current_transport() -> Transport:

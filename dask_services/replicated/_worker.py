@@ -62,7 +62,8 @@ logger = logging.getLogger("dask_services")
 EXTENSION = "dask_services_replicated"  # the worker and the scheduler extension's name
 HANDLERS = ("replicated_start", "replicated_stop", "replicated_call", "replicated_health",
             "replicated_stats", "replicated_rank_call", "replicated_rank_rpc",
-            "replicated_stream", "replicated_calls", "replicated_shed")
+            "replicated_stream", "replicated_calls", "replicated_shed",
+            "replicated_callers_left")
 WORKER_CLOSING = (Status.closing, Status.closed, Status.failed)
 STATUS_CHANGE = "worker-status-change"  # the stream message telling a worker its status
 
@@ -423,6 +424,21 @@ class ReplicaWorker(WorkerPlugin):
         return rep.gate.shed(int(keep), "gave the call back: replicas were added",
                              replicas)
 
+    def callers_left(self, comm: Any, callers: list[str]) -> int:
+        """``callers`` (client ids, worker addresses) left the cluster: every replica here
+        gives back their queued calls rather than run them for nobody.  Returns how many
+        were given back."""
+        gone = set(callers)
+        given_back = 0
+        for rep in self.replicas.values():
+            if rep.ready and not rep.closing:
+                given_back += rep.gate.give_back_calls_of(gone, "gave the call back: its "
+                                                                "caller left the cluster")
+        if given_back:
+            logger.info("gave back %d queued calls of %s, which left the cluster",
+                        given_back, ", ".join(sorted(gone)))
+        return given_back
+
     def report(self) -> list[dict]:
         """The figures of every replica ready here, for the worker's heartbeat: id,
         in-flight and queued calls, and the metrics summary (see ``_table.py``)."""
@@ -435,13 +451,14 @@ class ReplicaWorker(WorkerPlugin):
     @worker_handler
     async def call(self, comm: Any, id: str, method: str, payload: Any = None,
                    pickled: bytes | None = None, movable: bool = False,
-                   moved: bool = False) -> dict:
+                   moved: bool = False, caller: str | None = None) -> dict:
         """Run endpoint ``method`` on replica ``id`` within its concurrency limits.
 
         ``movable``: nothing holds the call to this replica (no session or pin), so while
         it is queued it may be given back to be sent to a replica with less to do
         (:meth:`shed`); ``moved``: another replica gave it back (counted in
-        ``moved_in``)."""
+        ``moved_in``); ``caller``: the client id or worker address that made it (its
+        queued calls are given back should it leave, :meth:`callers_left`)."""
         rep = self.replicas.get(ServiceId(id))
         if rep is None or not rep.ready or rep.closing:
             return {"status": "gone", "message": f"replica {id} is not running on "
@@ -471,11 +488,11 @@ class ReplicaWorker(WorkerPlugin):
             rep.moved_in += 1
         try:
             if fans_out or inspect.iscoroutinefunction(fn):
-                await rep.gate.acquire(movable=movable)
+                await rep.gate.acquire(movable=movable, caller=caller)
             else:  # the replica's thread that ends a call may start this one itself
                 in_thread = rep.gate.admit_to_thread(rep.executor, in_current_context(
                     functools.partial(fn, *args, **kwargs)), what=f"{rep.name}.{method}",
-                    movable=movable)
+                    movable=movable, caller=caller)
         except (ServiceOverloaded, ReplicaGone, ServiceShutdown, CallMoved) as e:
             return not_admitted(rep.metrics, e, rep.gate)
         task = asyncio.current_task()
