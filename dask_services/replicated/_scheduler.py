@@ -791,7 +791,8 @@ class Deployments(Scaling, SchedulerPlugin):
             answers = await asyncio.gather(*(
                 _rpc.probe_rank(self.scheduler.rpc, sid, r, w, timeout)
                 for r, w in enumerate(workers)))
-            failed = next((a for a in answers if a.error is not None), None)
+            failed = next((a for a in answers if a.in_flight), None) \
+                or next((a for a in answers if a.error is not None), None)
             if failed is not None and failed.in_flight:
                 await self._gone_within(workers)
             machine = dep.slots.get(slot)
