@@ -163,5 +163,11 @@ class Tally(dask_services.Service):
         return self.ran
 
     @dask_services.endpoint
+    def stream_work(self, seconds: float):
+        self.ran += 1
+        time.sleep(seconds)  # a first item that takes time (a model's first tokens)
+        yield self.ran
+
+    @dask_services.endpoint
     async def ran_so_far(self) -> int:
         return self.ran

@@ -37,6 +37,7 @@ from dask_services._messages import dumps_exception, loads_exception, raise_futu
 from dask_services._worker_context import in_current_context
 from dask_services.config import setting
 from dask_services.replicated._errors import (
+    CallMoved,
     ReplicaGone,
     ScaledDown,
     ServiceOverloaded,
@@ -105,12 +106,13 @@ async def _credits(comm: Any, credit: list[int], more: asyncio.Event) -> str:
 
 
 async def serve(rep: HostedReplica, comm: Any, method: str, args: tuple, kwargs: dict,
-                window: int) -> Status:
-    """Run generator endpoint ``method`` of ``rep`` and send its items over ``comm``."""
+                window: int, caller: str | None = None) -> Status:
+    """Run generator endpoint ``method`` of ``rep`` and send its items over ``comm``;
+    while it waits for a slot, it is given back should ``caller`` leave the cluster."""
     arrived = time.perf_counter()
     try:
-        await rep.gate.acquire()
-    except (ServiceOverloaded, ReplicaGone, ServiceShutdown) as e:
+        await rep.gate.acquire(caller=caller)
+    except (ServiceOverloaded, ReplicaGone, ServiceShutdown, CallMoved) as e:
         await comm.write(not_admitted(rep.metrics, e))
         return Status.dont_reply
     task = asyncio.current_task()
@@ -453,7 +455,8 @@ class Stream:
                     try:
                         await comm.write({
                             "op": "replicated_stream", "id": str(target.id),
-                            "method": self._method, "window": stream_window(), **payload})
+                            "method": self._method, "window": stream_window(),
+                            "caller": self._transport.caller, **payload})
                         msg = await comm.read()
                     finally:
                         watch.cancel()
@@ -477,6 +480,8 @@ class Stream:
                     self._transport.pool.reuse(target.worker, comm)  # handler ended
                     comm = None
                     self._release_target()
+                    if status == "moved":  # given back while queued: not a failure
+                        continue
                     if status == "overloaded":
                         raise ServiceOverloaded(msg["message"])
                     if status == "shutdown":

@@ -569,9 +569,11 @@ class ReplicaWorker(WorkerPlugin):
 
     @worker_handler
     async def stream(self, comm: Any, id: str, method: str, window: int,
-                     payload: Any = None, pickled: bytes | None = None) -> Any:
+                     payload: Any = None, pickled: bytes | None = None,
+                     caller: str | None = None) -> Any:
         """Run generator endpoint ``method`` of replica ``id``, sending its items over
-        ``comm`` as the caller takes them (``_streaming.py``)."""
+        ``comm`` as the caller takes them (``_streaming.py``); ``caller`` as for
+        :meth:`call`."""
         from distributed.core import Status
 
         from dask_services.replicated import _streaming
@@ -598,7 +600,8 @@ class ReplicaWorker(WorkerPlugin):
             await comm.write({"status": "error", "exception": dumps_exception(e)})
             return Status.dont_reply
         await rep.peers_known()
-        return await _streaming.serve(rep, comm, method, args, kwargs, int(window))
+        return await _streaming.serve(rep, comm, method, args, kwargs, int(window),
+                                      caller=caller)
 
     def _batcher(self, rep: HostedReplica, method: str) -> Batcher:
         batcher = rep.batchers.get(method)
