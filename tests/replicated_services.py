@@ -162,6 +162,12 @@ class Tally(dask_services.Service):
         self.ran += 1
         return self.ran
 
+    @dask_services.endpoint(batch_size=2, batch_wait="1ms")
+    def batch_work(self, requests: list[float]) -> list[int]:
+        time.sleep(max(requests))
+        self.ran += len(requests)
+        return [self.ran] * len(requests)
+
     @dask_services.endpoint
     def stream_work(self, seconds: float):
         self.ran += 1

@@ -221,7 +221,8 @@ def test_streams_on_a_frozen_worker_are_resent_or_fail_clearly():
         poll_for(lambda: not any(hosted(client).values()), timeout=30)
 
 
-@pytest.mark.parametrize("endpoint", ["sync_work", "async_work", "stream:stream_work"])
+@pytest.mark.parametrize("endpoint", ["sync_work", "async_work", "batch_work",
+                                      "stream:stream_work"])
 def test_the_queued_calls_of_a_caller_killed_are_not_run_for_nobody(cluster, tmp_path,
                                                                     endpoint):
     """A client process killed with calls queued on a replica: they all ran, one after

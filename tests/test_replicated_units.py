@@ -182,6 +182,41 @@ def test_the_queued_calls_of_a_caller_gone_are_given_back_and_the_others_keep_th
     run(main())
 
 
+def test_the_held_calls_of_a_caller_gone_leave_the_batch_they_wait_for():
+    """Calls held for a batch while the replica is busy: those of a caller that left go
+    back (``CallMoved``), counted out of the gate's queue; the others run as one batch,
+    and nothing is kept of any of them once done."""
+    from dask_services.replicated._batching import Batcher
+
+    async def main():
+        gate = CallGate(1, 10, name="replica x")
+        batches = []
+
+        async def run_batch(requests):
+            batches.append(requests)
+            return requests
+
+        batcher = Batcher(gate, "svc.work", size=4, wait=0.0, run=run_batch,
+                          track=lambda task: None)
+        await gate.acquire()  # busy: the batch waits for the slot
+        futures = [batcher.enqueue(i, caller="gone" if i % 2 else "stays")
+                   for i in range(4)]
+        await until(lambda: suspended_in(batcher._flusher, "CallGate.acquire", gate))
+        assert gate.queued == 4
+        assert batcher.give_back_calls_of({"gone"}, "gave the call back") == 2
+        assert gate.queued == 2
+        for i in (1, 3):
+            with pytest.raises(CallMoved, match="replica x gave the call back"):
+                await futures[i]
+        gate.release()
+        assert await asyncio.gather(futures[0], futures[2]) == [0, 2]
+        assert batches == [[0, 2]]
+        await until(lambda: gate.in_flight == 0)
+        assert batcher._callers == {} and gate.queued == 0
+
+    run(main())
+
+
 def test_shed_skips_a_thread_call_whose_caller_was_just_cancelled():
     """The caller's cancellation cancels the call's future at once and takes it out of
     the queue a step later: a shed in between failed on it and left the calls it had

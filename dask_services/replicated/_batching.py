@@ -9,7 +9,9 @@ slot of the gate (it is one running call against ``max_concurrency``), and calls
 while it waits for the slot still join it, up to ``batch_size``.  The method gets the list
 of requests and returns a list of results, one per request, in order: an exception
 instance in a slot is raised at that caller only; an exception raised by the method, or a
-result of the wrong length (or not a list), fails every call of the batch.
+result of the wrong length (or not a list), fails every call of the batch.  Held calls of
+a caller that left the cluster are given back (:meth:`Batcher.give_back_calls_of`), as the
+gate gives back its queued calls.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from dask_services._messages import future_safe
-from dask_services.replicated._errors import BatchResultError
+from dask_services.replicated._errors import BatchResultError, CallMoved
 from dask_services.replicated._queue import CallGate
 
 RunBatch = Callable[[list[Any]], Awaitable[Any]]
@@ -38,15 +40,17 @@ class Batcher:
         self._run_batch = run
         self._track = track
         self.pending: collections.deque[tuple[Any, asyncio.Future]] = collections.deque()
+        self._callers: dict[asyncio.Future, str] = {}  # who made each held call
         self._first_arrival = 0.0
         self._full = asyncio.Event()
         self._flusher: asyncio.Task | None = None
         self._closed: BaseException | None = None
 
-    def enqueue(self, request: Any) -> asyncio.Future:
+    def enqueue(self, request: Any, caller: str | None = None) -> asyncio.Future:
         """Hold one call for the next batch: its future gets the call's own result or
         exception.  Raises at once (``ServiceOverloaded``, the closing error) if the
-        replica cannot take it; cancelling the future takes the call back out."""
+        replica cannot take it; cancelling the future takes the call back out.
+        ``caller``: who made it (:meth:`give_back_calls_of`)."""
         if self._closed is not None:
             raise self._closed
         self.gate.hold()
@@ -55,6 +59,8 @@ class Batcher:
         if not self.pending:
             self._first_arrival = loop.time()
         self.pending.append((request, fut))
+        if caller is not None:
+            self._callers[fut] = caller
         fut.add_done_callback(self._left)
         if len(self.pending) >= self.size:
             self._full.set()
@@ -62,8 +68,21 @@ class Batcher:
             self._flusher = asyncio.ensure_future(self._flush())
         return fut
 
+    def give_back_calls_of(self, callers: set[str], why: str) -> int:
+        """Give back the held calls made by one of ``callers`` (that left the cluster):
+        each fails with ``CallMoved``, as the gate's queued calls do.  Returns how many."""
+        leaving = [item for item in self.pending if self._callers.get(item[1]) in callers
+                   and not item[1].done()]
+        for item in leaving:
+            self.pending.remove(item)
+            self._callers.pop(item[1], None)
+            self.gate.unhold()
+            item[1].set_exception(CallMoved(f"{self.gate.name} {why}"))
+        return len(leaving)
+
     def _left(self, fut: asyncio.Future) -> None:
         """A held call's caller went away before its batch started: forget it."""
+        self._callers.pop(fut, None)
         if not fut.cancelled():
             return
         for item in self.pending:

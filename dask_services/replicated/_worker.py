@@ -430,10 +430,12 @@ class ReplicaWorker(WorkerPlugin):
         were given back."""
         gone = set(callers)
         given_back = 0
+        why = "gave the call back: its caller left the cluster"
         for rep in self.replicas.values():
             if rep.ready and not rep.closing:
-                given_back += rep.gate.give_back_calls_of(gone, "gave the call back: its "
-                                                                "caller left the cluster")
+                given_back += rep.gate.give_back_calls_of(gone, why)
+                for batcher in rep.batchers.values():
+                    given_back += batcher.give_back_calls_of(gone, why)
         if given_back:
             logger.info("gave back %d queued calls of %s, which left the cluster",
                         given_back, ", ".join(sorted(gone)))
@@ -480,7 +482,7 @@ class ReplicaWorker(WorkerPlugin):
                 f"{method!r} is a streaming endpoint (a generator): call it with "
                 f"svc.{method}.stream(...)"))}
         if spec.batched:
-            return await self._call_batched(rep, method, args, kwargs, arrived)
+            return await self._call_batched(rep, method, args, kwargs, arrived, caller)
         fn = getattr(rep.service, method)
         fans_out = rep.gang is not None and rep.gang.fans_out(type(rep.service), method)
         in_thread: ThreadCall | None = None
@@ -629,16 +631,16 @@ class ReplicaWorker(WorkerPlugin):
         return batcher
 
     async def _call_batched(self, rep: HostedReplica, method: str, args: tuple,
-                            kwargs: dict, arrived: float) -> dict:
+                            kwargs: dict, arrived: float, caller: str | None = None) -> dict:
         """One call of a batched endpoint: held until its batch runs, then its own slot
-        of the batch's results."""
+        of the batch's results (given back while held should ``caller`` leave)."""
         if len(args) != 1 or kwargs:
             return {"status": "error", "exception": dumps_exception(TypeError(
                 f"{method!r} is a batched endpoint: each call passes exactly one request, "
                 f"svc.{method}.route(request) (got {len(args)} positional and "
                 f"{len(kwargs)} keyword arguments)"))}
         try:
-            fut = self._batcher(rep, method).enqueue(args[0])
+            fut = self._batcher(rep, method).enqueue(args[0], caller=caller)
         except (ServiceOverloaded, ReplicaGone, ServiceShutdown) as e:
             return not_admitted(rep.metrics, e)
         task = asyncio.current_task()
@@ -648,6 +650,9 @@ class ReplicaWorker(WorkerPlugin):
         try:
             result = await fut
             error = False
+        except CallMoved as e:  # its caller left while it was held: never started
+            error = False
+            return not_admitted(rep.metrics, e, rep.gate)
         except asyncio.CancelledError as e:
             if not rep.cancelled:
                 if task is None or task.cancelling():
