@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
@@ -260,3 +261,54 @@ def test_the_queued_calls_of_a_caller_killed_are_not_run_for_nobody(cluster, tmp
     finally:
         svc.shutdown()
     validate_scheduler(client)
+
+
+@pytest.mark.parametrize("endpoint", ["sync_work", "batch_work", "stream:stream_work"])
+def test_a_caller_taken_for_gone_while_still_there_gets_every_call_answered(cluster,
+                                                                            endpoint):
+    """The scheduler may see a client leave that is still there (its connection to the
+    scheduler broke and came back): its calls given back are sent again, and every one
+    is answered, none lost and none failed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, client = cluster
+    svc = Tally.options(replicas=1).as_service(client=client)
+    try:
+        calls = 12
+        if endpoint.startswith("stream:"):
+            def one_stream(_):
+                return list(svc.stream_work.stream(0.2))
+
+            with ThreadPoolExecutor(calls) as pool:
+                pending = [pool.submit(one_stream, i) for i in range(calls)]
+                poll_for(lambda: svc.replicas()[0]["queued"] >= calls - 3, timeout=60)
+                given_back = _tell_the_replicas_the_client_left(client)
+                answers = [p.result(timeout=60) for p in pending]
+            assert all(len(a) == 1 for a in answers)
+        else:
+            pending = [getattr(svc, endpoint).route(0.2) for _ in range(calls)]
+            poll_for(lambda: svc.replicas()[0]["queued"] >= calls - 3, timeout=60)
+            given_back = _tell_the_replicas_the_client_left(client)
+            answers = [p.result(timeout=60) for p in pending]
+            assert all(isinstance(a, int) for a in answers)
+        assert given_back >= calls - 4  # they were given back, and sent again
+        assert svc.ran_so_far.route().result(timeout=30) == calls
+    finally:
+        svc.shutdown()
+    validate_scheduler(client)
+
+
+def _tell_the_replicas_the_client_left(client) -> int:
+    """What the scheduler's replicated plugin tells the replicas' workers when a client
+    leaves, for a client that is still there: how many calls they gave back."""
+    from dask_services.replicated._worker import EXTENSION
+
+    client_id = client.id
+
+    async def tell(dask_scheduler):
+        plugin = dask_scheduler.extensions[EXTENSION]
+        plugin.remove_client(dask_scheduler, client_id)
+        told = list(plugin._callers_told)
+        return sum(await asyncio.gather(*told))
+
+    return client.run_on_scheduler(tell)
