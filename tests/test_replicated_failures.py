@@ -293,6 +293,11 @@ def test_a_caller_taken_for_gone_while_still_there_gets_every_call_answered(clus
             assert all(isinstance(a, int) for a in answers)
         assert given_back >= calls - 4  # they were given back, and sent again
         assert svc.ran_so_far.route().result(timeout=30) == calls
+        # sent again as they were: not counted as calls a rebalancing pass moved
+        moved_in = client.run(lambda dask_worker: [
+            rep.moved_in for rep in
+            dask_worker.extensions["dask_services_replicated"].replicas.values()])
+        assert sum(sum(m) for m in moved_in.values()) == 0
     finally:
         svc.shutdown()
     validate_scheduler(client)
@@ -300,7 +305,8 @@ def test_a_caller_taken_for_gone_while_still_there_gets_every_call_answered(clus
 
 def _tell_the_replicas_the_client_left(client) -> int:
     """What the scheduler's replicated plugin tells the replicas' workers when a client
-    leaves, for a client that is still there: how many calls they gave back."""
+    leaves, for a client that is still there (and another that left in the same turn of
+    the loop: one message per worker for both): how many calls they gave back."""
     from dask_services.replicated._worker import EXTENSION
 
     client_id = client.id
@@ -308,7 +314,10 @@ def _tell_the_replicas_the_client_left(client) -> int:
     async def tell(dask_scheduler):
         plugin = dask_scheduler.extensions[EXTENSION]
         plugin.remove_client(dask_scheduler, client_id)
+        plugin.remove_client(dask_scheduler, "client-that-never-called")
+        await asyncio.sleep(0)  # the messages go at the loop's next turn
         told = list(plugin._callers_told)
+        assert len(told) == 1, told  # the one replica's worker, once for both callers
         return sum(await asyncio.gather(*told))
 
     return client.run_on_scheduler(tell)

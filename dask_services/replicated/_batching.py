@@ -77,7 +77,7 @@ class Batcher:
             self.pending.remove(item)
             self._callers.pop(item[1], None)
             self.gate.unhold()
-            item[1].set_exception(CallMoved(f"{self.gate.name} {why}"))
+            item[1].set_exception(CallMoved(f"{self.gate.name} {why}", caller_left=True))
         return len(leaving)
 
     def _left(self, fut: asyncio.Future) -> None:

@@ -28,6 +28,8 @@ class Departures:
         """Whether one of ``workers`` has left, or leaves within ``timeout`` s
         (``present(worker)``: whether it is still in the cluster)."""
         workers = list(workers)
+        if not workers:
+            return False
         if not all(present(w) for w in workers):
             return True
         loop = asyncio.get_running_loop()

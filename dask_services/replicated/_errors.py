@@ -48,11 +48,15 @@ class CallMoved(ServiceError):
     """A queued call that its replica gave back, not started, so that a replica with less
     to do takes it (replicas were added while it waited); internal, sent again at once.
     ``replicas``: the healthy replicas as the scheduler saw them when it asked, ``[id,
-    worker, load once the calls given back are sent on]`` (the caller's routing)."""
+    worker, load once the calls given back are sent on]`` (the caller's routing).
+    ``caller_left``: given back because its caller left the cluster (a caller still there
+    sends it again, not counted as a call moved by a rebalancing pass)."""
 
-    def __init__(self, message: str, replicas: list | None = None) -> None:
+    def __init__(self, message: str, replicas: list | None = None,
+                 caller_left: bool = False) -> None:
         super().__init__(message)
         self.replicas = replicas or []
+        self.caller_left = caller_left
 
 
 class BatchResultError(ServiceError, ValueError):

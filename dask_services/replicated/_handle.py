@@ -367,7 +367,9 @@ class ReplicatedService:
                         del self._outstanding[target.id]
                 just_moved = status == "moved"
                 if just_moved:  # not a failure: to a replica with less to do
-                    moved = True
+                    # (given back as its caller was taken for gone: sent again as it was,
+                    # not counted as moved in by a rebalancing pass)
+                    moved = moved or not resp.get("caller_left")
                     self._learn(resp.get("replicas") or [])
                     self._reported[target.id] = max(self._reported.get(target.id, 0),
                                                     int(resp.get("load", 0)))

@@ -216,16 +216,17 @@ class CallGate:
                 self._waiters.remove(waiter)
                 if isinstance(waiter, ThreadCall):
                     waiter.state = "dropped"
-        return self._give_back(leaving, why, None)
+        return self._give_back(leaving, why, None, caller_left=True)
 
     def _give_back(self, waiters: list[asyncio.Future | ThreadCall], why: str,
-                   replicas: list | None) -> int:
+                   replicas: list | None, caller_left: bool = False) -> int:
         """Fail ``waiters``, taken out of the queue, with ``CallMoved``."""
         for waiter in waiters:
             future = waiter.future if isinstance(waiter, ThreadCall) else waiter
             self._forget(future)
             if not future.done():
-                future.set_exception(CallMoved(f"{self.name} {why}", replicas))
+                future.set_exception(CallMoved(f"{self.name} {why}", replicas,
+                                               caller_left=caller_left))
         return len(waiters)
 
     # ------------------------------------------------------------ sync calls
@@ -346,8 +347,11 @@ def not_admitted(metrics: Any, exc: BaseException, gate: CallGate | None = None)
     ``shutdown`` (stop); a moved call's answer has the load ``gate`` is left with."""
     if isinstance(exc, CallMoved):
         load = gate.load if gate is not None else 0
-        return {"status": "moved", "message": str(exc), "load": load,
-                "replicas": exc.replicas}
+        answer = {"status": "moved", "message": str(exc), "load": load,
+                  "replicas": exc.replicas}
+        if exc.caller_left:
+            answer["caller_left"] = True
+        return answer
     if isinstance(exc, ServiceOverloaded):
         metrics.overloaded += 1
         return {"status": "overloaded", "message": str(exc)}

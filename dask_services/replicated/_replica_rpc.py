@@ -126,7 +126,8 @@ async def callers_left(rpc: Callable[[str], Any], worker: str, callers: list[str
     try:
         return await asyncio.wait_for(rpc(worker).replicated_callers_left(callers=callers),
                                       STATS_TIMEOUT)
-    except (OSError, TimeoutError):
+    except Exception as e:  # a worker gone, a pool closed with the scheduler: nothing to do
+        logger.debug("telling %s that %s left: %r", worker, callers, e)
         return 0
 
 

@@ -99,8 +99,11 @@ class Deployments(Scaling, SchedulerPlugin):
         self._freed_pending = False  # a "capacity freed" broadcast is due this loop turn
         # shutdowns of deployments whose deploying client left (``remove_client``)
         self._abandoned_shutdowns: set[asyncio.Task] = set()
-        # messages telling workers that a caller left (``_callers_left``)
+        # callers (client ids, worker addresses) that left this turn of the loop, and
+        # the messages telling the replicas' workers (``_callers_left``)
+        self._callers_gone: set[str] = set()
         self._callers_told: set[asyncio.Task] = set()
+        self._closing = False
         # resources that instances being stopped (draining their calls) still hold
         self._held_by_stops: dict[tuple[str, str], dict[str, float]] = {}
 
@@ -128,6 +131,7 @@ class Deployments(Scaling, SchedulerPlugin):
     async def close(self) -> None:
         """Stop probing and everything under way, remove the handlers (the scheduler is
         closing)."""
+        self._closing = True
         if self._probe is not None:
             self._probe.stop()
         if self._autoscaler is not None:
@@ -183,13 +187,25 @@ class Deployments(Scaling, SchedulerPlugin):
         self._callers_left(worker)
 
     def _callers_left(self, caller: str) -> None:
-        """Tell the workers holding replicas that ``caller`` (a client's id, a worker's
-        address) left: they give back the calls it had queued, which no one would read."""
+        """``caller`` (a client's id, a worker's address) left: the workers holding
+        replicas are told, once per turn of the loop for every caller that left in it (a
+        scale-down removes many workers at once), and give back the calls it had queued,
+        which no one would read."""
+        if self._closing or not self.deployments:
+            return
+        if not self._callers_gone:
+            asyncio.get_running_loop().call_soon(self._tell_callers_left)
+        self._callers_gone.add(caller)
+
+    def _tell_callers_left(self) -> None:
+        gone, self._callers_gone = self._callers_gone, set()
+        if self._closing or self.scheduler.status in (Status.closing, Status.closed):
+            return
         hosts = {w for dep in self.deployments.values() for m in dep.slots.values()
-                 for w in m.workers if w != caller and w in self.scheduler.workers}
+                 for w in m.workers if w not in gone and w in self.scheduler.workers}
         for worker in hosts:
             task = asyncio.ensure_future(_rpc.callers_left(self.scheduler.rpc, worker,
-                                                           [caller]))
+                                                           sorted(gone)))
             self._callers_told.add(task)
             task.add_done_callback(self._callers_told.discard)
 
@@ -724,7 +740,7 @@ class Deployments(Scaling, SchedulerPlugin):
             # the worker most likely died while it started the replica: its removal
             # (counted then, the start being under way) comes first, rather than a
             # relaunch placed on it again and lost a second time for one death
-            await self._gone_within(workers)
+            await self._wait_for_departure(workers)
         machine = dep.slots.get(slot)
         current = (self.deployments.get(dep.name) is dep and machine is not None
                    and machine.id == sid and machine.state is not ReplicaState.STOPPED)
@@ -782,7 +798,7 @@ class Deployments(Scaling, SchedulerPlugin):
                     self._probing[m.id] = m.workers
                     self._spawn(dep, self._probe_one(dep, slot, m.id, m.workers, timeout))
 
-    async def _probe_one(self, dep: Deployment, slot: int, sid: Any,
+    async def _probe_one(self, dep: Deployment, slot: int, sid: ServiceId,
                          workers: tuple[str, ...], timeout: float) -> None:
         """Probe every rank; the first failure is the replica's.  A rank whose connection
         broke once probed most likely died while ``check_health`` ran: its removal is
@@ -791,10 +807,11 @@ class Deployments(Scaling, SchedulerPlugin):
             answers = await asyncio.gather(*(
                 _rpc.probe_rank(self.scheduler.rpc, sid, r, w, timeout)
                 for r, w in enumerate(workers)))
-            failed = next((a for a in answers if a.in_flight), None) \
-                or next((a for a in answers if a.error is not None), None)
+            failed = next((a for a in answers if a.in_flight), None)
+            if failed is None:
+                failed = next((a for a in answers if a.error is not None), None)
             if failed is not None and failed.in_flight:
-                await self._gone_within(workers)
+                await self._wait_for_departure(workers)
             machine = dep.slots.get(slot)
             if machine is None or machine.id != sid or dep.stopping \
                     or not all(w in self.scheduler.workers for w in workers):
@@ -812,9 +829,9 @@ class Deployments(Scaling, SchedulerPlugin):
         finally:
             self._probing.pop(sid, None)
 
-    async def _gone_within(self, workers: tuple[str, ...]) -> bool:
-        """Whether one of ``workers`` left, or leaves within ``health-check-timeout``."""
-        return await self._departures.any_gone_within(
+    async def _wait_for_departure(self, workers: tuple[str, ...]) -> None:
+        """Until one of ``workers`` left, for at most ``health-check-timeout``."""
+        await self._departures.any_gone_within(
             workers, lambda w: w in self.scheduler.workers,
             config_seconds("health-check-timeout"))
 
