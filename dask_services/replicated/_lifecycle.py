@@ -422,30 +422,27 @@ class ReplicaMachine:
         is more in a row than ``max_lost_in_setup`` allows (``last_error`` then says so,
         and the replica holds no worker)."""
         self.lost_in_setup += 1
-        if self.lost_in_setup <= self.max_lost_in_setup:
-            return False
-        self.worker = None
-        self.others = ()
-        self.last_error = (
-            f"a worker died while it started the replica {self.lost_in_setup} times in a "
-            "row, more than distributed.scheduler.allowed-failures="
-            f"{self.max_lost_in_setup} allows: setup() itself may be what kills them (as "
-            f"KilledWorker says of a task); last: {self.last_error}")
-        return True
+        return self._past_allowance(self.lost_in_setup, self.max_lost_in_setup,
+                                    "it started the replica", "setup()")
 
     def _count_lost_in_probe(self) -> bool:
-        """Count one more worker that died while the replica's health probe ran; True once
-        that is more in a row than ``max_lost_in_probe`` allows (as ``_count_lost_in_setup``)."""
+        """The same for a worker that died while the replica's health probe ran
+        (``max_lost_in_probe``)."""
         self.lost_in_probe += 1
-        if self.lost_in_probe <= self.max_lost_in_probe:
+        return self._past_allowance(self.lost_in_probe, self.max_lost_in_probe,
+                                    "the health probe of the replica ran", "check_health()")
+
+    def _past_allowance(self, lost: int, allowed: int, while_: str, suspect: str) -> bool:
+        """Whether ``lost`` workers in a row are more than ``allowed``; if so the replica
+        lets go of its workers and ``last_error`` names ``suspect`` as what may kill them."""
+        if lost <= allowed:
             return False
         self.worker = None
         self.others = ()
         self.last_error = (
-            f"a worker died while the health probe of the replica ran {self.lost_in_probe} "
-            "times in a row, more than distributed.scheduler.allowed-failures="
-            f"{self.max_lost_in_probe} allows: check_health() itself may be what kills them "
-            f"(as KilledWorker says of a task); last: {self.last_error}")
+            f"a worker died while {while_} {lost} times in a row, more than "
+            f"distributed.scheduler.allowed-failures={allowed} allows: {suspect} itself may "
+            f"be what kills them (as KilledWorker says of a task); last: {self.last_error}")
         return True
 
     def _on_SetupSucceeded(self, event: SetupSucceeded) -> list[Action]:
