@@ -14,7 +14,7 @@ import dask
 import pytest
 from distributed import Client, LocalCluster
 from unruly_services import Coded, Unruly, UnrulyHooks, UnrulySyncHooks
-from utils import validate_scheduler
+from utils import removed_workers, validate_scheduler
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
@@ -32,11 +32,6 @@ def unruly():
             yield client, svc
         finally:
             svc.shutdown()
-
-
-def workers_removed(client) -> int:
-    """How many times a worker left the cluster (the scheduler's event log)."""
-    return sum(msg.get("action") == "remove-worker" for _, msg in client.get_events("all"))
 
 
 def pids(client) -> dict[str, int]:
@@ -233,7 +228,7 @@ def test_a_setup_that_kills_its_worker_fails_past_allowed_failures(tmp_path):
         client.wait_for_workers(2, timeout=60)
         # one death counted once: a relaunch placed on the dying worker before its
         # removal counted a second loss for it
-        assert workers_removed(client) == 3
+        assert len(removed_workers(client)) == 3
         poll_for(lambda: not any(client.run(lambda dask_worker: len(
             dask_worker.extensions["dask_services_replicated"].replicas)).values()),
             timeout=20)
@@ -274,7 +269,7 @@ def test_a_check_health_that_kills_its_worker_ends_unhealthy_past_allowed_failur
             with pytest.raises(ServiceUnavailable, match=r"check_health\(\) itself"):
                 svc.ok.route().result(timeout=WAIT)
             client.wait_for_workers(2, timeout=60)
-            assert workers_removed(client) == 2
+            assert len(removed_workers(client)) == 2
             # an unhealthy replica is neither probed nor launched again: nothing after
             (decided,) = [i for i, e in enumerate(svc.story())
                           if e["what"] == "healthy -> unhealthy"]

@@ -183,6 +183,12 @@ def lost_worker(reason: str, worker: str | None = None) -> bool:
     return "left the cluster" in reason and (worker is None or worker in reason)
 
 
+def removed_workers(client, since: float = 0.0) -> list[str]:
+    """The workers the scheduler removed since ``since`` (its ``remove-worker`` events)."""
+    return [e["worker"] for t, e in client.get_events("all")
+            if t >= since and e.get("action") == "remove-worker"]
+
+
 def validate_scheduler(client) -> None:
     """``Scheduler.validate_state()`` on the scheduler's event loop, not from this thread."""
     client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.validate_state())
@@ -250,8 +256,7 @@ class WorkerWatch:
         now = self.client.run(os.getpid)
         found += [f"{address}: pid {pid} is now {now.get(address)}"
                   for address, pid in self.pids.items() if now.get(address) != pid]
-        found += [f"remove-worker {e['worker']}" for t, e in self.client.get_events("all")
-                  if t >= self.since and e["action"] == "remove-worker"]
+        found += [f"remove-worker {w}" for w in removed_workers(self.client, self.since)]
         found += [f"worker-restart-memory {e}" for t, e in
                   self.client.get_events("worker-restart-memory") if t >= self.since]
         return found
