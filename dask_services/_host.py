@@ -36,7 +36,7 @@ from dask_services._messages import (
     without_stop_iteration,
 )
 from dask_services._payload import known_arguments_nbytes
-from dask_services._threads import cancel_unstarted
+from dask_services._threads import LateJobWatch, cancel_unstarted
 from dask_services.config import setting
 from dask_services.service import (
     INSTANCE_ATTRIBUTES,
@@ -362,6 +362,7 @@ class ServiceHost:
         self.current: dict[Key, Instance] = {}
         self.latest_run = -1  # of any instance created here
         self._creation = asyncio.Event()  # set (and replaced) whenever one is created
+        self.late_jobs = LateJobWatch()  # jobs of stopped instances, warned about if late
 
     # ------------------------------------------------------------- lifecycle
 
@@ -497,14 +498,17 @@ class ServiceHost:
                     "catch asyncio.CancelledError?); the instance stops without it",
                     type(inst.service).__name__, sid, inst.spec.service_key,
                     ", ".join(sorted({pending[t] + "()" for t in stuck})), grace)
-        running = self.env.let_go_of_jobs(inst.jobs)
-        if running:
-            logger.warning(
-                "%s of %s (%r): %d concierge.run_in_executor job(s) still running after "
-                "the instance's hooks were cancelled (a thread cannot be stopped); each "
-                "keeps a service thread until it returns, and another is started "
-                "meanwhile so that later runs do not wait for it", type(inst.service)
-                .__name__, sid, inst.spec.service_key, running)
+        if self.env.let_go_of_jobs(inst.jobs):
+            label = f"{type(inst.service).__name__} of {sid} ({inst.spec.service_key!r})"
+
+            def warn(running: int) -> None:
+                logger.warning(
+                    "%s: %d concierge.run_in_executor job(s) still running %g s after "
+                    "the instance stopped (a thread cannot be stopped); each keeps a "
+                    "service thread until it returns, and another was started meanwhile "
+                    "so that later runs do not wait for it", label, running, grace)
+
+            self.late_jobs.watch(inst.jobs, grace, warn)
         async with inst.inbox:
             inst.inbox.notify_all()
         if inst.outgoing:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
@@ -80,3 +81,54 @@ class ServiceThreads:
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+class LateJobWatch:
+    """Jobs of stopped instances still running, each watched for ``grace`` seconds.
+
+    A job of a cancelled run usually returns within moments (the shuffle's split of a
+    partition, the rechunk's assembly of a chunk), so warning as the run stops told users
+    who cancelled a built-in shuffle about work that ended a few milliseconds later.  A job
+    still running ``grace`` after its instance stopped is warned about then (``warn``
+    called with how many still run); a watch whose jobs all returned before is dropped
+    without a word.  Runs on the event loop; jobs may return in any thread."""
+
+    def __init__(self) -> None:
+        self.watches: dict[asyncio.TimerHandle, set[concurrent.futures.Future[Any]]] = {}
+
+    def watch(self, jobs: Iterable[concurrent.futures.Future[Any]], grace: float,
+              warn: Callable[[int], None]) -> None:
+        running = {job for job in jobs if not job.done()}
+        if not running:
+            return
+        loop = asyncio.get_running_loop()
+
+        def expired() -> None:
+            still = self.watches.pop(handle, set())
+            still = {job for job in still if not job.done()}
+            if still:
+                warn(len(still))
+
+        def returned_on_loop(job: concurrent.futures.Future[Any]) -> None:
+            left = self.watches.get(handle)
+            if left is None:
+                return
+            left.discard(job)
+            if not left:
+                handle.cancel()
+                del self.watches[handle]
+
+        def returned(job: concurrent.futures.Future[Any]) -> None:  # in the job's thread
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(returned_on_loop, job)
+
+        handle = loop.call_later(grace, expired)
+        self.watches[handle] = running
+        for job in list(running):
+            job.add_done_callback(returned)
+
+    def close(self) -> None:
+        """Drop every watch (the place closes)."""
+        for handle in self.watches:
+            handle.cancel()
+        self.watches.clear()

@@ -192,6 +192,7 @@ class ServiceWorkerPlugin(WorkerPlugin):
         self._memory_check.stop()
         with as_worker(worker):
             await self.host.stop_all()
+        self.host.late_jobs.close()
         if self._collection is not None:
             self._collection.cancel()
             self._collection = None

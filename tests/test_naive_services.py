@@ -1721,10 +1721,11 @@ class UsesAThread(PidReporter):
         await super().all_inputs_done()
 
 
-@service_cluster()
+@service_cluster(config={"dask_services.stop-grace": "1s"})
 async def test_a_cancelled_runs_blocked_thread_job_does_not_hold_up_later_runs(c, s, a, b):
     """With one service thread per worker, a cancelled run's job blocked in that thread
-    made every later run on the worker wait until it returned (the shuffle's included)."""
+    made every later run on the worker wait until it returned (the shuffle's included).
+    The job still running ``stop-grace`` after its instance stopped is warned about."""
     BlocksInAThread.gate.clear()
     BlocksInAThread.entered.clear()
     futures = c.compute(dask_services.service_task(BlocksInAThread, [], outputs=2))
@@ -1734,17 +1735,43 @@ async def test_a_cancelled_runs_blocked_thread_job_does_not_hold_up_later_runs(c
         del futures
         await async_poll_for(lambda: not any(w.extensions["dask_services"].host.instances
                                              for w in (a, b)), timeout=20)
-    assert "1 concierge.run_in_executor job(s) still running" in log.getvalue()
-    try:
-        assert not BlocksInAThread.gate.is_set()
-        outs = c.compute(dask_services.service_task(UsesAThread, [], outputs=4))
-        assert await asyncio.wait_for(c.gather(outs), 30) == [os.getpid()] * 4
-        del outs
-        assert BlocksInAThread.entered.is_set() and not BlocksInAThread.gate.is_set()
-    finally:
-        BlocksInAThread.gate.set()
+        try:
+            assert not BlocksInAThread.gate.is_set()
+            outs = c.compute(dask_services.service_task(UsesAThread, [], outputs=4))
+            assert await asyncio.wait_for(c.gather(outs), 30) == [os.getpid()] * 4
+            del outs
+            assert BlocksInAThread.entered.is_set() and not BlocksInAThread.gate.is_set()
+            await async_poll_for(lambda: "1 concierge.run_in_executor job(s) still running 1 "
+                                 "s after the instance stopped" in log.getvalue(), timeout=10)
+        finally:
+            BlocksInAThread.gate.set()
     await async_poll_for(lambda: all(w.extensions["dask_services"].threads.held == 0
                                      for w in (a, b)), timeout=10)
+    assert not any(w.extensions["dask_services"].host.late_jobs.watches for w in (a, b))
+    await assert_nothing_left(s, [a, b])
+
+
+@service_cluster(config={"dask_services.stop-grace": "30s"})
+async def test_a_cancelled_runs_thread_job_that_returns_soon_after_is_not_warned_about(
+        c, s, a, b):
+    """Cancelling a run whose job was under way in a service thread (a built-in shuffle's
+    split, a rechunk's assembly) warned at once that the job was still running, though
+    it returned moments later: noise for every cancelled shuffle.  Only a job still
+    running ``stop-grace`` later is warned about; one that returns before is dropped."""
+    BlocksInAThread.gate.clear()
+    BlocksInAThread.entered.clear()
+    futures = c.compute(dask_services.service_task(BlocksInAThread, [], outputs=2))
+    await asyncio.get_running_loop().run_in_executor(None, BlocksInAThread.entered.wait, 20)
+    with captured_logger("dask_services") as log:
+        await c.cancel(futures)
+        del futures
+        await async_poll_for(lambda: not any(w.extensions["dask_services"].host.instances
+                                             for w in (a, b)), timeout=20)
+        assert any(w.extensions["dask_services"].host.late_jobs.watches for w in (a, b))
+        BlocksInAThread.gate.set()  # the job returns, well within the grace
+        await async_poll_for(lambda: not any(
+            w.extensions["dask_services"].host.late_jobs.watches for w in (a, b)), timeout=10)
+    assert "still running" not in log.getvalue()
     await assert_nothing_left(s, [a, b])
 
 

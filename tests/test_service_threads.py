@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import threading
 
 import pytest
 from distributed.utils_test import poll_for
 
-from dask_services._threads import ServiceThreads
+from dask_services._threads import LateJobWatch, ServiceThreads
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -40,3 +42,41 @@ def test_a_job_still_running_after_its_instance_stopped_gets_a_thread_of_its_own
     finally:
         gate.set()
         threads.shutdown()
+
+
+def test_a_late_job_is_warned_about_once_its_grace_ends_and_a_returned_one_never():
+    async def main() -> tuple[list[int], dict]:
+        watch = LateJobWatch()
+        warned: list[int] = []
+        returned, late = concurrent.futures.Future(), concurrent.futures.Future()
+        done_already = concurrent.futures.Future()
+        done_already.set_result(None)
+        watch.watch([done_already], 0.05, warned.append)  # nothing running: no watch
+        assert not watch.watches
+        watch.watch([returned], 0.2, warned.append)
+        watch.watch([late, done_already], 0.2, warned.append)
+        assert len(watch.watches) == 2
+        threading.Thread(target=returned.set_result, args=(1,)).start()  # a job's thread
+        while len(watch.watches) == 2:  # the returned job's watch is dropped on the loop
+            await asyncio.sleep(0.005)
+        while watch.watches:  # the late job's grace ends
+            await asyncio.sleep(0.01)
+        late.set_result(None)
+        return warned, watch.watches
+
+    warned, left = asyncio.run(main())
+    assert warned == [1] and not left
+
+
+def test_closing_the_watch_drops_its_warnings():
+    async def main() -> list[int]:
+        watch = LateJobWatch()
+        warned: list[int] = []
+        job = concurrent.futures.Future()
+        watch.watch([job], 0.01, warned.append)
+        watch.close()
+        assert not watch.watches
+        await asyncio.sleep(0.05)  # past the grace: the timer was cancelled
+        return warned
+
+    assert asyncio.run(main()) == []
