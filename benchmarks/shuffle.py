@@ -8,7 +8,9 @@ workers, with the scheduler's share (``update-graph`` and ordering seconds), the
 seconds of all processes together, and the task seconds per partition of each kind of
 task.  ``--consumer`` runs every case with what follows the shuffle: ``none`` (outputs
 persisted), ``len`` (``len`` of every partition, summed), ``groupby`` (a groupby-sum per
-partition).  The method ``noop`` (many-partition cases only) is no shuffle: one task per
+partition), ``merge`` (instead of one shuffle, the frame joined with itself on ``key``,
+both sides shuffled into as many partitions, then ``len`` of every partition).  The
+method ``noop`` (many-partition cases only) is no shuffle: one task per
 partition that returns its input, distributed's own cost of a task per partition on the
 same cluster, the floor of any method that runs a task per partition.
 
@@ -103,6 +105,19 @@ def task_seconds(stream: list[dict]) -> dict[str, float]:
     return out
 
 
+def operated(frame: Any, method: str, consumer: str) -> Any:
+    """What is measured on ``frame`` with ``method``: a shuffle on ``key`` followed by
+    ``consumer``, or for ``merge`` a hash join of the frame with itself on ``key`` (both
+    sides shuffled into ``frame``'s number of partitions; keys are random over 2**40, so
+    nearly every row meets only itself), then ``len`` of every partition."""
+    if consumer == "merge":
+        other = frame.rename(columns={"value": "value_right", "text": "text_right"})
+        joined = frame.merge(other, on="key", npartitions=frame.npartitions,
+                             shuffle_method=method)
+        return joined.map_partitions(len).sum()
+    return consumed(frame.shuffle("key", shuffle_method=method), consumer)
+
+
 NOOP = "noop"  # not a shuffle: one trivial task per partition (many-partition cases only)
 
 
@@ -135,7 +150,7 @@ def run_many(client: Any, npartitions: int, methods: list[str], repeat: int,
             if method == NOOP:  # distributed's own cost of one task per partition
                 work = futures_of(df)
             else:
-                work = consumed(df.shuffle("key", shuffle_method=method), consumer)
+                work = operated(df, method, consumer)
             before = cpu_seconds(client)
             since = time.time()
             with get_task_stream(client) as stream, peak_memory(client) as peak:
@@ -204,7 +219,7 @@ def run_case(client: Any, label: str, nbytes: int, npartitions: int, methods: li
                 if fresh:
                     df, keep = fresh_input(client, make, previous=df)
                 source = df
-            shuffled = consumed(source.shuffle("key", shuffle_method=method), consumer)
+            shuffled = operated(source, method, consumer)
 
             def once(shuffled: Any = shuffled) -> None:
                 with cancelled_if_failed(client) as running:

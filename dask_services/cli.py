@@ -454,7 +454,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="rechunk: what follows each rechunk, comma-separated: 'none' "
                               "(outputs persisted), 'sum' (rechunked.sum() computed); "
                               "shuffle: 'none', 'len' (len of every partition), 'groupby' "
-                              "(a groupby-sum per partition); 'sum' is taken as 'len'")
+                              "(a groupby-sum per partition), 'merge' (instead of one "
+                              "shuffle, the frame joined with itself on its key, both "
+                              "sides shuffled, then len of every partition); 'sum' is "
+                              "taken as 'len'")
     p_bench.add_argument("--memory-limit", default=None,
                          help="memory limit of every worker (e.g. 0.5GB; default: the "
                               "LocalCluster's share of the machine)")
@@ -502,7 +505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 METHODS = ("service", "p2p", "tasks")
-CONSUMERS = {"shuffle": ("none", "len", "sum", "groupby"), "rechunk": ("none", "sum")}
+CONSUMERS = {"shuffle": ("none", "len", "sum", "groupby", "merge"), "rechunk": ("none", "sum")}
 CASES = ("calls", "scaling")
 
 

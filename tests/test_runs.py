@@ -319,6 +319,36 @@ def test_cli_bench_shuffle_of_an_input_made_in_the_measured_graph(capsys):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+def test_cli_bench_shuffle_measures_a_merge_of_many_partitions(capsys):
+    """``--consumer merge``: the frame joined with itself on its key (both sides
+    shuffled), then len per partition; its count is the pandas self-join's."""
+    import pandas as pd
+    from distributed import Client, LocalCluster
+
+    from benchmarks import shuffle
+    from dask_services.cli import main
+
+    args = ["bench", "shuffle", "--partitions", "12", "--sizes", "", "--no-tiny",
+            "--consumer", "merge", "--repeat", "1", "--methods", "service,p2p", "--json"]
+    assert main(args) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {(row["case"], row["method"]) for row in rows} == {
+        ("12 x 200 rows + merge", "service"), ("12 x 200 rows + merge", "p2p")}
+    assert all(row["median_s"] > 0 and row["per_part_ms"] > 0 for row in rows)
+    parts = [shuffle.make_partition(i, shuffle.SMALL_ROWS) for i in range(12)]
+    whole = pd.concat(parts)
+    expected = len(whole.merge(whole, on="key"))
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                      dashboard_address=":0") as cluster, Client(cluster):
+        import dask.dataframe as dd
+
+        df = dd.from_pandas(whole, npartitions=12)
+        for method in ("service", "tasks"):
+            assert shuffle.operated(df, method, "merge").compute() == expected
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_cli_bench_reports_a_run_that_fails_and_goes_on(capsys, monkeypatch):
     import pandas as pd
 
