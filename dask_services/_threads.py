@@ -98,7 +98,8 @@ class LateJobWatch:
 
     def watch(self, jobs: Iterable[concurrent.futures.Future[Any]], grace: float,
               warn: Callable[[int], None]) -> None:
-        running = {job for job in jobs if not job.done()}
+        # a copy first: jobs returning in their threads leave an instance's set meanwhile
+        running = {job for job in list(jobs) if not job.done()}
         if not running:
             return
         loop = asyncio.get_running_loop()
