@@ -1721,20 +1721,26 @@ class UsesAThread(PidReporter):
         await super().all_inputs_done()
 
 
+async def cancel_a_run_blocked_in_a_thread(c, workers) -> None:
+    """Start a run of ``BlocksInAThread``, cancel it once its job waits in a service
+    thread, and return when its instances have stopped (the job still waits)."""
+    BlocksInAThread.gate.clear()
+    BlocksInAThread.entered.clear()
+    futures = c.compute(dask_services.service_task(BlocksInAThread, [], outputs=2))
+    await asyncio.get_running_loop().run_in_executor(None, BlocksInAThread.entered.wait, 20)
+    await c.cancel(futures)
+    del futures
+    await async_poll_for(lambda: not any(w.extensions["dask_services"].host.instances
+                                         for w in workers), timeout=20)
+
+
 @service_cluster(config={"dask_services.stop-grace": "1s"})
 async def test_a_cancelled_runs_blocked_thread_job_does_not_hold_up_later_runs(c, s, a, b):
     """With one service thread per worker, a cancelled run's job blocked in that thread
     made every later run on the worker wait until it returned (the shuffle's included).
     The job still running ``stop-grace`` after its instance stopped is warned about."""
-    BlocksInAThread.gate.clear()
-    BlocksInAThread.entered.clear()
-    futures = c.compute(dask_services.service_task(BlocksInAThread, [], outputs=2))
-    await asyncio.get_running_loop().run_in_executor(None, BlocksInAThread.entered.wait, 20)
     with captured_logger("dask_services") as log:
-        await c.cancel(futures)
-        del futures
-        await async_poll_for(lambda: not any(w.extensions["dask_services"].host.instances
-                                             for w in (a, b)), timeout=20)
+        await cancel_a_run_blocked_in_a_thread(c, (a, b))
         try:
             assert not BlocksInAThread.gate.is_set()
             outs = c.compute(dask_services.service_task(UsesAThread, [], outputs=4))
@@ -1758,15 +1764,8 @@ async def test_a_cancelled_runs_thread_job_that_returns_soon_after_is_not_warned
     split, a rechunk's assembly) warned at once that the job was still running, though
     it returned moments later: noise for every cancelled shuffle.  Only a job still
     running ``stop-grace`` later is warned about; one that returns before is dropped."""
-    BlocksInAThread.gate.clear()
-    BlocksInAThread.entered.clear()
-    futures = c.compute(dask_services.service_task(BlocksInAThread, [], outputs=2))
-    await asyncio.get_running_loop().run_in_executor(None, BlocksInAThread.entered.wait, 20)
     with captured_logger("dask_services") as log:
-        await c.cancel(futures)
-        del futures
-        await async_poll_for(lambda: not any(w.extensions["dask_services"].host.instances
-                                             for w in (a, b)), timeout=20)
+        await cancel_a_run_blocked_in_a_thread(c, (a, b))
         assert any(w.extensions["dask_services"].host.late_jobs.watches for w in (a, b))
         BlocksInAThread.gate.set()  # the job returns, well within the grace
         await async_poll_for(lambda: not any(
