@@ -42,14 +42,13 @@ class PeerExchange(Service):
     def open_exchange(self, concierge: Concierge) -> None:
         """Create the buffer and the stream (call from ``start``)."""
         section = self.config_section
-        limit = concierge.memory_limit
+        memory = concierge.memory_to_plan_on
         fraction = getattr(self, "params", {}).get("buffer_fraction")
         if fraction is None:  # not set where the graph was built: the worker's config
             fraction = float(setting(f"{section}.buffer-fraction"))
-        self.buffer = SpillBuffer(concierge.local_directory,
-                                  int(limit * fraction) if limit else 2**62)
+        self.buffer = SpillBuffer(concierge.local_directory, int(memory * fraction))
         configured = parse_bytes(setting(f"{section}.bytes-in-flight"))
-        self.stream = PeerStream(self, window_size(configured, limit),
+        self.stream = PeerStream(self, window_size(configured, memory),
                                  trim=self.trim_after_sends)
 
     @rpc

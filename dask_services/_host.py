@@ -93,6 +93,7 @@ class Environment(abc.ABC):
     address: str
     local_directory: str
     memory_limit: int | None
+    memory_to_plan_on: int  # the limit, or without one what "auto" would give
 
     @abc.abstractmethod
     def started(self, spec: InstanceSpec) -> None: ...
@@ -193,6 +194,10 @@ class InstanceConcierge(Concierge):
     @property
     def memory_limit(self) -> int | None:
         return self._host.env.memory_limit
+
+    @property
+    def memory_to_plan_on(self) -> int:
+        return self._host.env.memory_to_plan_on
 
     @property
     def wanted_outputs(self) -> Sequence[Key]:

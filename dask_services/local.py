@@ -13,9 +13,11 @@ import tempfile
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import dask.system
 from dask.typing import Key
 
 from dask_services._host import Environment, InstanceSpec, ServiceHost, stop_grace
+from dask_services._memory_share import memory_to_plan_on
 from dask_services._threads import kept_until_done
 from dask_services.config import setting
 from dask_services.graph import ServiceDefinition
@@ -35,6 +37,7 @@ class LocalEnvironment(Environment):
         self.address = LOCAL_ADDRESS
         self.local_directory = directory
         self.memory_limit = None
+        self.memory_to_plan_on = memory_to_plan_on(None, dask.system.CPU_COUNT)  # the process
         self.outputs: dict[Key, Any] = {}
         self.started_ids: set[ServiceId] = set()
         self.outcome: asyncio.Future = asyncio.get_running_loop().create_future()

@@ -87,6 +87,13 @@ class Concierge(abc.ABC):
 
     @property
     @abc.abstractmethod
+    def memory_to_plan_on(self) -> int:
+        """Bytes to size this instance's buffers from: the worker's memory limit, or where
+        it has none, the share of the host's memory that distributed's
+        ``memory_limit="auto"`` would have given it (never unbounded)."""
+
+    @property
+    @abc.abstractmethod
     def wanted_outputs(self) -> Sequence[Key]:
         """The output keys this run must produce, in priority order.
 

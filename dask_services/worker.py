@@ -36,6 +36,7 @@ from dask_services._config_check import as_count
 from dask_services._counters import CounterReports, instance_counters, size_of
 from dask_services._host import Instance, InstanceSpec, ServiceHost
 from dask_services._memory import release_freed_memory
+from dask_services._memory_share import memory_to_plan_on
 from dask_services._messages import dumps_exception, loads_exception, unwrap
 from dask_services._payload import pack, unpack
 from dask_services._pending_inputs import PendingInputs
@@ -148,7 +149,8 @@ class ServiceWorkerPlugin(WorkerPlugin):
         # most 1/32 of the worker's memory limit, as the bytes in flight.
         pending_inputs = PendingInputs(window_size(
             parse_bytes(setting("hand-off-buffer")),
-            getattr(worker.memory_manager, "memory_limit", None)))
+            memory_to_plan_on(getattr(worker.memory_manager, "memory_limit", None),
+                              worker.state.nthreads)))
         threads = service_threads(worker)
         self.worker = worker
         self.pending_inputs = pending_inputs

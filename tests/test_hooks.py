@@ -267,3 +267,17 @@ def test_thread_pool_internals_the_service_threads_grow_with():
         assert _threads.CAPACITY_ATTRIBUTE in source
     finally:
         pool.shutdown()
+
+
+@pytest.mark.parametrize("nthreads", [1, 2, 64])
+def test_the_memory_share_of_a_worker_without_a_limit_is_what_auto_gives(nthreads):
+    """``_memory_share`` mirrors ``memory_limit="auto"`` from distributed's
+    ``system.MEMORY_LIMIT`` and dask's ``system.CPU_COUNT``."""
+    import logging
+
+    from distributed.worker_memory import parse_memory_limit
+
+    from dask_services._memory_share import memory_to_plan_on
+
+    auto = parse_memory_limit("auto", nthreads, logger=logging.getLogger(__name__))
+    assert memory_to_plan_on(None, nthreads) == auto
