@@ -17,6 +17,7 @@ import logging
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -85,6 +86,9 @@ class InstanceSpec:
     leader: ServiceId
     service_class: type[Service]
     params: Mapping[str, Any]
+    # distributed's span of the service task (``distributed.span``), which the time of the
+    # instance's thread jobs is reported under; None where there is none
+    span_id: str | None = None
 
 
 class Environment(abc.ABC):
@@ -97,6 +101,10 @@ class Environment(abc.ABC):
 
     @abc.abstractmethod
     def started(self, spec: InstanceSpec) -> None: ...
+
+    def thread_time_used(self, spec: InstanceSpec, cpu: float, wall: float) -> None:
+        """A job of the instance ran in a service thread for ``wall`` seconds, ``cpu`` of
+        them on a CPU (called on the loop)."""
 
     @abc.abstractmethod
     def failed(self, spec: InstanceSpec, exc: BaseException) -> None: ...
@@ -304,12 +312,30 @@ class InstanceConcierge(Concierge):
         # service thread with a loop of its own) it is submitted where it is awaited.
         # (a StopIteration it raises fails the run as a RuntimeError: asyncio cannot set
         # one on the future awaited, which would never be done, and the run would hang)
-        call = without_stop_iteration(functools.partial(fn, *args, **kwargs),
-                                      f"{callable_name(fn)} given to "
-                                      "concierge.run_in_executor")
+        call = self._timed(without_stop_iteration(functools.partial(fn, *args, **kwargs),
+                                                  f"{callable_name(fn)} given to "
+                                                  "concierge.run_in_executor"))
         if not self._is_on_loop():
             return self._run_in_executor_later(call)
         return _awaited(self._host.env.run_in_executor(call, jobs=self._instance.jobs))
+
+    def _timed(self, call: Callable[[], T]) -> Callable[[], T]:
+        """``call``, telling the environment the time it took (the worker reports it to
+        distributed's spans, as p2p reports its work: the shuffle's split and the rechunk's
+        assembly run here, outside any task)."""
+        spec = self._instance.spec
+        if spec.span_id is None:
+            return call
+
+        def timed() -> T:
+            wall, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return call()
+            finally:
+                used = (time.thread_time() - cpu, time.perf_counter() - wall)
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    self._on_loop(self._host.env.thread_time_used, spec, *used)
+        return timed
 
     async def _run_in_executor_later(self, call: Callable[[], T]) -> T:
         return await self._host.env.run_in_executor(call, jobs=self._instance.jobs)

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from dask.typing import Key
+from dask.utils import key_split
 from distributed.core import Status
 from distributed.protocol import pickle
 from distributed.protocol.serialize import to_serialize
@@ -228,6 +229,16 @@ class WorkerEnvironment(Environment):
         if result is not None:
             _traffic(self.ext.host, source).bytes_received += len(response[_RESULT])
         return result
+
+    def thread_time_used(self, spec: InstanceSpec, cpu: float, wall: float) -> None:
+        # under the service task's span and prefix, as distributed meters a task's own
+        # threads ("thread-cpu", "thread-noncpu"): Fine Performance Metrics and
+        # ``Span.cumulative_worker_metrics`` show where a run's time went
+        prefix = key_split(spec.service_key)
+        digest = self.ext.worker.digest_metric
+        digest(("execute", spec.span_id, prefix, "service-thread-cpu", "seconds"), cpu)
+        digest(("execute", spec.span_id, prefix, "service-thread-noncpu", "seconds"),
+               max(0.0, wall - cpu))
 
     def run_in_executor(self, fn: Callable[..., T], *args: Any,
                         jobs: set[concurrent.futures.Future[Any]] | None = None

@@ -667,6 +667,8 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
     def _apply_start(self, service_key: Key, run: run_model.RunSnapshot) -> None:
         definition = self.definitions[service_key]
         peers = {sid: w for w, sid in run.ids.items()}
+        ts = self.scheduler.tasks.get(service_key)
+        span_id = ts.group.span_id if ts is not None else None
         for worker, sid in run.ids.items():
             spec = InstanceSpec(
                 service_key=service_key, run_id=run.run_id, id=sid, peers=peers,
@@ -675,6 +677,7 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
                 input_keys=definition.input_keys, output_keys=definition.output_keys,
                 wanted=run.wanted, owners=run.owners, leader=run.leader,
                 service_class=definition.service_class, params=definition.params,
+                span_id=span_id,
             )
             self._send(worker, {"op": "service-start", "spec": ToPickle(spec)}, now=True)
 

@@ -281,3 +281,17 @@ def test_the_memory_share_of_a_worker_without_a_limit_is_what_auto_gives(nthread
 
     auto = parse_memory_limit("auto", nthreads, logger=logging.getLogger(__name__))
     assert memory_to_plan_on(None, nthreads) == auto
+
+
+def test_span_internals_the_thread_time_of_runs_is_reported_through():
+    """``_worker_environment.thread_time_used`` digests ``("execute", span_id, prefix,
+    activity, "seconds")`` on the worker, which distributed's spans attribute to the span
+    of the service task's group (``TaskGroup.span_id``, sent to the instances)."""
+    from distributed.scheduler import TaskGroup
+    from distributed.spans import CONTEXTS_WITH_SPAN_ID
+    from distributed.worker import Worker
+
+    assert "execute" in CONTEXTS_WITH_SPAN_ID
+    assert list(inspect.signature(Worker.digest_metric).parameters) == [
+        "self", "name", "value"]
+    assert "span_id" in TaskGroup.__annotations__

@@ -338,3 +338,35 @@ async def test_status_with_an_asynchronous_client_is_awaited(c, s, a, b):
     assert df.state.tolist() == ["finished"] and df.service.tolist() == ["AllReduce"]
     with pytest.raises(KeyError, match="no status table 'nope'"):
         await dask_services.status(c, table="nope")
+
+
+@pytest.mark.parametrize("collection", ["dataframe", "array"])
+@service_cluster()
+async def test_the_time_of_a_runs_thread_jobs_is_reported_under_its_span(c, s, a, b,
+                                                                         collection):
+    """The shuffle's split and the rechunk's assembly run in service threads, outside
+    any task: distributed's spans (Fine Performance Metrics) saw none of their time, so
+    a run looked free there where p2p's work shows.  Now it is reported under the service
+    task's span and prefix."""
+    import dask.array as da
+    import numpy as np
+    from distributed import span
+
+    with span("the-run") as span_id:
+        if collection == "dataframe":
+            pdf = pd.DataFrame({"k": range(4000), "x": range(4000)})
+            built = dd.from_pandas(pdf, npartitions=8).shuffle("k", shuffle_method="service")
+            assert len(await c.compute(built)) == 4000
+        else:
+            x = da.arange(40_000, dtype="f8", chunks=4000).reshape(200, 200)
+            built = x.rechunk((20, 200)).rechunk((200, 20), method="service")
+            assert (await c.compute(built)).sum() == np.arange(40_000.0).sum()
+    await asyncio.gather(a.heartbeat(), b.heartbeat())
+    metrics = s.extensions["spans"].spans[span_id].cumulative_worker_metrics
+    prefix = "shuffle-service" if collection == "dataframe" else "rechunk-service-task"
+    timed = {activity: seconds for (context, pre, activity, unit), seconds
+             in metrics.items() if context == "execute" and pre == prefix}
+    assert timed.get("service-thread-cpu", 0) + timed.get("service-thread-noncpu", 0) > 0, \
+        sorted(metrics)
+    del built
+    await assert_nothing_left(s, [a, b])
