@@ -764,3 +764,23 @@ def test_the_index_frequency_is_the_one_tasks_gives_not_the_metas(case):
     got, expected = (make(m).map_partitions(next_stamps, meta=(None, object))
                      .compute(scheduler="sync") for m in ("service", "tasks"))
     pd.testing.assert_series_equal(got, expected)
+
+
+@service_cluster(nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_wide_frame_shuffles_and_merges_as_pandas_does(c, s, a, b):
+    """Frames wider than ``COLUMN_WAY_MAX_COLUMNS`` take pandas' way on every path: small
+    and large pieces, a merge, interleaved dtypes; the result is what ``tasks`` gives."""
+    rng = np.random.default_rng(5)
+    n = 3_000
+    pdf = pd.DataFrame({"k": rng.integers(0, 40, n),
+                        **{f"c{j}": (rng.random(n) if j % 3 else rng.integers(0, 9, n))
+                           for j in range(300)}})
+    ddf = dd.from_pandas(pdf, npartitions=12)
+    ours = await c.compute(ddf.shuffle("k", npartitions=7, shuffle_method="service"))
+    pd.testing.assert_frame_equal(ours.sort_index(), pdf)
+    right = dd.from_pandas(pd.DataFrame({"k": np.arange(40), "r": np.arange(40.0)}), 3)
+    merged = await c.compute(ddf.merge(right, on="k", shuffle_method="service",
+                                       broadcast=False))
+    expected = pdf.merge(right.compute(scheduler="sync"), on="k")
+    pd.testing.assert_frame_equal(merged.sort_values(["k", "c1"]).reset_index(drop=True),
+                                  expected.sort_values(["k", "c1"]).reset_index(drop=True))

@@ -225,10 +225,19 @@ def _values(column: pd.Series | pd.Index) -> Any:
     return values
 
 
+# Frames wider than this take pandas' way: the column way costs per column and piece (a
+# slice, a concatenation, a Series to build the output from), pandas' per block.  A 1.6 GB
+# shuffle then a sum per partition, 2 workers, 100 partitions of 2,000 columns: 172 s the
+# column way, 81-91 s pandas' (p2p 368 s); of 200 columns 12.0-20.8 s against
+# 8.3-16.9 s; of 64 columns level (3.2-5.9 s either way); design/dataframe-shuffle.md.
+COLUMN_WAY_MAX_COLUMNS = 128
+
+
 def meta_allows_column_way(meta: pd.DataFrame) -> bool:
-    """Whether frames of ``meta`` may take the column way at all: a frame (not a series),
-    a flat index, nothing categorical."""
-    return (meta.ndim == 2 and not isinstance(meta.index, pd.MultiIndex)
+    """Whether frames of ``meta`` may take the column way at all: a frame (not a series)
+    of at most ``COLUMN_WAY_MAX_COLUMNS`` columns, a flat index, nothing categorical."""
+    return (meta.ndim == 2 and meta.shape[1] <= COLUMN_WAY_MAX_COLUMNS
+            and not isinstance(meta.index, pd.MultiIndex)
             and not isinstance(meta.index.dtype, pd.CategoricalDtype)
             and not any(isinstance(d, pd.CategoricalDtype) for d in meta.dtypes.tolist()))
 
