@@ -340,6 +340,8 @@ async def test_status_with_an_asynchronous_client_is_awaited(c, s, a, b):
         await dask_services.status(c, table="nope")
 
 
+# dask's own warning for a DataFrame built under ``span()``, with every shuffle method
+@pytest.mark.filterwarnings("ignore:Dask annotations .* detected:UserWarning")
 @pytest.mark.parametrize("collection", ["dataframe", "array"])
 @service_cluster()
 async def test_the_time_of_a_runs_thread_jobs_is_reported_under_its_span(c, s, a, b,
