@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import pickle
+import re
 from unittest import mock
 
 import numpy as np
@@ -244,3 +245,50 @@ def test_wide_frames_take_pandas_way():
         out = assemble([(1, frames[1]), (0, FrameRows(RowSource(frames[0]), 0, 5))],
                        meta, True)
         pd.testing.assert_frame_equal(out, pd.concat(frames, ignore_index=True))
+
+
+# dask's own concatenation of categoricals builds a frame column by column
+@pytest.mark.filterwarnings("ignore:DataFrame is highly fragmented")
+@settings(max_examples=25, deadline=None)
+@given(ncols=st.integers(129, 300), seed=st.integers(0, 2**16),
+       nframes=st.integers(1, 6), duplicate_labels=st.booleans(),
+       ignore_index=st.booleans())
+def test_wide_frames_concatenate_grouped_by_dtype_as_dask_does(ncols, seed, nframes,
+                                                               duplicate_labels,
+                                                               ignore_index):
+    """Wide frames' columns are grouped by dtype for pandas' concatenation, then put back:
+    the result is dask's concatenation's, whatever the frames' dtypes (a column of another
+    dtype in one frame, categoricals of other categories, frames without rows) and
+    labels."""
+    from dask_services.dataframe._rows import concat_frames
+
+    rng = np.random.default_rng(seed)
+    kinds = rng.integers(0, 4, ncols)
+    labels = [f"c{j % 7}" if duplicate_labels else f"c{j}" for j in range(ncols)]
+    frames = []
+    for i in range(nframes):
+        n = int(rng.integers(0, 6))
+        columns = []
+        for kind in kinds:
+            if kind == 0:
+                columns.append(rng.random(n))
+            elif kind == 1:
+                columns.append(rng.integers(0, 9, n) if i % 2 else rng.random(n))
+            elif kind == 2:
+                columns.append(pd.Categorical(rng.choice(list("abc"[: i % 3 + 1]), n)))
+            else:
+                columns.append(pd.array(rng.integers(0, 9, n), dtype="Int64"))
+        frame = pd.concat([pd.Series(c) for c in columns], axis=1) if n else \
+            pd.DataFrame({j: pd.Series(c) for j, c in enumerate(columns)})
+        frame.columns = labels
+        frame.index = pd.RangeIndex(i * 10, i * 10 + n)
+        frames.append(frame)
+    for concat in (_concat, pd.concat):
+        try:
+            expected = concat(frames, ignore_index=ignore_index)
+        except ValueError as exc:  # dask's, for duplicate labels with categoricals
+            with pytest.raises(ValueError, match=re.escape(str(exc))):
+                concat_frames(frames, ignore_index=ignore_index, concat=concat)
+            continue
+        got = concat_frames(frames, ignore_index=ignore_index, concat=concat)
+        pd.testing.assert_frame_equal(got, expected)

@@ -19,6 +19,7 @@ columns and dtypes again cost another ~0.5 ms each).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -266,6 +267,35 @@ def concat_rows(pieces: list[FrameRows], meta: pd.DataFrame,
         indexes = [piece.source.index_slice(piece.start, piece.stop) for piece in pieces]
         index = indexes[0].append(indexes[1:]) if len(indexes) > 1 else indexes[0]
     return _frame_of(columns, index, meta)
+
+
+def concat_frames(frames: list[pd.DataFrame], ignore_index: bool = False,
+                  concat: Callable[..., pd.DataFrame] | None = None) -> pd.DataFrame:
+    """``concat(frames, ignore_index=...)`` (dask's concatenation by default: pandas' way),
+    with the columns of wide frames grouped by dtype first and put back in their order
+    after.
+
+    pandas concatenates frames whose blocks interleave (an integer column among float
+    ones, say) column by column: for 100 pieces of 2,000 such columns 0.43 s, against
+    0.05 s for the same pieces with their columns grouped (one block per dtype), the
+    grouping and the reordering of the result included; from about 100 columns on it
+    costs less than it saves.  A permutation of the columns taken alike in every frame
+    changes nothing but their order, whatever each frame's dtypes, as long as the frames
+    have the same columns."""
+    if concat is None:
+        from dask.dataframe.core import _concat as concat
+    first = frames[0] if frames else None
+    if (first is None or getattr(first, "ndim", 1) != 2
+            or first.shape[1] <= COLUMN_WAY_MAX_COLUMNS
+            or any(not f.columns.equals(first.columns) for f in frames[1:])):
+        return concat(frames, ignore_index=ignore_index)
+    codes: dict[Any, int] = {}
+    order = np.argsort([codes.setdefault(d, len(codes)) for d in first.dtypes.tolist()],
+                       kind="stable")
+    if len(codes) == 1 or bool((order[1:] > order[:-1]).all()):
+        return concat(frames, ignore_index=ignore_index)  # already grouped
+    result = concat([f.iloc[:, order] for f in frames], ignore_index=ignore_index)
+    return result.iloc[:, np.argsort(order)]
 
 
 def _concat_values(parts: list[Any]) -> Any:

@@ -33,6 +33,7 @@ from dask_services.dataframe._rows import (
     ColumnWay,
     FrameRows,
     RowSource,
+    concat_frames,
     concat_rows,
     rows_nbytes,
     rows_of_arrays,
@@ -356,8 +357,8 @@ def assemble_group(received: list[Received], window: list[int], meta: pd.DataFra
     if all(isinstance(f, FrameRows) for f in frames):  # small inputs' groups, as arrays
         frame = take_rows(frames, order, meta, ignore_index)
     else:
-        frame = pd.concat([f.frame(meta) if isinstance(f, FrameRows) else f
-                           for f in frames]).take(order)
+        frame = concat_frames([f.frame(meta) if isinstance(f, FrameRows) else f
+                               for f in frames], concat=pd.concat).take(order)
     cuts = np.searchsorted(part, np.asarray(window, dtype=np.int64), side="left").tolist()
     cuts.append(len(part))
     # the inputs each output has rows from, where their frequencies matter
@@ -448,7 +449,6 @@ def assemble(pieces: list[tuple[int, pd.DataFrame | FrameRows]], meta: pd.DataFr
     column by column where the pieces allow it (``_rows.py``), else by pandas; ``freqs``
     as for :func:`assemble_group`.  ``empty``: what a partition without pieces is made
     from where the data's dtypes are not the meta's (:func:`rows_unlike_meta`)."""
-    from dask.dataframe.core import _concat
 
     if not pieces:
         # a frame of its own (a consumer may change it in place) and without rows: dask's
@@ -462,7 +462,7 @@ def assemble(pieces: list[tuple[int, pd.DataFrame | FrameRows]], meta: pd.DataFr
     if all(r.source.takes_column_way(meta) for r in rows):
         result = concat_rows(rows, meta, ignore_index)
     else:
-        result = _concat([r.frame(meta) for r in rows], ignore_index=ignore_index)
+        result = concat_frames([r.frame(meta) for r in rows], ignore_index=ignore_index)
         if ignore_index:
             result = result.reset_index(drop=True)
     if ignore_index:
