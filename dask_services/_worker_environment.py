@@ -25,7 +25,6 @@ from dask_services._bulk import LaneUnreachable, Turn
 from dask_services._counters import Traffic
 from dask_services._directory import directory_in
 from dask_services._host import Environment, InstanceSpec, ServiceHost
-from dask_services._memory_share import memory_to_plan_on
 from dask_services._messages import dumps_exception, loads_exception, unwrap
 from dask_services._payload import known_arguments_nbytes, pack, unpack
 from dask_services._streams import flush
@@ -58,7 +57,7 @@ class WorkerEnvironment(Environment):
         self.address = worker.address
         self.local_directory = directory_in(worker.local_directory)
         self.memory_limit = worker.memory_manager.memory_limit or None
-        self.memory_to_plan_on = memory_to_plan_on(self.memory_limit, worker.state.nthreads)
+        self.memory_to_plan_on = ext.memory_to_plan_on
 
     def _send(self, msg: dict) -> None:
         """A run's message to the scheduler, sent at once (see ``_streams``)."""

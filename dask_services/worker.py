@@ -147,12 +147,14 @@ class ServiceWorkerPlugin(WorkerPlugin):
         # started: a failed setup leaves nothing for teardown to undo.
         # Inputs waiting to be taken are memory distributed can neither see nor spill: at
         # most 1/32 of the worker's memory limit, as the bytes in flight.
-        pending_inputs = PendingInputs(window_size(
-            parse_bytes(setting("hand-off-buffer")),
-            memory_to_plan_on(getattr(worker.memory_manager, "memory_limit", None),
-                              worker.state.nthreads)))
+        # (the budgets of the worker's runs are shares of the same figure: WorkerEnvironment)
+        memory = memory_to_plan_on(getattr(worker.memory_manager, "memory_limit", None),
+                                   worker.state.nthreads)
+        pending_inputs = PendingInputs(window_size(parse_bytes(setting("hand-off-buffer")),
+                                                   memory))
         threads = service_threads(worker)
         self.worker = worker
+        self.memory_to_plan_on = memory
         self.pending_inputs = pending_inputs
         self.threads = threads
         self.host = ServiceHost(WorkerEnvironment(self))

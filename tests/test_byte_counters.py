@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from distributed.utils_test import async_poll_for
-from utils import service_cluster
+from utils import final_rows, no_heartbeats, service_cluster
 
 import dask_services
 from dask_services.config import packaged_default
@@ -20,23 +20,6 @@ from dask_services.demo_services import Histogram
 from dask_services.examples import AllReduce, SampleSort
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def no_heartbeats(*workers) -> None:
-    """The test sends the heartbeats itself, so it knows when the final figures are in."""
-    for w in workers:
-        w.periodic_callbacks["heartbeat"].stop()
-
-
-async def final_rows(c, *workers) -> list[dict]:
-    """The runs table once every instance has stopped and its final figures arrived."""
-    def idle() -> bool:
-        return all(not w.extensions["dask_services"].host.instances for w in workers)
-    await async_poll_for(idle, timeout=10)
-    for w in workers:
-        await w.heartbeat()
-    rows = (await c.scheduler.service_status(tables=["runs"]))["runs"]
-    return [dict(r) for r in rows]
 
 
 @service_cluster(config={"dask_services.shuffle.buffer-fraction": 1e-12})

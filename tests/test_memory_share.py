@@ -13,8 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from distributed import system
-from test_byte_counters import final_rows, no_heartbeats
-from utils import service_cluster
+from utils import final_rows, no_heartbeats, service_cluster
 
 from dask_services._memory_share import memory_to_plan_on
 from dask_services._sending import window_size

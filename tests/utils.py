@@ -334,3 +334,20 @@ def assembled_in_two_windows(received, destination, nparts: int, last: int, meta
             frames = _service.assemble_group(items, window, meta, ignore_index)
         out += list(zip(window, frames, strict=True))
     return out
+
+
+def no_heartbeats(*workers) -> None:
+    """The test sends the heartbeats itself, so it knows when the final figures are in."""
+    for w in workers:
+        w.periodic_callbacks["heartbeat"].stop()
+
+
+async def final_rows(c, *workers) -> list[dict]:
+    """The runs table once every instance has stopped and its final figures arrived."""
+    def idle() -> bool:
+        return all(not w.extensions["dask_services"].host.instances for w in workers)
+    await async_poll_for(idle, timeout=10)
+    for w in workers:
+        await w.heartbeat()
+    rows = (await c.scheduler.service_status(tables=["runs"]))["runs"]
+    return [dict(r) for r in rows]

@@ -449,7 +449,6 @@ def assemble(pieces: list[tuple[int, pd.DataFrame | FrameRows]], meta: pd.DataFr
     column by column where the pieces allow it (``_rows.py``), else by pandas; ``freqs``
     as for :func:`assemble_group`.  ``empty``: what a partition without pieces is made
     from where the data's dtypes are not the meta's (:func:`rows_unlike_meta`)."""
-
     if not pieces:
         # a frame of its own (a consumer may change it in place) and without rows: dask's
         # meta may have some (a categorical ``value_counts`` step's: a zero count per
