@@ -768,16 +768,19 @@ def test_the_index_frequency_is_the_one_tasks_gives_not_the_metas(case):
 
 @service_cluster(nthreads=[("127.0.0.1", 1)] * 2)
 async def test_a_wide_frame_shuffles_and_merges_as_pandas_does(c, s, a, b):
-    """Frames wider than ``COLUMN_WAY_MAX_COLUMNS`` take pandas' way on every path: small
-    and large pieces, a merge, interleaved dtypes; the result is what ``tasks`` gives."""
+    """Frames wider than ``COLUMN_WAY_MAX_COLUMNS`` take pandas' way on every path (small
+    pieces, into 7 partitions; pieces of more than ``SMALL_PIECE_ROWS`` rows, into 2; a
+    merge), their dtypes interleaved; the result is what pandas gives."""
     rng = np.random.default_rng(5)
-    n = 3_000
+    n = 8_000  # 667 rows per input partition
     pdf = pd.DataFrame({"k": rng.integers(0, 40, n),
                         **{f"c{j}": (rng.random(n) if j % 3 else rng.integers(0, 9, n))
                            for j in range(300)}})
     ddf = dd.from_pandas(pdf, npartitions=12)
-    ours = await c.compute(ddf.shuffle("k", npartitions=7, shuffle_method="service"))
-    pd.testing.assert_frame_equal(ours.sort_index(), pdf)
+    for npartitions in (7, 2):
+        ours = await c.compute(ddf.shuffle("k", npartitions=npartitions,
+                                           shuffle_method="service"))
+        pd.testing.assert_frame_equal(ours.sort_index(), pdf)
     right = dd.from_pandas(pd.DataFrame({"k": np.arange(40), "r": np.arange(40.0)}), 3)
     merged = await c.compute(ddf.merge(right, on="k", shuffle_method="service",
                                        broadcast=False))

@@ -8,10 +8,12 @@ import logging
 import re
 
 import dask
+import dask.array as da
 import dask.dataframe as dd
+import numpy as np
 import pandas as pd
 import pytest
-from distributed import progress
+from distributed import progress, span
 from distributed.metrics import time
 from distributed.utils_test import async_poll_for, poll_for
 from services import Recorder
@@ -350,10 +352,6 @@ async def test_the_time_of_a_runs_thread_jobs_is_reported_under_its_span(c, s, a
     any task: distributed's spans (Fine Performance Metrics) saw none of their time, so
     a run looked free there where p2p's work shows.  Now it is reported under the service
     task's span and prefix."""
-    import dask.array as da
-    import numpy as np
-    from distributed import span
-
     with span("the-run") as span_id:
         if collection == "dataframe":
             pdf = pd.DataFrame({"k": range(4000), "x": range(4000)})
