@@ -109,7 +109,8 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
         self.observers: list[RunObserver] = []  # e.g. the diagnostics (``_observe.py``)
         # stories of forgotten service tasks: key -> their machine's stories
         self.archive: OrderedDict[Key, OrderedDict[int | None, run_story.RunStory]] = OrderedDict()
-        self.timers: set[asyncio.TimerHandle] = set()  # WatchUnproduced waits under way
+        # service task -> its WatchUnproduced waits under way (cancelled when it is forgotten)
+        self.timers: dict[Key, set[asyncio.TimerHandle]] = {}
         self.collisions: OwnEdgeCollisions | None = None  # the log filter, while started
 
     # ------------------------------------------------------------- set-up
@@ -160,8 +161,9 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
         if self.collisions is not None:
             logging.getLogger("distributed.scheduler").removeFilter(self.collisions)
             self.collisions = None
-        for timer in self.timers:
-            timer.cancel()
+        for timers in self.timers.values():
+            for timer in timers:
+                timer.cancel()
         self.timers.clear()
 
     def _guard(self, handler: Any) -> Any:
@@ -386,6 +388,8 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
             self._event(key, run_events.ServiceTaskForgotten(stimulus_id=stimulus_id))
             del self.machines[key]
             self.retries_left.pop(key, None)
+            for timer in self.timers.pop(key, ()):
+                timer.cancel()  # its runs are over: nothing left to check
             self.archive[key] = machine.stories
             keep_archive_within(self.archive, machine.story_runs)
             definition = self.definitions.pop(key)
@@ -618,14 +622,18 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
             return  # wait for ever, as asked
 
         def check() -> None:
-            self.timers.discard(timer)
+            waits = self.timers.get(service_key)
+            if waits is not None:
+                waits.discard(timer)
+                if not waits:
+                    del self.timers[service_key]
             self._event(service_key, run_events.UnproducedChecked(
                 action.run_id, action.produced,
                 stimulus_id=run_model.new_stimulus_id("unproduced-checked")))
 
         timer = asyncio.get_running_loop().call_later(
             parse_timedelta(timeout), self._later, check)
-        self.timers.add(timer)
+        self.timers.setdefault(service_key, set()).add(timer)
 
     def _do_stop(self, service_key: Key, action: run_events.StopInstances) -> None:
         self._apply_stop(action.run, action.reason)

@@ -616,6 +616,41 @@ async def test_a_forgotten_await_on_produce_key_loses_no_output(c, s, a, b):
     await assert_nothing_left(s, [a, b])
 
 
+class ProducesAfterItsHooksReturn(Service):
+    """Produces from a task of its own that runs once ``all_inputs_done`` has returned:
+    the scheduler then watches for outputs that never come."""
+
+    async def add_key(self, key, data):
+        self.total = getattr(self, "total", 0) + data
+
+    async def all_inputs_done(self):
+        mine = [k for k in self.concierge.wanted_outputs if self.concierge.owner(k) == self.id]
+
+        async def produce():
+            totals = await asyncio.gather(*(p.total_of() for p in self.peers.values()))
+            for key in mine:
+                await self.concierge.produce_key(key, sum(totals))
+
+        self.producing = asyncio.ensure_future(produce())
+
+    @rpc
+    async def total_of(self) -> int:
+        return getattr(self, "total", 0)
+
+
+@service_cluster()
+async def test_the_wait_for_unproduced_outputs_ends_with_its_service_task(c, s, a, b):
+    """A run whose outputs came after its hooks returned leaves no timer on the scheduler
+    once its service task is forgotten (the default wait is a minute, per run)."""
+    xs = [dask.delayed(inc)(i) for i in range(4)]
+    outs = c.compute(dask_services.service_task(ProducesAfterItsHooksReturn, xs, outputs=4))
+    values = await c.gather(outs)
+    assert values == [10] * 4
+    assert s.extensions["dask_services"].timers  # watched while it ran
+    del outs
+    await assert_nothing_left(s, [a, b])
+
+
 class ProducesFromAThread(Service):
     """Builds and produces its outputs in a service thread, handing each produce_key
     coroutine to the event loop with ``asyncio.run_coroutine_threadsafe``."""

@@ -66,7 +66,7 @@ async def assert_nothing_left(s, workers, timeout: float = 10) -> None:
         plugin = s.extensions["dask_services"]
         for name in ("machines", "definitions", "cut", "unplaced", "produced_at",
                      "restrictions", "handoff_of", "input_of_handoff", "pinned", "output_of",
-                     "placements", "maybe_unneeded"):
+                     "placements", "maybe_unneeded", "timers"):
             if getattr(plugin, name):
                 left.append(f"scheduler {name}: {list(getattr(plugin, name))[:3]}")
         return left
