@@ -55,6 +55,18 @@ def dumps_exception(exc: BaseException) -> bytes:
     return pickle.dumps((payload, text, summary))
 
 
+def dumps_as_raised(exc: BaseException) -> bytes:
+    """``exc`` pickled as distributed's clients load an erred task's exception, as a
+    worker would raise it after :func:`loads_exception` (its traceback as a note): for
+    a task the scheduler errs itself."""
+    raised = loads_exception(dumps_exception(exc))
+    payload = _loadable_pickle(raised)
+    if payload is None and _printable(raised) and _pickled_as_exceptions_are(type(raised)):
+        payload = _loadable_pickle(_ByParts(raised))
+    return payload if payload is not None else dask_pickle.dumps(
+        RuntimeError(describe_exception(exc)))
+
+
 def _loadable_pickle(obj: Any) -> bytes | None:
     try:
         payload = quietly(dask_pickle.dumps, obj)

@@ -366,6 +366,17 @@ class NotifyServiceTask:
 
 
 @dataclass(frozen=True)
+class ErrWaitingServiceTask:
+    """The run failed while its service task waits for inputs (it runs on no worker, so
+    no worker can raise ``error`` for it): err it in the scheduler now, if it still waits,
+    rather than once its last input is computed.  (Otherwise the error stays pending and
+    goes to wherever it runs.)"""
+
+    error: BaseException
+    stimulus_id: str = _action_stimulus()
+
+
+@dataclass(frozen=True)
 class RescheduleServiceTask:
     """Release the service task and its hand-offs so that a new run gets every input."""
 
@@ -392,6 +403,7 @@ Action = (
     | WatchUnproduced
     | StopInstances
     | NotifyServiceTask
+    | ErrWaitingServiceTask
     | RescheduleServiceTask
     | Log
 )

@@ -46,6 +46,7 @@ from dask_services._run_events import (
     BroadcastAllStarted,
     BroadcastInputsDone,
     DropOutput,
+    ErrWaitingServiceTask,
     Event,
     GraphRejected,
     HandOffScheduled,
@@ -186,7 +187,7 @@ class ServiceTaskMachine:
         if self.task_worker is not None:
             return [NotifyServiceTask(self.task_worker, error)]
         self.pending_outcome = (error,)
-        return []
+        return [] if error is None else [ErrWaitingServiceTask(error)]
 
     def _maybe_barrier(self, run: Run) -> list[Action]:
         if (
@@ -519,7 +520,7 @@ class ServiceTaskMachine:
         self.task_worker = None
         self.pending_outcome = (ev.error,)
         if ev.worker is None:
-            return []
+            return [] if ev.error is None else [ErrWaitingServiceTask(ev.error)]
         return self._on_ServiceTaskProcessing(
             ServiceTaskProcessing(ev.worker, stimulus_id=ev.stimulus_id))
 

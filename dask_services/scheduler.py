@@ -41,7 +41,12 @@ from dask_services import _run_state as rs
 from dask_services import _run_story as run_story
 from dask_services._graph_intake import GraphIntake
 from dask_services._host import InstanceSpec
-from dask_services._messages import dumps_exception, loads_exception
+from dask_services._messages import (
+    describe_exception,
+    dumps_as_raised,
+    dumps_exception,
+    loads_exception,
+)
 from dask_services._run_log import (
     OwnEdgeCollisions,
     RunLogEntry,
@@ -246,7 +251,8 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
             self.retries_left[key] = ts.retries
             self._event(key, run_events.ServiceTaskProcessing(ts.processing_on.address,
                                                       stimulus_id=stimulus_id))
-        elif start == "processing" and finish in ("memory", "erred"):
+        elif finish == "erred" or (start == "processing" and finish == "memory"):
+            # (erred while waiting too: by ``_err_waiting``, or as an input of it erred)
             self._event(key, run_events.ServiceTaskDone(erred=finish == "erred",
                                                 stimulus_id=stimulus_id))
         elif start == "processing":
@@ -644,6 +650,10 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
         self._later(self._notify, service_key, action.worker, action.error,
                     action.stimulus_id)
 
+    def _do_err_waiting(self, service_key: Key,
+                        action: run_events.ErrWaitingServiceTask) -> None:
+        self._later(self._err_waiting, service_key, action.error, action.stimulus_id)
+
     def _do_reschedule(self, service_key: Key, action: run_events.RescheduleServiceTask) -> None:
         self._later(self._reschedule, service_key, action.stimulus_id, action.run_id)
 
@@ -660,6 +670,7 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
         run_events.WatchUnproduced: _do_watch_unproduced,
         run_events.StopInstances: _do_stop,
         run_events.NotifyServiceTask: _do_notify,
+        run_events.ErrWaitingServiceTask: _do_err_waiting,
         run_events.RescheduleServiceTask: _do_reschedule,
         run_events.Log: _do_log,
     }
@@ -714,6 +725,25 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
         else:
             self._send(worker, {"op": "service-task-outcome", "key": service_key,
                                 "error": dumps_exception(error)}, now=True)
+
+    def _err_waiting(self, service_key: Key, error: BaseException, stimulus_id: str) -> None:
+        """Err a service task that waits for inputs with the failure of its run, as
+        distributed errs a task whose dependency erred: its clients hear at once, its
+        outputs err, and inputs computed for it alone are released (the failure would
+        otherwise reach them once every input was computed, to no use)."""
+        ts = self.scheduler.tasks.get(service_key)
+        machine = self.machines.get(service_key)
+        if ts is None or machine is None or ts.state != "waiting" \
+                or machine.pending_outcome != (error,):
+            return  # it runs (the outcome goes there) or it went
+        ts.exception = dumps_as_raised(error)
+        ts.exception_text = describe_exception(error)
+        ts.traceback = ts.traceback_text = None
+        ts.exception_blame = ts
+        # waiting -> released -> erred: distributed has no direct transition and goes
+        # through released, which recommends no new wait for a task with a blame
+        self.scheduler.transitions({service_key: "erred"}, stimulus_id=stimulus_id)
+        self.scheduler.stimulus_queue_slots_maybe_opened(stimulus_id=stimulus_id)
 
     def _release_output(self, service_key: Key, key: Key, worker: str,
                         stimulus_id: str) -> None:

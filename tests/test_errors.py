@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import dask
 import pytest
+from distributed import Event
 from distributed.utils_test import async_poll_for
 from services import Recorder
 from utils import assert_errs, assert_nothing_left, events_of, service_cluster
 
 import dask_services
+from dask_services import Service
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -326,4 +330,46 @@ async def test_graph_manipulation_of_service_task_outputs(c, s, a, b):
                            match=r"clone\(\), or bind\(\) with service task outputs as "
                                  r"children.*call service_task\(\) again"):
             rebuild()
+    await assert_nothing_left(s, [a, b])
+
+
+class FailsOnZero(Service):
+    """Fails as the input ``0`` is handed off; sums the others otherwise."""
+
+    async def add_key(self, key, data):
+        if data == 0:
+            raise ValueError("input 0 cannot be handed off")
+
+    async def all_inputs_done(self):
+        for key in self.concierge.wanted_outputs:
+            if self.concierge.owner(key) == self.id:
+                await self.concierge.produce_key(key, 1)
+
+
+def after_gate(x, name: str):
+    Event(name).wait()
+    return x
+
+
+@service_cluster(nthreads=[("127.0.0.1", 2)] * 2)
+async def test_a_run_failing_while_inputs_still_compute_errs_at_once(c, s, a, b):
+    """A hand-off failed while another input was still computing: the service task waits
+    for that input, so no worker could raise the error for it, and the error reached the
+    client only once every input was computed (for nothing). The scheduler errs it now,
+    and the input computed for it alone is released."""
+    gate = Event("gate-of-a-slow-input")
+    xs = [dask.delayed(inc)(-1), dask.delayed(inc)(1),
+          dask.delayed(after_gate)(2, "gate-of-a-slow-input")]
+    outs = c.compute(dask_services.service_task(FailsOnZero, xs, outputs=2))
+    for fut in outs:
+        exc = await asyncio.wait_for(
+            assert_errs(fut, ValueError, "input 0 cannot be handed off"), 20)
+    # with the traceback of where it was raised, as when a worker raises it
+    assert any("in add_key" in note for note in exc.__notes__), exc.__notes__
+    # released while computing, as nothing wants it any more
+    await async_poll_for(lambda: s.tasks.get(xs[-1].key) is None
+                         or s.tasks[xs[-1].key].state == "released", timeout=10)
+    await gate.set()
+    s.validate_state()
+    del outs, fut, exc
     await assert_nothing_left(s, [a, b])

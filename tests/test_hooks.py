@@ -58,6 +58,17 @@ def test_scheduler_internals_we_use():
     for edge in [("processing", "released"), ("memory", "released"), ("released", "waiting"),
                  ("no-worker", "released"), ("waiting", "processing")]:
         assert edge in table, edge
+    # a waiting service task erred by the plugin (ErrWaitingServiceTask) goes through
+    # released, where a task with a blame is not sent back to waiting, then to erred,
+    # which reports the blamed task's exception (pickled bytes, as KilledWorker's are)
+    assert ("waiting", "erred") not in table and ("released", "erred") in table
+    for attr in ("exception", "exception_text", "traceback", "traceback_text",
+                 "exception_blame"):
+        assert attr in TaskState.__slots__ or hasattr(TaskState, attr), attr
+    src = inspect.getsource(Scheduler._transition_waiting_released)
+    assert "elif not ts.exception_blame and (ts.who_wants or ts.waiters):" in src
+    src = inspect.getsource(Scheduler._transition_released_erred)
+    assert '"exception": failing_ts.exception' in src
 
 
 def test_adaptive_internals_replicas_rely_on():

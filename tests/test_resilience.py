@@ -132,6 +132,43 @@ def test_killed_more_often_than_allowed_is_a_clear_error(cluster):
     validate_scheduler(client)
 
 
+def waits_for_gate(x, name: str):
+    """``x``, once the distributed Event ``name`` is set (an input still computing)."""
+    from distributed import Event
+
+    Event(name).wait()
+    return x
+
+
+def test_too_many_restarts_while_an_input_still_computes_err_at_once(cluster):
+    """A run started as the first inputs were handed off, then lost a worker once too
+    often while the service task still waited for another input: the error reached the
+    client only once that input was computed (44 s late under rolling restarts); it now
+    errs the waiting service task at once."""
+    from distributed import Event
+
+    cluster, client = cluster
+    gate = Event("gate-of-a-slow-input", client=client)
+    with dask.config.set({"dask_services.restarts": 0}):
+        xs = [dask.delayed(inc)(i) for i in range(4)]
+        xs.append(dask.delayed(waits_for_gate)(5, "gate-of-a-slow-input"))
+        futures = client.compute(dask_services.service_task(SlowSum, xs, outputs=2))
+        poll_for(lambda: (r := live_run(client)) is not None and len(r.handed_off) >= 1,
+                 timeout=60)
+        slow_key = xs[-1].key
+        poll_for(lambda: any(slow_key in keys for keys in client.processing().values()),
+                 timeout=30)
+        blocked = next(w for w, keys in client.processing().items() if slow_key in keys)
+        victim = next(w for w in live_run(client).participants if w != blocked)
+        kill(client, victim)
+        exc = futures[0].exception(timeout=30)  # with the gate still closed
+    assert isinstance(exc, dask_services.TooManyRestarts), repr(exc)
+    assert "dask_services.restarts=0" in str(exc)
+    assert all(f.status == "error" for f in futures)
+    gate.set()
+    validate_scheduler(client)
+
+
 def instances_left(client) -> int:
     return sum(client.run(
         lambda dask_worker: len(dask_worker.extensions["dask_services"].host.instances))

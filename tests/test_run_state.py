@@ -119,7 +119,7 @@ def test_outputs_not_produced_once_every_hook_returned_fail_the_run():
     assert m.handle(run_events.HooksReturned(1, second)) == [run_events.WatchUnproduced(1, 1)]
     # no output produced meanwhile: the run fails, naming what is missing and the fix
     actions = m.handle(run_events.UnproducedChecked(1, 1))
-    assert kinds(actions) == ["StopInstances", "Log"]
+    assert kinds(actions) == ["StopInstances", "Log", "ErrWaitingServiceTask"]
     assert m.run.phase is run_model.Phase.FAILED
     (error,) = m.pending_outcome
     assert isinstance(error, OutputsNotProducedError)
@@ -188,7 +188,7 @@ def test_duplicate_and_unknown_outputs_fail_the_run_unwanted_ones_are_dropped():
     assert m2.live_run is not None and m2.pending_outcome is None
     # a key that is not an output at all: the run fails
     actions = m2.handle(run_events.OutputProduced(1, "stranger", WORKERS[0]))
-    assert kinds(actions) == ["DropOutput", "StopInstances", "Log"]
+    assert kinds(actions) == ["DropOutput", "StopInstances", "Log", "ErrWaitingServiceTask"]
     assert "is not an output of service task" in str(m2.pending_outcome[0])
 
 
@@ -202,7 +202,8 @@ def test_restarts_then_too_many():
     assert kinds(need(m, run_id=2, workers=WORKERS[:1])) == ["StartInstances", "Log"]
     assert m.run.ids[WORKERS[0]] != actions[0].run.ids[WORKERS[0]]  # new ids
     actions = m.handle(run_events.RestartRequested(2, "asked"))
-    assert kinds(actions) == ["StopInstances", "Log"]  # outcome waits for the task
+    # the task runs nowhere: the scheduler errs it (the outcome waits should it run first)
+    assert kinds(actions) == ["StopInstances", "Log", "ErrWaitingServiceTask"]
     assert isinstance(m.pending_outcome[0], TooManyRestarts)
     assert "asked" in str(m.pending_outcome[0])
     assert kinds(m.handle(run_events.ServiceTaskProcessing(WORKERS[0]))) == ["NotifyServiceTask"]
@@ -701,7 +702,8 @@ def test_the_scheduler_erring_the_task_mid_run_stops_its_instances():
     # distributed runs an erred task again when an input it had is lost and recomputed
     assert kinds(need(m, run_id=3)) == ["StartInstances", "Log"]
     m.handle(run_events.ServiceTaskDone(erred=True))
-    assert need(m, run_id=4) == [] and m.live_run is None  # used up: errs again
+    # used up: errs again
+    assert kinds(need(m, run_id=4)) == ["ErrWaitingServiceTask"] and m.live_run is None
     assert isinstance(m.pending_outcome[0], TooManyRestarts)
     assert "KilledWorker" in str(m.pending_outcome[0])
     m.validate()
@@ -784,4 +786,49 @@ def test_a_service_task_moved_while_its_run_goes_on_gets_the_outcome_where_it_wa
     told = m.handle(run_events.RunFailed(1, ValueError("boom")))
     (notify,) = [a for a in told if isinstance(a, run_events.NotifyServiceTask)]
     assert notify.worker == WORKERS[1]
+    m.validate()
+
+
+def test_a_run_failing_while_its_service_task_waits_asks_to_err_it_at_once():
+    """The run started as the first inputs were handed off and failed while its service
+    task still waits for others: no worker runs the task to raise the error, so the
+    scheduler is asked to err it now; the error stays pending for wherever the task runs
+    should it run first."""
+    m = machine()
+    need(m)
+    start_all(m)
+    m.handle(run_events.InputHandedOff(1, "i0"))
+    error = ValueError("boom")
+    actions = m.handle(run_events.RunFailed(1, error))
+    assert kinds(actions) == ["StopInstances", "Log", "ErrWaitingServiceTask"]
+    assert actions[-1].error is error
+    m.validate()
+    (told,) = m.handle(run_events.ServiceTaskProcessing(WORKERS[1]))
+    assert isinstance(told, run_events.NotifyServiceTask) and told.error is error
+    m.validate()
+
+
+def test_a_service_task_erred_while_it_waits_is_done():
+    m = machine()
+    need(m)
+    start_all(m)
+    m.handle(run_events.RunFailed(1, ValueError("boom")))
+    assert m.handle(run_events.ServiceTaskDone(erred=True)) == []
+    assert m.pending_outcome is None and m.failure is None
+    assert m.handle(run_events.ServiceTaskProcessing(WORKERS[0])) == []  # told nothing
+    m.validate()
+
+
+@pytest.mark.parametrize("error", [ValueError("boom"), None])
+def test_an_outcome_undelivered_to_a_task_that_runs_nowhere(error):
+    m = machine()
+    m.handle(run_events.ServiceTaskProcessing(WORKERS[0]))
+    need(m)
+    start_all(m)
+    actions = m.handle(run_events.OutcomeUndelivered(error, None))
+    if error is None:
+        assert actions == []
+    else:
+        assert kinds(actions) == ["ErrWaitingServiceTask"] and actions[0].error is error
+    assert m.pending_outcome == (error,)
     m.validate()
