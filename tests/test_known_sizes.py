@@ -158,13 +158,28 @@ async def test_a_size_that_is_not_a_byte_count_fails_the_task(c, s, a, b):
     await assert_nothing_left(s, [a, b])
 
 
+def strings_frame() -> pd.DataFrame:
+    return pd.DataFrame({"k": np.arange(400) % 37, "v": np.random.default_rng(0).random(400),
+                         "t": pd.array([f"s{i}" for i in range(400)], dtype="str")})
+
+
+def wide_numeric_frame() -> pd.DataFrame:
+    """Measured from its dtypes (``_frame_size.py``), in pandas' way (> 128 columns)."""
+    rng = np.random.default_rng(0)
+    frame = pd.DataFrame(rng.random((400, 150)), columns=[f"c{i}" for i in range(150)])
+    frame["k"] = np.arange(400) % 37
+    frame["v"] = rng.random(400)
+    frame["b"] = frame.v > 0.5
+    return frame
+
+
+@pytest.mark.parametrize("make", [strings_frame, wide_numeric_frame])
 @service_cluster()
-async def test_shuffle_outputs_are_measured_once_where_they_are_built(c, s, a, b):
+async def test_shuffle_outputs_are_measured_once_where_they_are_built(c, s, a, b, make):
     import dask.dataframe as dd
 
     before = remembered_count()
-    pdf = pd.DataFrame({"k": np.arange(400) % 37, "v": np.random.default_rng(0).random(400),
-                        "t": pd.array([f"s{i}" for i in range(400)], dtype="str")})
+    pdf = make()
     df = dd.from_pandas(pdf, npartitions=8)
     with dask.config.set({"dataframe.shuffle.method": "service"}):
         out = c.persist(df.shuffle("k", npartitions=6))

@@ -355,3 +355,44 @@ async def test_a_workers_local_directory_is_as_it_was_after_a_run(c, s, a, b, sp
     await until(lambda: all(not w.extensions["dask_services"].host.instances
                             for w in (a, b)))
     assert {w.address: list(os.walk(w.local_directory)) for w in (a, b)} == before
+
+
+def blobs(i: int) -> pd.DataFrame:
+    """2,000 rows of 100 bytes, and one of 8 MB: dask's sample of 100 cells misses it."""
+    rng = np.random.default_rng(i)
+    cells = np.empty(2_001, dtype=object)
+    cells[:] = [rng.bytes(100) for _ in range(2_001)]
+    cells[777] = rng.bytes(8 * 2**20)
+    return pd.DataFrame({"key": rng.integers(0, 50, 2_001), "blob": cells})
+
+
+@gen_cluster(client=True, timeout=60, worker_kwargs={"memory_limit": 2**30})
+async def test_large_cells_among_small_rows_count_toward_the_buffer(c, s, a, b):
+    """The buffers took their pieces' sizes from dask's ``sizeof``, which samples a column
+    of objects: 4 partitions holding 32 MB in hidden cells fit, as far as they knew, in a
+    budget of 10 MB, and nothing was spilled (0 of 500 MB with a 43 MB budget on 2 GiB
+    workers). Their cells are now measured one by one."""
+    import dask
+    import dask.dataframe as dd
+
+    buffers = []
+    made = SpillBuffer.__init__
+
+    def keep(buffer, *args, **kwargs):
+        made(buffer, *args, **kwargs)
+        buffers.append(buffer)
+
+    config = {"dask_services.shuffle.buffer-fraction": 0.01,  # 10 MB a worker
+              "dataframe.convert-string": False}
+    with dask.config.set(config), mock.patch.object(SpillBuffer, "__init__", keep):
+        df = dd.from_map(blobs, range(4), meta=blobs(0).iloc[:0])
+        out = df.shuffle("key", shuffle_method="service", npartitions=4)
+        sizes = out.map_partitions(
+            lambda p: p.assign(n=p.blob.map(len)).groupby("key").n.sum(),
+            meta=("n", "i8"))
+        got = await c.compute(sizes)
+    frames = [blobs(i) for i in range(4)]
+    expected = pd.concat(frames).assign(n=lambda f: f.blob.map(len)).groupby("key").n.sum()
+    pd.testing.assert_series_equal(got.groupby(level=0).sum().sort_index(),
+                                   expected.sort_index(), check_names=False)
+    assert sum(buffer.spilled_total for buffer in buffers) > 8 * 2**20

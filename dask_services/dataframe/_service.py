@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from dask.sizeof import sizeof
 
 from dask_services._exchange import PeerExchange
 from dask_services._memory import TrimAfter, release_freed_memory
 from dask_services.config import setting
+from dask_services.dataframe._frame_size import frame_sizeof, object_cell_bytes
 from dask_services.dataframe._partitioning import Assign, target_partitions
 from dask_services.dataframe._rows import (
     ColumnWay,
@@ -155,6 +155,14 @@ def split_by_destination(
                                   [len(starts)])).tolist()
     row_starts = starts.tolist() + [len(key)]
     per_row = nbytes / len(data) + (8 if isinstance(data.index, pd.RangeIndex) else 0)
+    # columns of Python objects: their cells measured one by one (dask samples them, and
+    # a large cell among small ones was missed or counted for every row)
+    cells = object_cell_bytes(data)
+    cell_bytes_before: np.ndarray | None = None
+    if cells is not None:
+        row_bytes, rest_bytes = cells
+        per_row = rest_bytes / len(data) + (8 if isinstance(data.index, pd.RangeIndex) else 0)
+        cell_bytes_before = np.concatenate(([0], np.cumsum(row_bytes[order])))
     out: dict[ServiceId, Batch] = {}
     pending: tuple[ServiceId, int] | None = None  # (sid, first partition slot) not sent yet
 
@@ -187,10 +195,12 @@ def split_by_destination(
             if whose not in taken:
                 taken[whose] = take_of(order[first:last])
             frame = sliced(taken[whose], a - first, b - first)
-        if b - a <= EXACT_SIZE_ROWS:
+        if cell_bytes_before is not None:
+            size = int((b - a) * per_row + cell_bytes_before[b] - cell_bytes_before[a])
+        elif b - a <= EXACT_SIZE_ROWS:
             size = int((b - a) * per_row)
         else:
-            size = rows_nbytes(frame) if isinstance(frame, FrameRows) else sizeof(frame)
+            size = rows_nbytes(frame) if isinstance(frame, FrameRows) else frame_sizeof(frame)
         return frame, part_ids[i0:i1], bounds_of(i0, i1), size
 
     def bounds_of(i0: int, i1: int) -> list[int]:
@@ -510,7 +520,7 @@ class DataFrameShuffle(PeerExchange):
         index = self.input_index[key]
         nbytes = self.concierge.input_nbytes(key)
         if nbytes is None:
-            nbytes = sizeof(data)
+            nbytes = frame_sizeof(data)
         columns = getattr(data, "columns", None)
         if columns is not None and not columns.equals(self.input_columns):
             data = check_input_columns(index, data, self.meta,
@@ -673,10 +683,11 @@ class DataFrameShuffle(PeerExchange):
 
 def measured(assemble: Callable[..., list[pd.DataFrame]], *args: Any
              ) -> list[tuple[pd.DataFrame, int]]:
-    """The frames ``assemble(*args)`` makes, each with its size (dask's ``sizeof``),
-    measured in the service thread that made them: the worker then takes the size from
-    ``produce_key`` instead of measuring each output twice on its event loop."""
-    return [(frame, sizeof(frame)) for frame in assemble(*args)]
+    """The frames ``assemble(*args)`` makes, each with its size (dask's ``sizeof``, from
+    the dtypes where it can be: ``_frame_size.py``), measured in the service thread that
+    made them: the worker then takes the size from ``produce_key`` instead of measuring
+    each output twice on its event loop."""
+    return [(frame, frame_sizeof(frame)) for frame in assemble(*args)]
 
 
 def cut_at(received: list[Received], last_group: int,
