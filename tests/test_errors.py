@@ -373,3 +373,31 @@ async def test_a_run_failing_while_inputs_still_compute_errs_at_once(c, s, a, b)
     s.validate_state()
     del outs, fut, exc
     await assert_nothing_left(s, [a, b])
+
+
+def raises_after_gate(name: str):
+    Event(name).wait()
+    raise KeyError("an input failed")
+
+
+@service_cluster(nthreads=[("127.0.0.1", 2)] * 2)
+async def test_an_input_erring_while_the_run_is_live_stops_its_instances(c, s, a, b):
+    """The run started with the first hand-offs; then another input raised. distributed
+    errs the waiting service task through its input, and the run's instances stop while
+    the client still holds the erred outputs (the plugin passes the service task's
+    ``erred`` from any state on to its machine)."""
+    gate = Event("gate-of-a-failing-input")
+    xs = [dask.delayed(inc)(1), dask.delayed(inc)(2),
+          dask.delayed(raises_after_gate)("gate-of-a-failing-input")]
+    outs = c.compute(dask_services.service_task(Recorder, xs, outputs=2))
+    await async_poll_for(lambda: len(events_of("add_key")) == 2, timeout=10)
+    started = {e[1] for e in events_of("start")}
+    assert started and not events_of("stop")
+    await gate.set()
+    for fut in outs:
+        await assert_errs(fut, KeyError, "an input failed")
+    # while the client still holds the erred outputs
+    await async_poll_for(lambda: {e[1] for e in events_of("stop")} == started, timeout=10)
+    s.validate_state()
+    del outs, fut
+    await assert_nothing_left(s, [a, b])
