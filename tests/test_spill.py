@@ -366,7 +366,9 @@ def blobs(i: int) -> pd.DataFrame:
     return pd.DataFrame({"key": rng.integers(0, 50, 2_001), "blob": cells})
 
 
-@gen_cluster(client=True, timeout=60, worker_kwargs={"memory_limit": 2**30})
+# a limit far above the test process's memory: in-process workers measure the whole
+# process, which a long test session grows to a small limit's pause threshold
+@gen_cluster(client=True, timeout=60, worker_kwargs={"memory_limit": 2**36})
 async def test_large_cells_among_small_rows_count_toward_the_buffer(c, s, a, b):
     """The buffers took their pieces' sizes from dask's ``sizeof``, which samples a column
     of objects: 4 partitions holding 32 MB in hidden cells fit, as far as they knew, in a
@@ -382,7 +384,7 @@ async def test_large_cells_among_small_rows_count_toward_the_buffer(c, s, a, b):
         made(buffer, *args, **kwargs)
         buffers.append(buffer)
 
-    config = {"dask_services.shuffle.buffer-fraction": 0.01,  # 10 MB a worker
+    config = {"dask_services.shuffle.buffer-fraction": 10e6 / 2**36,  # 10 MB a worker
               "dataframe.convert-string": False}
     with dask.config.set(config), mock.patch.object(SpillBuffer, "__init__", keep):
         df = dd.from_map(blobs, range(4), meta=blobs(0).iloc[:0])
