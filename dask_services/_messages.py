@@ -43,28 +43,27 @@ def dumps_exception(exc: BaseException) -> bytes:
     original = getattr(exc, _UNLOADED, None)
     if original is not None:  # one this process could not load: passed on as it came
         return original
-    text = _traceback_text(exc)
-    summary = describe_exception(exc)
-    payload = _loadable_pickle(exc)
-    if payload is None and _printable(exc) and _pickled_as_exceptions_are(type(exc)):
-        # (one whose str() raises, or whose class pickles itself its own way, stays a
-        # RuntimeError that says what it was)
-        payload = _loadable_pickle(_ByParts(exc))
-    if payload is None:
-        payload = dask_pickle.dumps(RuntimeError(summary))
-    return pickle.dumps((payload, text, summary))
+    return pickle.dumps((_plain_pickle(exc), _traceback_text(exc), describe_exception(exc)))
 
 
 def dumps_as_raised(exc: BaseException) -> bytes:
     """``exc`` pickled as distributed's clients load an erred task's exception, as a
     worker would raise it after :func:`loads_exception` (its traceback as a note): for
     a task the scheduler errs itself."""
-    raised = loads_exception(dumps_exception(exc))
-    payload = _loadable_pickle(raised)
-    if payload is None and _printable(raised) and _pickled_as_exceptions_are(type(raised)):
-        payload = _loadable_pickle(_ByParts(raised))
-    return payload if payload is not None else dask_pickle.dumps(
-        RuntimeError(describe_exception(exc)))
+    return _plain_pickle(loads_exception(dumps_exception(exc)))
+
+
+def _plain_pickle(exc: BaseException) -> bytes:
+    """``exc`` pickled so that it loads: as it is, else by its parts, else as a
+    ``RuntimeError`` that says what it was."""
+    payload = _loadable_pickle(exc)
+    if payload is None and _printable(exc) and _pickled_as_exceptions_are(type(exc)):
+        # (one whose str() raises, or whose class pickles itself its own way, stays a
+        # RuntimeError that says what it was)
+        payload = _loadable_pickle(_ByParts(exc))
+    if payload is None:
+        payload = dask_pickle.dumps(RuntimeError(describe_exception(exc)))
+    return payload
 
 
 def _loadable_pickle(obj: Any) -> bytes | None:

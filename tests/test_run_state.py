@@ -615,11 +615,17 @@ def test_a_failed_run_whose_task_is_retried_hands_off_again():
     m.validate()
 
 
-def test_a_failed_run_whose_task_is_released_unwanted_does_nothing_more():
+def failed_while_waiting() -> rs.ServiceTaskMachine:
+    """A machine whose first run failed while its service task ran nowhere."""
     m = machine()
     need(m)
     start_all(m)
     m.handle(run_events.RunFailed(1, ValueError("boom")))
+    return m
+
+
+def test_a_failed_run_whose_task_is_released_unwanted_does_nothing_more():
+    m = failed_while_waiting()
     assert m.handle(run_events.ServiceTaskReleased()) == []
     assert m.run is None and not m.rescheduling
 
@@ -809,10 +815,7 @@ def test_a_run_failing_while_its_service_task_waits_asks_to_err_it_at_once():
 
 
 def test_a_service_task_erred_while_it_waits_is_done():
-    m = machine()
-    need(m)
-    start_all(m)
-    m.handle(run_events.RunFailed(1, ValueError("boom")))
+    m = failed_while_waiting()
     assert m.handle(run_events.ServiceTaskDone(erred=True)) == []
     assert m.pending_outcome is None and m.failure is None
     assert m.handle(run_events.ServiceTaskProcessing(WORKERS[0])) == []  # told nothing

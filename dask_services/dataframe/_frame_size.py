@@ -37,7 +37,9 @@ def frame_sizeof(frame: Any) -> int:
     return int(max(_AT_LEAST, total))
 
 
-def _holds_objects(dtype: Any) -> bool:
+def holds_objects(dtype: Any) -> bool:
+    """Whether a column of ``dtype`` holds Python objects (which dask's ``sizeof``
+    samples)."""
     return dtype == np.dtype(object) or (isinstance(dtype, pd.StringDtype)
                                           and dtype.storage == "python")
 
@@ -54,7 +56,7 @@ def object_cell_bytes(frame: Any) -> tuple[np.ndarray, int] | None:
     sized from it, held 500 MB received as a few MB and never spilled. Measuring each cell
     costs ~100 ns."""
     dtypes = list(getattr(frame, "dtypes", ()))
-    objects = [i for i, d in enumerate(dtypes) if _holds_objects(d)]
+    objects = [i for i, d in enumerate(dtypes) if holds_objects(d)]
     if not objects:
         return None
     rows = np.zeros(len(frame), dtype=np.int64)

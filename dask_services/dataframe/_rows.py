@@ -26,6 +26,8 @@ import numpy as np
 import pandas as pd
 from pandas.api.extensions import ExtensionArray
 
+from dask_services.dataframe._frame_size import holds_objects
+
 
 class RowSource:
     """A received frame, and its columns and index as arrays once an assembly asks for them.
@@ -184,8 +186,7 @@ def rows_nbytes(rows: FrameRows) -> int:
 
 def _values_nbytes(values: Any) -> int:
     dtype = values.dtype
-    if dtype == np.dtype(object) or (isinstance(dtype, pd.StringDtype)
-                                     and dtype.storage == "python"):
+    if holds_objects(dtype):
         # Python objects: dask samples them (its sizeof of the column, without the
         # column's fixed overheads)
         from dask.sizeof import sizeof

@@ -154,15 +154,16 @@ def split_by_destination(
     code_starts = np.concatenate(([0], np.flatnonzero(part_codes[1:] != part_codes[:-1]) + 1,
                                   [len(starts)])).tolist()
     row_starts = starts.tolist() + [len(key)]
-    per_row = nbytes / len(data) + (8 if isinstance(data.index, pd.RangeIndex) else 0)
     # columns of Python objects: their cells measured one by one (dask samples them, and
-    # a large cell among small ones was missed or counted for every row)
+    # a large cell among small ones was missed or counted for every row), the rest of
+    # the frame in proportion to the rows
     cells = object_cell_bytes(data)
     cell_bytes_before: np.ndarray | None = None
     if cells is not None:
-        row_bytes, rest_bytes = cells
-        per_row = rest_bytes / len(data) + (8 if isinstance(data.index, pd.RangeIndex) else 0)
+        row_bytes, nbytes_but_cells = cells
         cell_bytes_before = np.concatenate(([0], np.cumsum(row_bytes[order])))
+    per_row = ((nbytes if cells is None else nbytes_but_cells) / len(data)
+               + (8 if isinstance(data.index, pd.RangeIndex) else 0))
     out: dict[ServiceId, Batch] = {}
     pending: tuple[ServiceId, int] | None = None  # (sid, first partition slot) not sent yet
 
