@@ -9,7 +9,7 @@ import pytest
 from distributed import Event
 from distributed.utils_test import async_poll_for
 from services import Recorder
-from utils import assert_errs, assert_nothing_left, events_of, service_cluster
+from utils import after_gate, assert_errs, assert_nothing_left, events_of, service_cluster
 
 import dask_services
 from dask_services import Service
@@ -344,11 +344,6 @@ class FailsOnZero(Service):
         for key in self.concierge.wanted_outputs:
             if self.concierge.owner(key) == self.id:
                 await self.concierge.produce_key(key, 1)
-
-
-def after_gate(x, name: str):
-    Event(name).wait()
-    return x
 
 
 @service_cluster(nthreads=[("127.0.0.1", 2)] * 2)

@@ -9,7 +9,7 @@ import pytest
 from distributed import Client, LocalCluster
 from distributed.utils_test import poll_for
 from services import PidReporter, SlowPidReporter, SlowSum
-from utils import kill, live_run, lost_worker, service_events, validate_scheduler
+from utils import after_gate, kill, live_run, lost_worker, service_events, validate_scheduler
 
 import dask_services
 from dask_services._run_model import Phase
@@ -132,14 +132,6 @@ def test_killed_more_often_than_allowed_is_a_clear_error(cluster):
     validate_scheduler(client)
 
 
-def waits_for_gate(x, name: str):
-    """``x``, once the distributed Event ``name`` is set (an input still computing)."""
-    from distributed import Event
-
-    Event(name).wait()
-    return x
-
-
 def test_too_many_restarts_while_an_input_still_computes_err_at_once(cluster):
     """A run started as the first inputs were handed off, then lost a worker once too
     often while the service task still waited for another input: the error reached the
@@ -151,7 +143,7 @@ def test_too_many_restarts_while_an_input_still_computes_err_at_once(cluster):
     gate = Event("gate-of-a-slow-input", client=client)
     with dask.config.set({"dask_services.restarts": 0}):
         xs = [dask.delayed(inc)(i) for i in range(4)]
-        xs.append(dask.delayed(waits_for_gate)(5, "gate-of-a-slow-input"))
+        xs.append(dask.delayed(after_gate)(5, "gate-of-a-slow-input"))
         futures = client.compute(dask_services.service_task(SlowSum, xs, outputs=2))
         poll_for(lambda: (r := live_run(client)) is not None and len(r.handed_off) >= 1,
                  timeout=60)

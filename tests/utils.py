@@ -14,6 +14,7 @@ import threading
 import time
 
 import dask
+from distributed import Event
 from distributed.utils_test import async_poll_for, gen_cluster
 
 import dask_services
@@ -351,3 +352,10 @@ async def final_rows(c, *workers) -> list[dict]:
         await w.heartbeat()
     rows = (await c.scheduler.service_status(tables=["runs"]))["runs"]
     return [dict(r) for r in rows]
+
+
+def after_gate(x, name: str):
+    """``x``, once the distributed Event ``name`` is set: an input that is still
+    computing for as long as a test wants."""
+    Event(name).wait()
+    return x
