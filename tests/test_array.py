@@ -16,7 +16,7 @@ from dask.core import flatten
 from distributed import wait
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from utils import assert_nothing_left, service_cluster
+from utils import assert_nothing_left, final_rows, no_heartbeats, service_cluster
 
 import dask_services
 
@@ -241,15 +241,47 @@ def test_fortran_ordered_and_read_only_inputs_give_writeable_results():
 
 
 def test_other_array_types_are_refused_at_graph_construction():
-    x = da.ma.masked_array(da.ones((4, 4), chunks=2))
-    with pytest.raises(TypeError, match="numpy-backed arrays.*method='tasks'"):
+    x = da.from_array(np.rec.array(np.zeros((4, 4), dtype=[("a", "i4")])), chunks=2)
+    with pytest.raises(TypeError, match="numpy-backed arrays, masked or not.*recarray.*"
+                                        "method='tasks'"):
         x.rechunk(4, method="service")
 
 
-def test_other_array_types_rechunked_by_the_session_method_go_to_tasks():
+def _masked_variously(block: np.ndarray, block_info=None) -> np.ndarray:
+    """Chunks of one array of several kinds: plain, masked without a mask (``nomask``),
+    masked with a fill value of their own."""
+    i = block_info[0]["chunk-location"][0]
+    if i % 3 == 0:
+        return block
+    if i % 3 == 1:
+        return np.ma.masked_array(block, fill_value=-999)
+    return np.ma.masked_array(block, mask=block % 7 < 3, fill_value=-999)
+
+
+def _masked_anywhere(a) -> np.ndarray:
+    """Where ``a`` is masked (in any field of a structured one)."""
+    mask = np.ma.getmaskarray(a)
+    if mask.dtype.names is None:
+        return mask
+    return np.logical_or.reduce([mask[name] for name in mask.dtype.names] or [
+        np.zeros(mask.shape, bool)])
+
+
+def assert_masked_equal(got, expected, fill_value=True):
+    assert type(got) is type(expected)
+    np.testing.assert_array_equal(np.ma.getmaskarray(got), np.ma.getmaskarray(expected))
+    np.testing.assert_array_equal(np.ma.getdata(got)[~_masked_anywhere(got)],
+                                  np.ma.getdata(expected)[~_masked_anywhere(expected)])
+    assert got.dtype == expected.dtype
+    if fill_value and isinstance(expected, np.ma.MaskedArray):
+        assert got.fill_value == expected.fill_value
+
+
+def test_masked_arrays_under_the_session_method_take_the_service():
     """``array.rechunk.method: service`` set for a session reaches masked arrays too, in
-    rechunks dask makes itself (a reshape, an elementwise step unifying chunks): those
-    are dask's ``tasks`` rechunks, masks kept, rather than an error."""
+    rechunks dask makes itself (a reshape, an elementwise step unifying chunks): they are
+    service rechunks, masks kept; other array types (a recarray) get dask's tasks rather
+    than an error."""
     data = np.arange(8 * 12, dtype="f8").reshape(8, 12)
     x = da.ma.masked_greater(da.from_array(data, chunks=(3, 5)), 60)
     other = da.from_array(data, chunks=(4, 6))
@@ -259,30 +291,81 @@ def test_other_array_types_rechunked_by_the_session_method_go_to_tasks():
         with dask.config.set({"array.rechunk.method": "tasks"}):
             expected = make().compute(scheduler="sync")
         with dask.config.set({"array.rechunk.method": "service"}):
-            got = make().compute(scheduler="sync")
-        assert type(got) is type(expected), name
-        np.testing.assert_array_equal(np.ma.getmaskarray(got), np.ma.getmaskarray(expected),
-                                      err_msg=name)
-        np.testing.assert_array_equal(np.ma.filled(got, -1), np.ma.filled(expected, -1),
-                                      err_msg=name)
+            made = make()
+            got = made.compute(scheduler="sync")
+        assert any("rechunk-service" in str(k) for k in made.__dask_graph__()), name
+        assert_masked_equal(got, expected)
     assert np.ma.getmaskarray(x.compute(scheduler="sync")).any()  # the case has masks
     # nothing to move: the array as it is, whatever its type (as dask does)
     assert x.rechunk(x.chunks, method="service") is x
+    rec = da.from_array(np.rec.array(np.zeros((4, 4), dtype=[("a", "i4")])), chunks=2)
     with dask.config.set({"array.rechunk.method": "service"}):  # dask's tasks graph
-        assert x.rechunk((4, 4)).name == x.rechunk((4, 4), method="tasks").name
+        assert rec.rechunk((4, 1)).name == rec.rechunk((4, 1), method="tasks").name
 
 
-@pytest.mark.parametrize("new", [(20, 2), (10, 18), (7, 18)])  # copies, merges, a service
-def test_masked_chunks_behind_a_numpy_meta_are_refused_on_every_path(new):
+# paths of the 20 x 18 array in (5, 6) chunks below: copies, merges, merges of small
+# regions split into outputs, a service task (in place or buffered)
+MASKED_PATHS = [((20, 2), {}), ((10, 18), {}), ((4, 9), {}),
+                ((7, 18), {"dask_services.rechunk.merge-region-max": 0})]
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("meta", ["masked", "numpy"])
+@pytest.mark.parametrize("new, settings", MASKED_PATHS)
+def test_masked_chunks_on_every_path_match_tasks(new, settings, meta, in_place):
+    """Chunks plain, masked without a mask and masked (one array), its meta masked or
+    numpy (a ``map_blocks`` that does not say): every output chunk as ``tasks`` gives it
+    (type, mask, values, fill value); they were refused with a ``TypeError``."""
+    from dask_services.array import _service
+
     a = np.arange(20 * 18, dtype="f8").reshape(20, 18)
-    x = da.from_array(a, chunks=(5, 6)).map_blocks(
-        lambda b: np.ma.masked_greater(b, 100), meta=np.array((), dtype="f8"))
-    with pytest.raises(TypeError, match="is a MaskedArray. Use method='tasks'"):
-        x.rechunk(new, method="service").compute(scheduler="sync")
-    # under the setting (dask's own rechunks too), the message names the meta's lie
-    with dask.config.set({"array.rechunk.method": "service"}), pytest.raises(
-            TypeError, match=r"this array's meta says numpy: give its true type .*meta="):
-        x.reshape(-1).compute(scheduler="sync")
+    given = np.ma.masked_array(np.empty((0, 0))) if meta == "masked" else np.empty((0, 0))
+    x = da.from_array(a, chunks=(5, 6)).map_blocks(_masked_variously, meta=given)
+    with dask.config.set(settings):
+        ours = x.rechunk(new, method="service")
+    theirs = x.rechunk(new, method="tasks")
+    assert type(ours._meta) is type(theirs._meta)
+    buffered = mock.patch.object(_service, "assembles_in_place", return_value=False)
+    with contextlib.nullcontext() if in_place else buffered:
+        got = dask.compute(*ours.to_delayed().ravel(), scheduler="sync")
+    expected = dask.compute(*theirs.to_delayed().ravel(), scheduler="sync")
+    assert any(np.ma.getmaskarray(b).any() for b in got)  # the case has masks
+    # a service task's masked outputs take the meta's fill value (numpy's default for a
+    # numpy meta); copies and merges the one their masked inputs share, as dask's do
+    service = "rechunk-service-task" in str(dict(ours.__dask_graph__()))
+    for g, e in zip(got, expected, strict=True):
+        assert_masked_equal(g, e, fill_value=not service or meta == "masked")
+
+
+@st.composite
+def masked_cases(draw):
+    shape, old, new, dtype = draw(rechunk_cases())
+    mask_share = draw(st.sampled_from([0.0, 0.3, 1.0]))
+    return shape, old, new, dtype, mask_share
+
+
+# dask's own concatenation of the computed chunks reads float16's default fill value
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(masked_cases(), st.sampled_from([0, "16 MiB"]), st.booleans())
+def test_property_masked_arrays_match_numpy(case, merge_region_max, in_place):
+    """Any chunking and dtype of a masked array, with no element, some or all of them
+    masked: the mask and the values under no mask as numpy has them, on every path."""
+    from dask_services.array import _service
+
+    shape, old, new, dtype, mask_share = case
+    values = sample(shape, dtype)
+    rng = np.random.default_rng(1)
+    a = np.ma.masked_array(values, mask=rng.random(shape) < mask_share, fill_value=values[
+        (0,) * len(shape)] if values.size else None)
+    x = da.from_array(a, chunks=old)
+    with dask.config.set({"dask_services.rechunk.merge-region-max": merge_region_max}):
+        ours = x.rechunk(new, method="service")
+    buffered = mock.patch.object(_service, "assembles_in_place", return_value=False)
+    with contextlib.nullcontext() if in_place else buffered:
+        result = ours.compute(scheduler="sync")
+    assert result.shape == a.shape
+    assert_masked_equal(result, a, fill_value=False)
 
 
 @pytest.mark.parametrize("spec", [(10, 40), (10, None), (20, 30)])
@@ -403,6 +486,33 @@ async def test_chunks_of_mixed_dtypes_are_promoted_on_a_cluster(c, s, a, b, tiny
             assert {b.dtype for b in blocks} == {np.dtype("f8")}
             np.testing.assert_array_equal(np.concatenate(blocks, axis=1), expected)
         del blocks
+    await assert_nothing_left(s, [a, b])
+
+
+@pytest.mark.parametrize("fraction", [None, 1e-9])
+@pytest.mark.parametrize("lane", [True, False])
+@service_cluster(timeout=90)
+async def test_masked_arrays_on_a_cluster(c, s, a, b, lane, fraction):
+    """A masked array's all-to-all rechunk on two workers, on the lane or not, written in
+    place or buffered and spilled: masks, values and fill value as numpy has them, and the
+    chunks' planes leave nothing behind."""
+    no_heartbeats(a, b)
+    rng = np.random.default_rng(3)
+    values = rng.integers(0, 1000, (240, 180)).astype("i4")
+    base = np.ma.masked_array(values, mask=values % 5 == 0, fill_value=-7)
+    settings = {"dask_services.bulk-lane": lane}
+    if fraction is not None:
+        settings["dask_services.rechunk.buffer-fraction"] = fraction
+    with dask.config.set(settings):
+        y = da.from_array(base, chunks=(12, 180)).rechunk((240, 9), method="service")
+        assert any(isinstance(k, str) and k.startswith("rechunk-service-task")
+                   for k in y.__dask_graph__())
+        got = await c.compute(y)
+        assert_masked_equal(got, base)
+        del got
+        rows = await final_rows(c, a, b)
+        assert await c.compute(y.sum()) == base.sum()
+    assert (rows[0]["bytes_spilled"] > 0) == (fraction is not None), rows
     await assert_nothing_left(s, [a, b])
 
 

@@ -215,3 +215,79 @@ def test_set_aside_regions_are_not_read_before_they_are_written():
     out = promoted(chunk, [((0, 1), np.array([["x"], ["y"]], "U2"))], np.dtype("S3"), (0, 0))
     assert out.dtype == np.dtype("U3")
     assert out.tolist() == [["ab", "x"], ["cd", "y"]]
+
+
+MASKED_MIXES = [  # the dtypes of a chunk's three pieces, and which of them are masked
+    (["f8", "f8", "f8"], [True, False, True]),
+    (["i4", "f8", "i4"], [False, True, False]),
+    (["i8", "i8", "f4"], [True, True, True]),
+    (["U2", "U4", "U2"], [False, False, True]),
+]
+
+
+@pytest.mark.parametrize("dtypes, masked", MASKED_MIXES)
+def test_masked_pieces_among_plain_ones_in_every_order(dtypes, masked):
+    """Pieces of masked chunks (as planes) and of plain ones, of one dtype or several: in
+    every order of arrival, written in place or buffered, the output chunk is the masked
+    array numpy concatenates of them (values promoted, plain pieces unmasked), with the
+    fill value the masked pieces share (numpy's concatenation forgets it)."""
+    import itertools
+
+    from dask_services.array._masks import as_masked
+    from dask_services.array._pieces import (
+        fill,
+        new_array,
+        pieces_dtype,
+        plain_numpy,
+        promoted,
+    )
+
+    originals = []
+    for k, (dt, is_masked) in enumerate(zip(dtypes, masked, strict=True)):
+        values = (np.arange(4) + 4 * k + 1).astype(dt).reshape(2, 2)
+        originals.append(np.ma.masked_array(values, mask=[[k % 2, 1], [0, 0]],
+                                            fill_value="zz" if dt[0] == "U" else -3)
+                         if is_masked else values)
+    expected = np.ma.concatenate(originals, axis=1)
+    fill_value = next(o.fill_value for o in originals if isinstance(o, np.ma.MaskedArray))
+    pieces = [((0, 2 * k), plain_numpy(o)) for k, o in enumerate(originals)]
+    declared = np.dtype(dtypes[0])
+    buffered = as_masked(fill(new_array((2, 6), pieces_dtype(declared, pieces)), pieces))
+    results = {"buffered": buffered}
+    for order in itertools.permutations(range(3)):
+        outputs = {(0, 0): np.zeros((2, 6), pieces[order[0]][1].dtype)}
+        aside = []
+        for k in order:
+            _, more = write_into(outputs, [[((0, 0), *pieces[k])]])
+            aside += [(offset, piece) for _, offset, piece in more]
+        results[order] = as_masked(
+            promoted(outputs[(0, 0)], aside, declared, (0, 0)) if aside else outputs[(0, 0)])
+    for how, got in results.items():
+        assert type(got) is np.ma.MaskedArray, how
+        assert got.dtype == expected.dtype, how
+        np.testing.assert_array_equal(got.mask, np.ma.getmaskarray(expected), err_msg=how)
+        np.testing.assert_array_equal(got.data[~got.mask], expected.data[~expected.mask],
+                                      err_msg=how)
+        assert got.fill_value == fill_value, how
+
+
+def test_a_masked_chunk_travels_packed_and_pickled_with_its_fill_value():
+    """A masked chunk's planes go through packing and pickling (the lane's dtypes, spill
+    files) keeping the fill value their dtype carries."""
+    import pickle
+
+    from dask_services.array._masks import as_masked, fill_value_of
+    from dask_services.array._pieces import plain_numpy
+
+    chunk = np.ma.masked_array(np.arange(12, dtype="f4").reshape(3, 4),
+                               mask=np.arange(12).reshape(3, 4) % 3 == 0, fill_value=-9.5)
+    planes = plain_numpy(chunk)
+    assert fill_value_of(planes.dtype) == -9.5
+    overlaps, _ = row_to_column_blocks(3, 4, 1)
+    packed = PackedPieces.of([(j, offset, planes[:, offset[1]:offset[1] + 1])
+                              for j, offset in [((0, c), (0, c)) for c in range(4)]])
+    again = pickle.loads(pickle.dumps(packed, protocol=5))
+    column = as_masked(again.pieces(copy=True)[2][2])
+    assert column.fill_value == np.float32(-9.5)
+    np.testing.assert_array_equal(column.mask, chunk.mask[:, 2:3])
+    np.testing.assert_array_equal(column.data, chunk.data[:, 2:3])

@@ -20,6 +20,16 @@ from dask.sizeof import sizeof
 
 from dask_services._buffers import Buffers
 from dask_services._memory import HUGE_PAGE_ADVICE_FROM, without_huge_page_advice
+from dask_services.array._masks import (
+    as_masked,
+    as_planes,
+    converted,
+    data_dtype,
+    fill_value_of,
+    has_planes,
+    planes_dtype,
+    write,
+)
 from dask_services.service import ServiceId
 
 Index = tuple[int, ...]
@@ -29,17 +39,20 @@ Chunks = tuple[tuple[float, ...], ...]
 
 
 def plain_numpy(block: Any, key: Any = None) -> np.ndarray:
-    """``block`` as a plain numpy array (a memmap's or other plain subclass's data); a
-    clear error for other array types, masked arrays included (their mask would be lost)."""
-    if isinstance(block, np.ma.MaskedArray) or not isinstance(block, (np.ndarray, np.generic)):
+    """``block`` as a plain numpy array (a memmap's or other plain subclass's data; a
+    masked array's data and mask as planes, ``_masks.py``); a clear error for other array
+    types (cupy's, sparse ones: their devices or formats would be lost)."""
+    if isinstance(block, np.ma.MaskedArray):
+        return as_planes(block)
+    if not isinstance(block, (np.ndarray, np.generic)):
         chunk = "a chunk" if key is None else f"chunk {key!r}"
         raise TypeError(
-            f"the 'service' rechunk handles numpy chunks; {chunk} is a "
-            f"{type(block).__name__}. Use method='tasks' (or 'p2p') for other array types; "
-            "under the array.rechunk.method setting they get 'tasks' when the array's meta "
-            "says so, and this array's meta says numpy: give its true type where the array "
-            "is made (from_delayed(..., meta=...), map_blocks(..., meta=...), e.g. "
-            "meta=np.ma.masked_array(np.empty((0,) * ndim)))"
+            f"the 'service' rechunk handles numpy chunks, masked or not; {chunk} is a "
+            f"{type(block).__module__}.{type(block).__name__}. Use method='tasks' (or "
+            "'p2p') for other array types; under the array.rechunk.method setting they get "
+            "'tasks' when the array's meta says so, and this array's meta says numpy: give "
+            "its true type where the array is made (from_delayed(..., meta=...), "
+            "map_blocks(..., meta=...))"
         )
     return np.asarray(block)
 
@@ -48,8 +61,16 @@ def chunk_dtype(declared: np.dtype, dtypes: Iterable[np.dtype]) -> np.dtype:
     """The dtype of an output chunk made of pieces of ``dtypes``: theirs, not the one the
     graph's meta declares where the two differ (a ``map_blocks`` given a wrong ``dtype=``),
     as ``tasks`` and ``p2p`` keep the chunks' values; numpy's promotion where pieces differ
-    among themselves; ``declared`` for a chunk of no pieces."""
-    found = set(dtypes)
+    among themselves; ``declared`` for a chunk of no pieces.  Masked pieces (planes): the
+    values' dtype so found, with a mask and the first masked piece's fill value."""
+    dtypes = list(dtypes)
+    found = set(dtypes)  # (dtypes that differ in their metadata only are one)
+    masked = next((d for d in dtypes if has_planes(d)), None)
+    if masked is not None:
+        if len(found) == 1:
+            return masked
+        return planes_dtype(chunk_dtype(data_dtype(declared), map(data_dtype, found)),
+                            fill_value_of(masked))
     if not found or found == {declared}:
         return declared
     if len(found) == 1:
@@ -70,9 +91,15 @@ def fits(piece: np.dtype, chunk: np.dtype) -> bool:
     dtype ``chunk`` (allocated with the dtype of its first piece to arrive): where numpy
     promotes the two to ``chunk`` (the cast loses nothing, and the chunk's dtype is the
     one all its pieces would get).  Structured dtypes of other fields, and dtypes numpy
-    does not promote together, do not fit, whatever ``np.can_cast`` says."""
+    does not promote together, do not fit, whatever ``np.can_cast`` says.  A chunk with
+    planes (masked) takes a plain piece whose values fit (unmasked); a chunk without takes
+    no piece with planes."""
     if piece == chunk:
         return True
+    if has_planes(chunk):
+        return fits(data_dtype(piece), data_dtype(chunk))
+    if has_planes(piece):
+        return False
     try:
         return np.result_type(piece, chunk) == chunk
     except TypeError:
@@ -88,15 +115,15 @@ def promoted(chunk: np.ndarray, aside: list[tuple[tuple[int, ...], np.ndarray]],
     clear error where a piece cannot be written into that dtype."""
     for offset, piece in aside:  # never written: the copy must not read what is there
         chunk[region(offset, piece.shape)] = np.zeros((), chunk.dtype)
-    dtypes = {chunk.dtype, *(piece.dtype for _, piece in aside)}
+    dtypes = [chunk.dtype, *(piece.dtype for _, piece in aside)]
     dtype = chunk_dtype(declared, dtypes)
     try:
-        out = chunk.astype(dtype)
+        out = converted(chunk, dtype)
         write_pieces([(out, offset, piece) for offset, piece in aside])
     except (TypeError, ValueError) as e:
         raise TypeError(
             f"rechunk: output chunk {j} is made of input chunks of dtypes "
-            f"{sorted(map(str, dtypes))}, which cannot all be written into {dtype} "
+            f"{sorted(set(map(str, dtypes)))}, which cannot all be written into {dtype} "
             f"({e}). The array's chunks do not all have one dtype (a map_blocks returning "
             "other dtypes than its dtype= says?): make them agree (.astype()) before the "
             "rechunk, or use method='tasks'"
@@ -107,9 +134,10 @@ def promoted(chunk: np.ndarray, aside: list[tuple[tuple[int, ...], np.ndarray]],
 def merge_blocks(shape: tuple[float, ...], dtype: np.dtype, offsets: list[tuple[int, ...]],
                  *blocks: np.ndarray) -> np.ndarray:
     """One output chunk of a rechunk that only merges: its input chunks, each placed at its
-    offset, in one new (C-ordered, writeable) array."""
+    offset, in one new (C-ordered, writeable) array (masked if any of them is)."""
     pieces = [(o, plain_numpy(b)) for o, b in zip(offsets, blocks, strict=True)]
-    return fill(fresh_array(output_shape(shape, pieces), pieces_dtype(dtype, pieces)), pieces)
+    out = fill(fresh_array(output_shape(shape, pieces), pieces_dtype(dtype, pieces)), pieces)
+    return as_masked(out)
 
 
 def copy_pieces(shape: tuple[float, ...], dtype: np.dtype,
@@ -117,20 +145,26 @@ def copy_pieces(shape: tuple[float, ...], dtype: np.dtype,
                 *blocks: np.ndarray) -> np.ndarray:
     """One output chunk of a region with no other output: from every input chunk, the
     slice it needs (``layout``: slices and offset in the output, per input; ``None``: the
-    block is that slice already), in one new (C-ordered, writeable) array."""
-    pieces = [(offset, plain_numpy(block) if slices is None else plain_numpy(block)[slices])
+    block is that slice already), in one new (C-ordered, writeable) array (masked if any
+    of them is)."""
+    pieces = [(offset, plain_numpy(block if slices is None else block[slices]))
               for (slices, offset), block in zip(layout, blocks, strict=True)]
-    return fill(fresh_array(output_shape(shape, pieces), pieces_dtype(dtype, pieces)), pieces)
+    out = fill(fresh_array(output_shape(shape, pieces), pieces_dtype(dtype, pieces)), pieces)
+    return as_masked(out)
 
 
 def copy_part(block: np.ndarray, part: tuple[slice, ...]) -> np.ndarray:
     """One output chunk cut out of a merged region: a C-ordered, writeable copy."""
+    if isinstance(block, np.ma.MaskedArray):
+        return block[part].copy(order="C")
     return np.array(plain_numpy(block)[part], order="C", copy=True)
 
 
 def take_slice(block: np.ndarray, slices: tuple[slice, ...]) -> np.ndarray:
     """The part of an input chunk that one output chunk needs (a view: on the input's
     worker it costs nothing; sent to another worker, only its own bytes travel)."""
+    if isinstance(block, np.ma.MaskedArray):  # a view of data and mask, with its fill value
+        return block[slices]
     return plain_numpy(block)[slices]
 
 
@@ -330,7 +364,7 @@ def write_into(outputs: dict[Index, np.ndarray], batches: list[list[Piece | Pack
     for j, offset, piece in unpacked(batches, copy=False):
         out = outputs[j]
         if fits(piece.dtype, out.dtype):
-            out[region(offset, piece.shape)] = piece
+            write(out, region(offset, piece.shape), piece)
         else:
             aside.append((j, offset, np.array(piece, copy=True)))
         written.append((j, piece_bytes(piece)))
@@ -385,7 +419,7 @@ def region(offset: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]
 def write_pieces(writes: list[tuple[np.ndarray, tuple[int, ...], np.ndarray]]) -> None:
     """Every piece written at its offset into its output chunk."""
     for out, offset, piece in writes:
-        out[region(offset, piece.shape)] = piece
+        write(out, region(offset, piece.shape), piece)
 
 
 def new_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

@@ -37,9 +37,9 @@ _dask_rechunk = _module.rechunk
 
 
 def handles(x: Array) -> bool:
-    """Whether the service rechunk handles ``x``'s chunks: numpy arrays, not masked arrays,
-    cupy or sparse ones (their masks or devices would be lost)."""
-    return type(x._meta) is np.ndarray
+    """Whether the service rechunk handles ``x``'s chunks: numpy arrays, masked or not, not
+    cupy or sparse ones (their devices or formats would be lost)."""
+    return type(x._meta) in (np.ndarray, np.ma.MaskedArray)
 
 
 # the settings that decide how a rechunk is cut into tasks
@@ -64,13 +64,17 @@ def service_rechunk(x: Array, chunks: Any = "auto", block_size_limit: Any = None
         return x
     if not handles(x):
         raise TypeError(
-            "the 'service' rechunk handles numpy-backed arrays; this array's chunks are "
+            "the 'service' rechunk handles numpy-backed arrays, masked or not; this "
+            "array's chunks are "
             f"{type(x._meta).__module__}.{type(x._meta).__name__}. Use method='tasks' "
             "(or 'p2p') for other array types"
         )
     if x.size == 0:
         # no element to move: new empty chunks, without the inputs (as ``tasks`` does)
-        return da.empty(x.shape, chunks=chunks, dtype=x.dtype)
+        empty = da.empty(x.shape, chunks=chunks, dtype=x.dtype)
+        if isinstance(x._meta, np.ma.MaskedArray):
+            return empty.map_blocks(np.ma.masked_array, meta=x._meta)
+        return empty
     from dask_services.array._plan import merge_plan
 
     # the settings that cut the rechunk into tasks are part of its name: the same rechunk
@@ -343,7 +347,7 @@ def _rechunk(x, chunks="auto", threshold=None, block_size_limit=None, balance=Fa
     if _method(method) == METHOD:
         if method is None and not handles(x):
             # the session's method, set for numpy arrays, reached by another array type
-            # (a masked array's reshape or rechunk): dask's tasks, rather than an error
+            # (a cupy or sparse array's reshape or rechunk): dask's tasks, rather than an error
             return _dask_rechunk(x, chunks, threshold=threshold,
                                  block_size_limit=block_size_limit, balance=balance,
                                  method="tasks")

@@ -26,6 +26,7 @@ import numpy as np
 from dask_services._buffers import ArraysInMemory, IncomingBuffers
 from dask_services._exchange import PeerExchange
 from dask_services._memory import TrimAfter, release_freed_memory
+from dask_services.array._masks import as_masked, write
 from dask_services.array._pieces import (
     Chunks,
     Index,
@@ -63,7 +64,8 @@ WRITE_ON_LOOP_PIECES = 64
 
 
 class ArrayRechunk(PeerExchange):
-    """Peer-to-peer rechunk of a numpy-backed dask array; see module docstring."""
+    """Peer-to-peer rechunk of a numpy-backed (masked or not) dask array; see module
+    docstring."""
 
     config_section = "rechunk"
     # output_keys come in the order of their chunk indices (C order); the names are not read
@@ -123,7 +125,8 @@ class ArrayRechunk(PeerExchange):
 
     async def add_key(self, key, block: np.ndarray) -> None:
         assert self.stream is not None
-        block = plain_numpy(block, key)  # a memmap or other plain subclass: its data
+        # a memmap or other plain subclass: its data; a masked array: data and mask
+        block = plain_numpy(block, key)
         index = self.index_of[key]
         check_block_shape(block, tuple(self.old_chunks[d][i] for d, i in enumerate(index)),
                           key)
@@ -193,7 +196,7 @@ class ArrayRechunk(PeerExchange):
             destinations.append(destination)
         await incoming.read_into(destinations)
         for chunk_region, piece in casts:
-            chunk_region[...] = piece
+            write(chunk_region, ..., piece)
         self._set_aside(aside)
         packed = [PackedPieces(m[2], m[1], a)
                   for m, a in zip(meta, destinations, strict=True) if m[0] == "packed"]
@@ -298,7 +301,7 @@ class ArrayRechunk(PeerExchange):
                     chunk = await self.concierge.run_in_executor(
                         promoted, chunk, aside, np.dtype(self.dtype), j)
                 del aside
-            await self.concierge.produce_key(self.key_of[j], chunk)
+            await self.concierge.produce_key(self.key_of[j], as_masked(chunk))
             return
         async with self.one_at_a_time:
             assert self.buffer is not None
@@ -317,7 +320,7 @@ class ArrayRechunk(PeerExchange):
             if self.trim.freed_bytes(held - self.buffer.memory_bytes) \
                     and self.buffer.spilled_total:
                 await self.concierge.run_in_executor(release_freed_memory)
-            await self.concierge.produce_key(self.key_of[j], chunk)
+            await self.concierge.produce_key(self.key_of[j], as_masked(chunk))
 
     async def all_inputs_done(self) -> None:
         assert self.stream is not None
