@@ -1,7 +1,7 @@
 """Array rechunk: the "service" method against dask.distributed's "p2p" and "tasks".
 
     dask-services bench rechunk [--sizes 0.5GB,2GB] [--local-size 0.5GB] [--chunks 40000]
-                                [--pieces 1000]
+                                [--pieces 1000] [--masked]
                                 [--consumer none,sum] [--repeat 3] [--reuse-workers]
                                 [--memory-limit 0.5GB]
 
@@ -18,6 +18,9 @@ alternating:
 * many pieces (``--pieces N``): an all-to-all of a square float32 array from N chunks of 10
   rows to N chunks of 10 columns, N x N pieces of 400 bytes (N = 1,000: a million pieces,
   400 MB), where the cost is per piece, not per byte.
+
+With ``--masked`` every case's array is a masked array (``numpy.ma``), a tenth of its
+elements masked (a mask of one byte per element besides the values).
 
 Every case runs with each consumer of ``--consumer``: ``none`` persists the rechunked
 array, ``sum`` computes ``rechunked.sum()`` (a pipeline: the consumer of each output runs
@@ -124,14 +127,15 @@ def _task_costs(stream: list[dict], start: float, chunks: int) -> dict[str, floa
 def run_case(client: Any, label: str, shape: tuple, old: tuple, new: tuple,
              methods: list[str], repeat: int, show_progress: bool, fresh: bool = True,
              consumers: tuple[str, ...] = ("none",), dtype: str = "float64",
-             ) -> list[Measurement]:
+             masked: bool = False) -> list[Measurement]:
     import dask.array as da
     from distributed import get_task_stream, wait
 
     base = held(client)
 
     def make() -> Any:
-        return da.random.default_rng(0).random(shape, chunks=old, dtype=dtype)
+        values = da.random.default_rng(0).random(shape, chunks=old, dtype=dtype)
+        return da.ma.masked_less(values, 0.1) if masked else values
 
     x, keep = persist_input(client, make)
     chunks = math.prod(x.numblocks)
@@ -199,12 +203,14 @@ def run_case(client: Any, label: str, shape: tuple, old: tuple, new: tuple,
 def run(client: Any, sizes: list[str], local_size: str | None, repeat: int,
         methods: tuple[str, ...] = ("service", "p2p", "tasks"),
         show_progress: bool = True, fresh: bool = True, chunks: int = 0,
-        consumers: tuple[str, ...] = ("none", "sum"), pieces: int = 0) -> list[Measurement]:
+        consumers: tuple[str, ...] = ("none", "sum"), pieces: int = 0,
+        masked: bool = False) -> list[Measurement]:
     import dask_services
 
     dask_services.install(client)
     out: list[Measurement] = []
-    common = {"show_progress": show_progress, "fresh": fresh, "consumers": consumers}
+    common = {"show_progress": show_progress, "fresh": fresh, "consumers": consumers,
+              "masked": masked}
     for size in sizes:
         shape, old, new = all_to_all(parse_size(size))
         out += run_case(client, f"all-to-all {size}", shape, old, new, list(methods), repeat,

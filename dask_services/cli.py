@@ -361,7 +361,7 @@ def bench_rechunk(args: argparse.Namespace) -> int:
         results = rechunk.run(client, sizes, args.local_size or None, args.repeat,
                               methods=tuple(args.methods.split(",")),
                               show_progress=show_progress(args), fresh=not args.reuse_workers,
-                              chunks=args.chunks, pieces=args.pieces,
+                              chunks=args.chunks, pieces=args.pieces, masked=args.masked,
                               consumers=tuple(c for c in args.consumer.split(",") if c))
         columns = ("failed", "restarts", "paused_s", "first_output_s", "tasks",
                    "update_graph_s", "order_s", "first_task_s",
@@ -450,6 +450,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="rechunk: also the many-pieces case, a float32 all-to-all from "
                               "this many 10-row chunks to as many 10-column chunks (pieces "
                               "of 400 bytes; e.g. 1000; default 0: skipped)")
+    p_bench.add_argument("--masked", action="store_true",
+                         help="rechunk: every case's array masked (numpy.ma, a tenth of "
+                              "its elements masked)")
     p_bench.add_argument("--consumer", default="none,sum",
                          help="rechunk: what follows each rechunk, comma-separated: 'none' "
                               "(outputs persisted), 'sum' (rechunked.sum() computed); "
@@ -515,8 +518,8 @@ BENCH_OPTIONS = {
     "overhead": _COMMON,
     "shuffle": (*_COMMON, "threads", "sizes", "partitions", "input_partitions", "input",
                 "no_tiny", "consumer", "memory_limit", "methods", "reuse_workers"),
-    "rechunk": (*_COMMON, "threads", "sizes", "local_size", "chunks", "pieces", "consumer",
-                "memory_limit", "methods", "reuse_workers"),
+    "rechunk": (*_COMMON, "threads", "sizes", "local_size", "chunks", "pieces", "masked",
+                "consumer", "memory_limit", "methods", "reuse_workers"),
     "queries": (*_COMMON, "threads", "memory_limit", "scale", "queries", "methods"),
     "replicated": ("workers", "json", "quiet", "threads", "calls", "cases"),
 }
