@@ -30,6 +30,13 @@ def planes_dtype(data: np.dtype, fill_value: Any = None) -> np.dtype:
                     metadata=None if fill_value is None else {"fill_value": fill_value})
 
 
+def fill_value_of_masked(block: np.ma.MaskedArray) -> Any:
+    """``block``'s fill value (numpy's default for float16, 1e20, overflows to ``inf``
+    without a warning)."""
+    with np.errstate(over="ignore"):
+        return block.fill_value
+
+
 def fill_value_of(dtype: np.dtype) -> Any:
     """The fill value a dtype with planes carries (``None``: numpy's default)."""
     return (dtype.metadata or {}).get("fill_value")
@@ -49,9 +56,7 @@ def as_planes(block: np.ma.MaskedArray) -> np.ndarray:
     """``block``'s data and mask (``False`` everywhere where it has none) in one new
     structured array."""
     data = np.ma.getdata(block)
-    with np.errstate(over="ignore"):  # numpy's default for float16 (1e20) overflows
-        fill_value = block.fill_value
-    out = np.empty(data.shape, planes_dtype(data.dtype, fill_value))
+    out = np.empty(data.shape, planes_dtype(data.dtype, fill_value_of_masked(block)))
     out[DATA] = data
     out[MASK] = np.ma.getmaskarray(block)
     return out

@@ -21,11 +21,11 @@ from dask.sizeof import sizeof
 from dask_services._buffers import Buffers
 from dask_services._memory import HUGE_PAGE_ADVICE_FROM, without_huge_page_advice
 from dask_services.array._masks import (
-    as_masked,
     as_planes,
     converted,
     data_dtype,
     fill_value_of,
+    fill_value_of_masked,
     has_planes,
     planes_dtype,
     write,
@@ -135,9 +135,10 @@ def merge_blocks(shape: tuple[float, ...], dtype: np.dtype, offsets: list[tuple[
                  *blocks: np.ndarray) -> np.ndarray:
     """One output chunk of a rechunk that only merges: its input chunks, each placed at its
     offset, in one new (C-ordered, writeable) array (masked if any of them is)."""
+    if any(isinstance(b, np.ma.MaskedArray) for b in blocks):
+        return by_planes(merge_blocks, shape, dtype, offsets, blocks)
     pieces = [(o, plain_numpy(b)) for o, b in zip(offsets, blocks, strict=True)]
-    out = fill(fresh_array(output_shape(shape, pieces), pieces_dtype(dtype, pieces)), pieces)
-    return as_masked(out)
+    return fill(fresh_array(output_shape(shape, pieces), pieces_dtype(dtype, pieces)), pieces)
 
 
 def copy_pieces(shape: tuple[float, ...], dtype: np.dtype,
@@ -147,10 +148,24 @@ def copy_pieces(shape: tuple[float, ...], dtype: np.dtype,
     slice it needs (``layout``: slices and offset in the output, per input; ``None``: the
     block is that slice already), in one new (C-ordered, writeable) array (masked if any
     of them is)."""
-    pieces = [(offset, plain_numpy(block if slices is None else block[slices]))
+    if any(isinstance(b, np.ma.MaskedArray) for b in blocks):
+        return by_planes(copy_pieces, shape, dtype, layout, blocks)
+    pieces = [(offset, plain_numpy(block) if slices is None else plain_numpy(block)[slices])
               for (slices, offset), block in zip(layout, blocks, strict=True)]
-    out = fill(fresh_array(output_shape(shape, pieces), pieces_dtype(dtype, pieces)), pieces)
-    return as_masked(out)
+    return fill(fresh_array(output_shape(shape, pieces), pieces_dtype(dtype, pieces)), pieces)
+
+
+def by_planes(assemble: Any, shape: tuple[float, ...], dtype: np.dtype, layout: Any,
+              blocks: tuple[np.ndarray, ...]) -> np.ma.MaskedArray:
+    """An output chunk of a copy or a merge (``assemble``) with masked input chunks among
+    ``blocks``: the values assembled, then the masks (``False`` where a block has none),
+    each copied once as ``tasks`` copies them; the fill value of the first masked block
+    (as a service task's output gets it, ``_masks.py``)."""
+    values = assemble(shape, dtype, layout, *map(np.ma.getdata, blocks))
+    mask = assemble(shape, np.ma.make_mask_descr(values.dtype), layout,
+                    *map(np.ma.getmaskarray, blocks))
+    first = next(b for b in blocks if isinstance(b, np.ma.MaskedArray))
+    return np.ma.MaskedArray(values, mask=mask, fill_value=fill_value_of_masked(first))
 
 
 def copy_part(block: np.ndarray, part: tuple[slice, ...]) -> np.ndarray:
