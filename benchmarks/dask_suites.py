@@ -55,9 +55,10 @@ and ``array_core`` (1,254 service rechunks in ``routines``, 968 in ``linalg``). 
 four differences, now fixed: a datetime index's frequency lost by the shuffle (groupby's
 ``shift(freq=...)``), ``broadcast=True`` ignored by merges (dask-expr's merge tests), an
 asynchronous client not installing (``gen_cluster`` tests), and masked arrays refused
-where the setting, not the caller, chose ``service`` (11 masked-array tests).  What
-remains, and why: ``masked`` 2 (``test_mixed_random``: masked chunks behind a numpy meta,
-refused at run time with the error that says to use ``tasks``); ``expr_merge`` 1
+where the setting, not the caller, chose ``service`` (11 masked-array tests; masked arrays
+are rechunked by the service since, and ``masked``, 139 tests, passes whole under sync and
+distributed, ``test_mixed_random``'s masked chunks behind a numpy meta included).  What
+remains, and why: ``expr_merge`` 1
 (``test_merge_combine_similar_intermediate_projections`` looks for the projection that
 drops ``_partitions`` above the shuffle, a step the service shuffle takes itself);
 ``dataframe`` 1 (``test_deterministic_apply_concat_apply_names`` sorts a graph's keys,
