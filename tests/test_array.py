@@ -866,6 +866,31 @@ async def test_outputs_needing_few_inputs_are_copy_tasks_and_feed_their_consumer
     await assert_nothing_left(s, [a, b])
 
 
+@pytest.mark.parametrize("saving, sliced", [(0, [0, 1, 2]), (48, [0, 1, 2]),
+                                             (49, [0, 1]), (57, [])])
+def test_a_slice_task_is_made_where_the_bytes_an_output_leaves_reach_slice_saving(
+        saving, sliced):
+    """One 10-element float64 chunk into outputs of 3, 3 and 4: they leave 56, 56 and 48
+    bytes of it unneeded, so a slice task is made for those leaving at least
+    ``slice-saving`` bytes (at least one), the others take the chunk whole; an axis of
+    unknown size counts as one element."""
+    x = da.from_array(np.arange(10.0), chunks=10)
+    with dask.config.set({"dask_services.rechunk.slice-saving": saving}):
+        y = x.rechunk(((3, 3, 4),), method="service")
+    keys = [k for k in dict(y.__dask_graph__()) if "rechunk-slice" in str(k[0])]
+    assert sorted(k[-1] for k in keys) == sliced
+    np.testing.assert_array_equal(y.compute(scheduler="sync"), np.arange(10.0))
+    # two axes, one of unknown size: the bytes left counted along the known one
+    a = np.arange(40.0).reshape(4, 10)
+    z = da.from_array(a, chunks=(2, 10))
+    unknown = z[z[:, 0] >= 0]
+    with dask.config.set({"dask_services.rechunk.slice-saving": saving}):
+        w = unknown.rechunk({1: (3, 3, 4)}, method="service")
+    keys = [k for k in dict(w.__dask_graph__()) if "rechunk-slice" in str(k[0])]
+    assert sorted({k[-1] for k in keys}) == sliced
+    np.testing.assert_array_equal(w.compute(scheduler="sync"), a)
+
+
 @service_cluster(timeout=90)
 async def test_a_copy_fetches_only_the_slice_it_needs_from_another_worker(c, s, a, b):
     """A persisted input spread over two workers, 100-row chunks alternating between
