@@ -132,6 +132,7 @@ def run_case(client: Any, label: str, shape: tuple, old: tuple, new: tuple,
     from distributed import get_task_stream, wait
 
     base = held(client)
+    label = f"{label} masked" if masked else label
 
     def make() -> Any:
         values = da.random.default_rng(0).random(shape, chunks=old, dtype=dtype)

@@ -303,6 +303,22 @@ def test_cli_bench_json_on_restarted_workers(capsys, what, sizes):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+def test_cli_bench_rechunk_of_masked_arrays(capsys):
+    from dask_services.cli import main
+
+    args = ["bench", "rechunk", "--sizes", "1MB", "--local-size", "", "--masked",
+            "--consumer", "sum", "--repeat", "1", "--methods", "service,p2p", "--json",
+            "--reuse-workers"]
+    assert main(args) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {(row["case"], row["method"]) for row in rows} == {
+        ("all-to-all 1MB masked +sum", "service"), ("all-to-all 1MB masked +sum", "p2p")}
+    for row in rows:
+        assert row["median_s"] > 0 and row["failed"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_cli_bench_shuffle_of_an_input_made_in_the_measured_graph(capsys):
     from dask_services.cli import main
 
