@@ -152,7 +152,9 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> RechunkLaye
                 result.regions[region_key] = (old_box, outputs)
                 layer.update(result.split_region(region_key, old_box, outputs))
         return result
-    carried = graph_settings("rechunk")
+    carried: dict[str, Any] = dict(graph_settings("rechunk"))
+    if isinstance(x._meta, np.ma.MaskedArray):  # (its outputs of no piece: masked too)
+        carried["masked"] = True
     for b, (old_box, new_box) in enumerate(boxes):
         outputs = list(itertools.product(*new_box))
         inputs = list(itertools.product(*old_box))

@@ -77,13 +77,15 @@ class ArrayRechunk(PeerExchange):
     async def start(self, id, key, peers, input_keys, output_keys, concierge, leader, *,
                     old_chunks: Chunks, new_chunks: Chunks, dtype: np.dtype,
                     old_offset: Index | None = None, new_offset: Index | None = None,
-                    **kwargs: Any) -> None:
+                    masked: bool = False, **kwargs: Any) -> None:
         # the chunks of this service task's region of the array, whose first input chunk
         # has the index ``old_offset``; ``output_keys`` are its output chunks in C order
-        # (``new_offset``, the first one's index in the array, is not needed here)
+        # (``new_offset``, the first one's index in the array, is not needed here);
+        # ``masked``: the array's meta is a masked array
         self.new_chunks = new_chunks
         self.old_chunks = old_chunks
         self.dtype = dtype
+        self.masked = masked
         self.overlaps = [axis_overlaps(o, n) for o, n in zip(old_chunks, new_chunks,
                                                              strict=True)]
         counts = pieces_per_output(self.overlaps, new_chunks)
@@ -301,7 +303,7 @@ class ArrayRechunk(PeerExchange):
                     chunk = await self.concierge.run_in_executor(
                         promoted, chunk, aside, np.dtype(self.dtype), j)
                 del aside
-            await self.concierge.produce_key(self.key_of[j], as_masked(chunk))
+            await self.concierge.produce_key(self.key_of[j], self._handed_out(j, chunk))
             return
         async with self.one_at_a_time:
             assert self.buffer is not None
@@ -320,7 +322,15 @@ class ArrayRechunk(PeerExchange):
             if self.trim.freed_bytes(held - self.buffer.memory_bytes) \
                     and self.buffer.spilled_total:
                 await self.concierge.run_in_executor(release_freed_memory)
-            await self.concierge.produce_key(self.key_of[j], as_masked(chunk))
+            await self.concierge.produce_key(self.key_of[j], self._handed_out(j, chunk))
+
+    def _handed_out(self, j: Index, chunk: np.ndarray) -> np.ndarray:
+        """Output chunk ``j`` as it is produced: a masked array where it was assembled with
+        planes (``_masks.py``), or where it has no piece and the array's meta is masked
+        (as ``tasks`` gives it)."""
+        if self.masked and not self.expected[j]:
+            return np.ma.masked_array(chunk)
+        return as_masked(chunk)
 
     async def all_inputs_done(self) -> None:
         assert self.stream is not None
