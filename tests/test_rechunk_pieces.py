@@ -178,6 +178,27 @@ MIXED = [  # declared dtype, the dtypes of a chunk's three pieces
 ]
 
 
+def assembled_in_every_order(pieces, declared):
+    """Output chunk (0, 0) of shape (2, 6) written in place from ``pieces`` (offset, array)
+    arriving in every order, as an instance writes them (allocated with the first piece's
+    dtype, pieces that do not fit set aside and the chunk promoted once complete), by
+    order of arrival, and assembled from them buffered (``"buffered"``)."""
+    import itertools
+
+    from dask_services.array._pieces import fill, new_array, pieces_dtype, promoted
+
+    results = {"buffered": fill(new_array((2, 6), pieces_dtype(declared, pieces)), pieces)}
+    for order in itertools.permutations(range(len(pieces))):
+        outputs = {(0, 0): np.zeros((2, 6), pieces[order[0]][1].dtype)}
+        aside = []
+        for k in order:
+            _, more = write_into(outputs, [[((0, 0), *pieces[k])]])
+            aside += [(offset, piece) for _, offset, piece in more]
+        results[order] = (promoted(outputs[(0, 0)], aside, declared, (0, 0)) if aside
+                          else outputs[(0, 0)])
+    return results
+
+
 @pytest.mark.parametrize("declared, dtypes", MIXED)
 def test_a_chunk_written_in_place_gets_the_buffered_chunks_dtype_in_every_order(
         declared, dtypes):
@@ -185,21 +206,12 @@ def test_a_chunk_written_in_place_gets_the_buffered_chunks_dtype_in_every_order(
     arrive; pieces that do not fit it are set aside and the chunk promoted once complete.
     Whatever the order, it equals the chunk assembled from the same pieces buffered
     (``chunk_dtype``: numpy's promotion, else the declared dtype), values and dtype."""
-    import itertools
-
-    from dask_services.array._pieces import fill, new_array, pieces_dtype, promoted
-
     pieces = [((0, 2 * k), (np.arange(4) + 4 * k + 1).astype(dt).reshape(2, 2))
               for k, dt in enumerate(map(np.dtype, dtypes))]
-    declared = np.dtype(declared)
-    expected = fill(new_array((2, 6), pieces_dtype(declared, pieces)), pieces)
-    for order in itertools.permutations(range(3)):
-        outputs = {(0, 0): np.zeros((2, 6), pieces[order[0]][1].dtype)}
-        aside = []
-        for k in order:
-            _, more = write_into(outputs, [[((0, 0), *pieces[k])]])
-            aside += [(offset, piece) for _, offset, piece in more]
-        got = promoted(outputs[(0, 0)], aside, declared, (0, 0)) if aside else outputs[(0, 0)]
+    results = assembled_in_every_order(pieces, np.dtype(declared))
+    expected = results.pop("buffered")
+    assert len(results) == 6
+    for order, got in results.items():
         assert got.dtype == expected.dtype, order
         np.testing.assert_array_equal(got, expected)
 
@@ -231,16 +243,8 @@ def test_masked_pieces_among_plain_ones_in_every_order(dtypes, masked):
     every order of arrival, written in place or buffered, the output chunk is the masked
     array numpy concatenates of them (values promoted, plain pieces unmasked), with the
     fill value the masked pieces share (numpy's concatenation forgets it)."""
-    import itertools
-
     from dask_services.array._masks import as_masked
-    from dask_services.array._pieces import (
-        fill,
-        new_array,
-        pieces_dtype,
-        plain_numpy,
-        promoted,
-    )
+    from dask_services.array._pieces import plain_numpy
 
     originals = []
     for k, (dt, is_masked) in enumerate(zip(dtypes, masked, strict=True)):
@@ -251,18 +255,10 @@ def test_masked_pieces_among_plain_ones_in_every_order(dtypes, masked):
     expected = np.ma.concatenate(originals, axis=1)
     fill_value = next(o.fill_value for o in originals if isinstance(o, np.ma.MaskedArray))
     pieces = [((0, 2 * k), plain_numpy(o)) for k, o in enumerate(originals)]
-    declared = np.dtype(dtypes[0])
-    buffered = as_masked(fill(new_array((2, 6), pieces_dtype(declared, pieces)), pieces))
-    results = {"buffered": buffered}
-    for order in itertools.permutations(range(3)):
-        outputs = {(0, 0): np.zeros((2, 6), pieces[order[0]][1].dtype)}
-        aside = []
-        for k in order:
-            _, more = write_into(outputs, [[((0, 0), *pieces[k])]])
-            aside += [(offset, piece) for _, offset, piece in more]
-        results[order] = as_masked(
-            promoted(outputs[(0, 0)], aside, declared, (0, 0)) if aside else outputs[(0, 0)])
+    results = assembled_in_every_order(pieces, np.dtype(dtypes[0]))
+    assert len(results) == 7
     for how, got in results.items():
+        got = as_masked(got)
         assert type(got) is np.ma.MaskedArray, how
         assert got.dtype == expected.dtype, how
         np.testing.assert_array_equal(got.mask, np.ma.getmaskarray(expected), err_msg=how)

@@ -26,7 +26,7 @@ import numpy as np
 from dask_services._buffers import ArraysInMemory, IncomingBuffers
 from dask_services._exchange import PeerExchange
 from dask_services._memory import TrimAfter, release_freed_memory
-from dask_services.array._masks import as_masked, write
+from dask_services.array._masks import as_masked, has_planes, write
 from dask_services.array._pieces import (
     Chunks,
     Index,
@@ -127,8 +127,10 @@ class ArrayRechunk(PeerExchange):
 
     async def add_key(self, key, block: np.ndarray) -> None:
         assert self.stream is not None
-        # a memmap or other plain subclass: its data; a masked array: data and mask
-        block = plain_numpy(block, key)
+        # a memmap or other plain subclass: its data; a masked array: data and mask, as
+        # planes (a copy of the chunk: in a worker thread, not on the event loop)
+        block = (await self.concierge.run_in_executor(plain_numpy, block, key)
+                 if isinstance(block, np.ma.MaskedArray) else plain_numpy(block, key))
         index = self.index_of[key]
         check_block_shape(block, tuple(self.old_chunks[d][i] for d, i in enumerate(index)),
                           key)
@@ -303,7 +305,7 @@ class ArrayRechunk(PeerExchange):
                     chunk = await self.concierge.run_in_executor(
                         promoted, chunk, aside, np.dtype(self.dtype), j)
                 del aside
-            await self.concierge.produce_key(self.key_of[j], self._handed_out(j, chunk))
+            await self.concierge.produce_key(self.key_of[j], await self._handed_out(j, chunk))
             return
         async with self.one_at_a_time:
             assert self.buffer is not None
@@ -322,15 +324,17 @@ class ArrayRechunk(PeerExchange):
             if self.trim.freed_bytes(held - self.buffer.memory_bytes) \
                     and self.buffer.spilled_total:
                 await self.concierge.run_in_executor(release_freed_memory)
-            await self.concierge.produce_key(self.key_of[j], self._handed_out(j, chunk))
+            await self.concierge.produce_key(self.key_of[j], await self._handed_out(j, chunk))
 
-    def _handed_out(self, j: Index, chunk: np.ndarray) -> np.ndarray:
+    async def _handed_out(self, j: Index, chunk: np.ndarray) -> np.ndarray:
         """Output chunk ``j`` as it is produced: a masked array where it was assembled with
-        planes (``_masks.py``), or where it has no piece and the array's meta is masked
-        (as ``tasks`` gives it)."""
+        planes (``_masks.py``: values and mask copied out of them, in a worker thread), or
+        where it has no piece and the array's meta is masked (as ``tasks`` gives it)."""
         if self.masked and not self.expected[j]:
             return np.ma.masked_array(chunk)
-        return as_masked(chunk)
+        if has_planes(chunk.dtype):
+            return await self.concierge.run_in_executor(as_masked, chunk)
+        return chunk
 
     async def all_inputs_done(self) -> None:
         assert self.stream is not None
