@@ -1,15 +1,15 @@
-"""Masked chunks in a rechunk, carried as one plain array of two planes.
+"""Masked chunks in a service task's rechunk, carried as one plain array of two planes.
 
-A masked chunk (``numpy.ma.MaskedArray``) is turned, where the rechunk first touches it,
+A masked chunk (``numpy.ma.MaskedArray``) is turned, as it is handed off to an instance,
 into a structured numpy array of two fields: its data and its mask (``as_planes``).  Every
-path of the rechunk (the copies and merges of its tasks, the service's pieces, packed
-buffers, the lane, receive buffers and their spill files) then slices, moves and writes it
-as any numpy array of one dtype, and an output chunk made of such pieces becomes a masked
-array again when it is handed out (``as_masked``), with the fill value its dtype carries
-(the first masked chunk's among its pieces: numpy keeps a dtype's metadata through views,
-copies and pickles).  A piece of a plain chunk written into an
-output with planes is unmasked there, as ``numpy.ma.concatenate`` of masked and plain arrays
-gives.
+path of the exchange (the pieces, packed buffers, the lane, receive buffers and their spill
+files, in-place assembly) then slices, moves and writes it as any numpy array of one dtype,
+and an output chunk made of such pieces becomes a masked array again when it is handed out
+(``as_masked``), with the fill value its dtype carries (the first masked chunk's among its
+pieces: numpy keeps a dtype's metadata through views, copies and pickles).  A piece of a
+plain chunk written into an output with planes is unmasked there, as
+``numpy.ma.concatenate`` of masked and plain arrays gives.  (Copies and merges, which
+exchange nothing, assemble values and masks apart: ``_pieces.assembled_apart``.)
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ def merge_blocks(shape: tuple[float, ...], dtype: np.dtype, offsets: list[tuple[
     """One output chunk of a rechunk that only merges: its input chunks, each placed at its
     offset, in one new (C-ordered, writeable) array (masked if any of them is)."""
     if any(isinstance(b, np.ma.MaskedArray) for b in blocks):
-        return by_planes(merge_blocks, shape, dtype, offsets, blocks)
+        return assembled_apart(merge_blocks, shape, dtype, offsets, blocks)
     pieces = [(o, plain_numpy(b)) for o, b in zip(offsets, blocks, strict=True)]
     return fill(fresh_array(output_shape(shape, pieces), pieces_dtype(dtype, pieces)), pieces)
 
@@ -149,13 +149,13 @@ def copy_pieces(shape: tuple[float, ...], dtype: np.dtype,
     block is that slice already), in one new (C-ordered, writeable) array (masked if any
     of them is)."""
     if any(isinstance(b, np.ma.MaskedArray) for b in blocks):
-        return by_planes(copy_pieces, shape, dtype, layout, blocks)
+        return assembled_apart(copy_pieces, shape, dtype, layout, blocks)
     pieces = [(offset, plain_numpy(block) if slices is None else plain_numpy(block)[slices])
               for (slices, offset), block in zip(layout, blocks, strict=True)]
     return fill(fresh_array(output_shape(shape, pieces), pieces_dtype(dtype, pieces)), pieces)
 
 
-def by_planes(assemble: Any, shape: tuple[float, ...], dtype: np.dtype, layout: Any,
+def assembled_apart(assemble: Any, shape: tuple[float, ...], dtype: np.dtype, layout: Any,
               blocks: tuple[np.ndarray, ...]) -> np.ma.MaskedArray:
     """An output chunk of a copy or a merge (``assemble``) with masked input chunks among
     ``blocks``: the values assembled, then the masks (``False`` where a block has none),
