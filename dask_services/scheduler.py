@@ -74,6 +74,9 @@ EVENT_TOPIC = "dask_services"
 # the values a paused worker holds for claims cannot be spilled, so it might never resume.
 UNPLACED_CLAIM_GRACE = 30.0
 UNPLACED_CLAIM_CHECK = 1.0
+# How a worker's report names a task it fetched from another worker (in flight when the
+# scheduler asked it to compute the task) rather than ran: ``Worker.gather_dep``
+FETCHED_NOT_RUN = "gather-dep-success-"
 
 
 class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
@@ -98,6 +101,8 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
         self.retries_left: dict[Key, int] = {}
         # claims left without a worker, whose producing worker is checked soon
         self.unplaced: set[Key] = set()
+        # hand-offs being released to run again (``_hand_off_again_unless_taken``)
+        self.handing_off_again: set[Key] = set()
         # service tasks to check, once the transitions under way are done, for whether
         # anything still needs them (``_forget_if_unneeded``): one check per batch each
         self.maybe_unneeded: set[Key] = set()
@@ -233,6 +238,8 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
                             run_events.HandOffScheduled(key, stimulus_id=stimulus_id))
             elif finish == "waiting":
                 self._pin_to_taker(key)
+            elif finish == "memory" and stimulus_id.startswith(FETCHED_NOT_RUN):
+                self._later(self._hand_off_again_unless_taken, key, stimulus_id)
         elif key in self.output_of:
             self._output_transition(key, start, finish, stimulus_id)
         if finish == "memory" and key in self.handoffs_of_input:
@@ -264,7 +271,8 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
             # Every hand-off receipt still in memory: nothing the run received was lost
             # (distributed released the task over a result of a stale execution, one that a
             # restart had cancelled and that the worker took up again)
-            kept = all(dts.state == "memory" for dts in ts.dependencies)
+            kept = all(dts.state == "memory" or dts.key in self.handing_off_again
+                       for dts in ts.dependencies)
             # distributed takes one of its retries when it releases an erred task to run
             # it again (a stale execution's answer releases it without taking one)
             retried = ts.retries < self.retries_left.get(key, ts.retries)
@@ -791,6 +799,32 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
                 logger.exception("dask_services: %s failed", getattr(fn, "__name__", fn))
 
         asyncio.get_running_loop().call_soon(run)
+
+    def _hand_off_again_unless_taken(self, handoff_key: Key, stimulus_id: str) -> None:
+        """A hand-off reached memory on a worker that fetched its receipt instead of
+        running it: the worker had the receipt of an earlier execution in flight (the
+        service task's worker gathers every receipt) when a restart released the hand-off
+        and the scheduler sent it there to run again, and distributed takes a fetched
+        value for a computed one (a key's value is the same wherever it is made).  A
+        receipt's worth is its side effect, the input handed to a run: unless the live run
+        has the input, the hand-off is released to run again.  The service task released
+        with it, if it was processing, keeps its run: no input the run received is lost."""
+        hts = self.scheduler.tasks.get(handoff_key)
+        service_key = self.handoff_of.get(handoff_key)
+        machine = None if service_key is None else self.machines.get(service_key)
+        if hts is None or hts.state != "memory" or machine is None:
+            return
+        run = machine.live_run
+        if run is not None and self.input_of_handoff.get(handoff_key) in run.handed_off:
+            return
+        logger.debug("dask_services: hand-off %r fetched, not run: it runs again",
+                     handoff_key)
+        self.handing_off_again.add(handoff_key)
+        try:
+            self.scheduler.transitions({handoff_key: "released"}, stimulus_id=stimulus_id)
+        finally:
+            self.handing_off_again.discard(handoff_key)
+        self.scheduler.stimulus_queue_slots_maybe_opened(stimulus_id=stimulus_id)
 
     def _reschedule(self, service_key: Key, stimulus_id: str,
                     run_id: int | None = None) -> None:

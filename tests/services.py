@@ -230,6 +230,31 @@ class GatedTaker(AllReduce):
         cls.entered = 0
 
 
+class RestartsOnceAtTheBarrier(AllReduce):
+    """An all-reduce whose first run, once every input was handed off, waits for
+    ``RestartsOnceAtTheBarrier.gate`` (in-process workers only), then asks for a restart;
+    the next run finishes."""
+
+    gate: asyncio.Event | None = None
+    restarted = False
+
+    async def all_inputs_done(self) -> None:
+        cls = type(self)
+        if not cls.restarted:
+            cls.restarted = True
+            if cls.gate is None:
+                cls.gate = asyncio.Event()
+            await cls.gate.wait()
+            self.concierge.restart("asked once, at the barrier")
+            return
+        await super().all_inputs_done()
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.gate = None
+        cls.restarted = False
+
+
 class SizeRecorder(AllReduce):
     """An all-reduce recording ``concierge.input_nbytes`` of every input while its
     ``add_key`` runs (in-process workers only)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 
@@ -10,9 +11,10 @@ import numpy as np
 import pytest
 from dask.sizeof import sizeof
 from dask.utils import key_split
-from distributed import wait
+from distributed import Worker, wait
+from distributed.core import Status
 from distributed.utils_test import async_poll_for
-from services import GatedTaker, SizeRecorder
+from services import GatedTaker, RestartsOnceAtTheBarrier, SizeRecorder
 from utils import assert_nothing_left, events_of, service_cluster
 
 import dask_services
@@ -326,3 +328,60 @@ async def test_a_run_is_named_to_a_pushing_hand_off_only_while_it_runs_there(c, 
     np.testing.assert_array_equal((await c.gather(outs))[0], expected)
     del outs, futs
     await assert_nothing_left(s, [a, b])
+
+
+class HeldFetches(Worker):
+    """A worker whose fetches from other workers complete, data received, but are
+    held until ``release`` is set before the worker takes them in: a transfer under way
+    while the scheduler goes on."""
+
+    def __init__(self, *args, **kwargs):
+        self.fetched = asyncio.Event()
+        self.release = asyncio.Event()
+        super().__init__(*args, **kwargs)
+
+    async def gather_dep(self, *args, **kwargs):
+        done = await super().gather_dep(*args, **kwargs)
+        self.fetched.set()
+        await self.release.wait()
+        return done
+
+
+@pytest.fixture
+def restarts_once():
+    RestartsOnceAtTheBarrier.reset()
+    yield RestartsOnceAtTheBarrier
+    RestartsOnceAtTheBarrier.reset()
+
+
+# (not paused by the memory monitor, which would resume b, paused here by hand)
+@service_cluster(nthreads=[("127.0.0.1", 1)], config={"distributed.worker.memory.pause": False})
+async def test_a_receipt_fetched_instead_of_run_again_hands_its_input_off_again(
+        c, s, b, restarts_once):
+    """The service task's worker fetches the hand-offs' receipts; a restart releases
+    the hand-offs while a fetch is under way and the scheduler sends them to that worker
+    to run again, where distributed takes the fetched receipt for the result.  Its input
+    never reached the new run, which waited for ever: such a hand-off runs again."""
+    async with HeldFetches(s.address, nthreads=1) as x:
+        await dask_services.install_async(c)
+        futs = c.map(block, range(4), workers=[b.address])
+        await wait(futs)
+        outs = dask_services.submit(restarts_once, futs, outputs=1, workers=[x.address],
+                                    client=c)
+        await x.fetched.wait()  # x has the receipts from b, not yet taken in
+        handoffs = [k for k in s.tasks if "handoff" in str(k)]
+        assert all(x.state.tasks[k].state == "flight" for k in handoffs)
+        b.status = Status.paused  # the hand-offs run again on x only
+        await async_poll_for(lambda: s.workers[b.address].status == Status.paused, 10)
+        restarts_once.gate.set()  # the restart releases the hand-offs
+        await async_poll_for(lambda: all(
+            x.state.tasks.get(k) is not None and x.state.tasks[k].state == "resumed"
+            for k in handoffs), timeout=10)  # in flight on x, and to be run there
+        x.release.set()
+        expected = np.sum([block(i) for i in range(4)], axis=0)
+        np.testing.assert_array_equal((await c.gather(outs))[0], expected)
+        (machine,) = s.extensions["dask_services"].machines.values()
+        assert machine.restarts == 1
+        b.status = Status.running
+        del outs, futs
+        await assert_nothing_left(s, [x, b])

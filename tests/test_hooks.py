@@ -112,6 +112,12 @@ def test_worker_internals_we_use():
     assert "worker-status-change" in inspect.getsource(Worker.__init__)
     assert list(inspect.signature(Worker.handle_worker_status_change).parameters) == [
         "self", "status", "stimulus_id"]
+    # a task fetched instead of run (in flight when the scheduler asked for it to be run)
+    # is reported with this stimulus: the scheduler plugin runs such a hand-off again
+    from dask_services.scheduler import FETCHED_NOT_RUN
+
+    assert f'stimulus_id=f"{FETCHED_NOT_RUN}{{time()}}"' in inspect.getsource(
+        Worker.gather_dep)
     close = inspect.getsource(Worker.close)
     assert close.index("plugin_remove") < close.index("_stop_listeners")
 
