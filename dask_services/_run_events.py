@@ -182,6 +182,15 @@ class WorkerLost:
 
 
 @dataclass(frozen=True)
+class WorkerRetiring:
+    """``worker`` is being retired gracefully (its status is ``closing_gracefully``): it
+    runs no new task, and leaves once the scheduler has moved the data it holds."""
+
+    worker: str
+    stimulus_id: str = stimulus_field("worker-retiring")
+
+
+@dataclass(frozen=True)
 class ServiceTaskProcessing:
     """The service task itself was sent to ``worker`` (it waits there for the outcome)."""
 
@@ -277,6 +286,7 @@ Event = (
     | RestartRequested
     | WantedGrew
     | WorkerLost
+    | WorkerRetiring
     | ServiceTaskProcessing
     | ServiceTaskExecuting
     | OutcomeUndelivered

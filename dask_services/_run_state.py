@@ -19,8 +19,9 @@ Lifecycle of one run::
     RUNNING --all InputHandedOff--> INPUTS_DONE --all wanted OutputProduced--> FINISHED
     INPUTS_DONE --all HooksReturned, then no OutputProduced for a while--> FAILED
     any live phase --RunFailed--> FAILED
-    any live phase --RestartRequested / participant WorkerLost / OutputLost /
-                     WantedGrew / OutputsWanted / OutputWaiting--> (no run; next RunNeeded)
+    any live phase --RestartRequested / participant WorkerLost or WorkerRetiring /
+                     OutputLost / WantedGrew / OutputsWanted / OutputWaiting-->
+                     (no run; next RunNeeded)
     any live phase --ServiceTaskReleased / ServiceTaskForgotten--> (no run)
     FINISHED or FAILED --ServiceTaskReleased, still wanted (lost, or retried)-->
                      (no run; its hand-offs run again, then RunNeeded)
@@ -82,6 +83,7 @@ from dask_services._run_events import (
     WatchUnproduced,
     WorkerAdded,
     WorkerLost,
+    WorkerRetiring,
 )
 from dask_services._run_model import Phase, Run
 from dask_services._run_story import RunStory, StoryEntry, next_seq, story_limits
@@ -489,6 +491,17 @@ class ServiceTaskMachine:
             self.lost_since_finished = (f"worker {ev.worker} left the cluster after the "
                                         "run had finished, with what it held")
         return actions
+
+    def _on_WorkerRetiring(self, ev: WorkerRetiring) -> list[Action]:
+        # at once, not once it has left: its instance's part of the run is lost with it,
+        # and until it leaves (the scheduler moving what it holds may take a while) the
+        # run would go on feeding an instance whose outputs no claim can take there (a
+        # retiring worker runs no task).  Counted, as a death is: retirements that come
+        # faster than a run can finish end in ``TooManyRestarts``, not in endless restarts
+        run = self.live_run
+        if run is not None and ev.worker in run.ids:
+            return self._restart(run, f"worker {ev.worker} is being retired")
+        return []
 
     def _on_ServiceTaskProcessing(self, ev: ServiceTaskProcessing) -> list[Action]:
         self.task_worker = ev.worker

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import dask.config
 from dask.typing import Key
 from dask.utils import parse_timedelta
+from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 from distributed.protocol.serialize import ToPickle
@@ -456,6 +457,18 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
                 self.unplaced.add(key)  # a check may be waiting too: it finds it placed
                 self._later(self._claim_without_worker, self.output_of[key], key,
                             stimulus_id)
+
+    def log_event(self, topic: Any, msg: Any) -> None:
+        """Worker status changes reach plugins only through the event log: a worker
+        being retired (``closing_gracefully``: ``retire_workers``, a worker's
+        ``lifetime``) restarts the live runs it takes part in at once."""
+        if (isinstance(msg, dict) and msg.get("action") == "worker-status-change"
+                and msg.get("status") == Status.closing_gracefully.name
+                and isinstance(topic, str)):
+            stimulus_id = msg.get("stimulus_id") or run_model.new_stimulus_id(
+                "worker-retiring")
+            for key in list(self.machines):
+                self._event(key, run_events.WorkerRetiring(topic, stimulus_id=stimulus_id))
 
     def valid_workers_downscaling(self, scheduler: Scheduler,
                                   workers: list[WorkerState]) -> list[WorkerState]:

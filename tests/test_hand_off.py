@@ -330,6 +330,38 @@ async def test_a_run_is_named_to_a_pushing_hand_off_only_while_it_runs_there(c, 
     await assert_nothing_left(s, [a, b])
 
 
+@service_cluster(nthreads=[("127.0.0.1", 1)] * 3)
+async def test_a_participant_being_retired_restarts_the_run_at_once(c, s, a, b, x, gated):
+    """``retire_workers`` (and a worker's ``lifetime``) mark the worker closing
+    gracefully, then move what it holds before it leaves: the live run restarts on the
+    other workers when the retirement starts, not once the worker has gone, and the result
+    is the same.  The restart counts."""
+    futs = c.map(block, range(10))
+    await wait(futs)
+    outs = dask_services.submit(gated, futs, outputs=2, client=c)
+    await async_poll_for(lambda: gated.entered == 10, timeout=30)  # live, held at the gate
+    plugin = s.extensions["dask_services"]
+    (service_key,) = plugin.machines
+    machine = plugin.machines[service_key]
+    assert b.address in machine.run.ids
+    assert b.address in await c.retire_workers([b.address])
+    assert b.address not in s.workers
+    (restarted,) = [(when, msg["detail"]) for when, msg in s.get_events("dask_services")
+                    if msg.get("action") == "restarted"]
+    (left,) = [when for when, msg in s.get_events(b.address)
+               if msg.get("action") == "remove-worker"]
+    assert f"worker {b.address} is being retired" in restarted[1]
+    assert restarted[0] < left  # restarted before the worker left
+    gated.gate.set()
+    expected = np.sum([block(i) for i in range(10)], axis=0)
+    for got in await c.gather(outs):
+        np.testing.assert_array_equal(got, expected)
+    assert machine.restarts == 1
+    assert b.address not in machine.finished_on
+    del outs, futs
+    await assert_nothing_left(s, [a, x])
+
+
 class HeldFetches(Worker):
     """A worker whose fetches from other workers complete, data received, but are
     held until ``release`` is set before the worker takes them in: a transfer under way

@@ -49,6 +49,18 @@ def test_scheduler_internals_we_use():
         Scheduler.heartbeat_worker)
     assert "stimulus_id" in inspect.signature(SchedulerPlugin.remove_worker).parameters
     assert callable(SchedulerPlugin.log_event) and callable(SchedulerPlugin.add_worker)
+    # a worker being retired reaches plugins only as an event: the scheduler marks it
+    # closing gracefully (logging the change, with its stimulus) before moving its data,
+    # and plugins' log_event sees every event logged (runs restart at once; replicas move)
+    status_change = inspect.getsource(Scheduler.handle_worker_status_change)
+    assert '"action": "worker-status-change"' in status_change
+    assert '"status": ws.status.name' in status_change and '"stimulus_id"' in status_change
+    retire = inspect.getsource(Scheduler.retire_workers)
+    assert retire.index("Status.closing_gracefully") < retire.index("_track_retire_worker")
+    assert "self._broker.publish(topic, msg)" in inspect.getsource(Scheduler.log_event)
+    from distributed.broker import Broker
+
+    assert "plugin.log_event(name, msg)" in inspect.getsource(Broker.publish)
     params = inspect.signature(SchedulerPlugin.update_graph).parameters
     assert {"scheduler", "keys", "tasks"} <= set(params)
     assert "stimulus_id" in inspect.signature(SchedulerPlugin.transition).parameters

@@ -71,6 +71,26 @@ def test_worker_killed_mid_run_restarts_with_correct_result(cluster):
     poll_for(lambda: not machines(client), timeout=30)
 
 
+def test_a_participant_retired_mid_run_restarts_it_at_once(cluster):
+    """``client.retire_workers`` of a participant (as a worker's ``lifetime`` does): the
+    run restarts on the other workers as the retirement starts, the result is right, and
+    the retired worker's process is gone with nothing of the run left behind."""
+    cluster, client = cluster
+    xs = [dask.delayed(inc)(i) for i in range(12)]
+    futures = client.compute(dask_services.service_task(SlowSum, xs, outputs=4, delay=3.0))
+    poll_for(lambda: live_run_in(client, Phase.INPUTS_DONE), timeout=60)
+    victim = live_run_in(client, Phase.INPUTS_DONE).participants[-1]
+    assert victim in client.retire_workers([victim])
+    assert client.gather(futures) == [sum(range(1, 13))] * 4
+    restarted = service_events(client, "restarted")
+    assert len(restarted) == 1, restarted
+    assert f"worker {victim} is being retired" in restarted[0]["detail"]
+    assert victim not in client.scheduler_info()["workers"]
+    validate_scheduler(client)
+    del futures
+    poll_for(lambda: not machines(client), timeout=30)
+
+
 def test_the_worker_running_a_task_without_inputs_killed_costs_one_restart(cluster):
     """The scheduler places the service task on another worker as soon as its worker is
     gone; the run that would start there must wait for the restart's reschedule, or that

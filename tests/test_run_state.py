@@ -246,6 +246,41 @@ def test_worker_not_participating_does_not_restart():
     assert m.handle(run_events.WorkerLost("tcp://other:1")) == []
 
 
+def test_a_participant_being_retired_restarts_the_live_run_at_once():
+    """Not once it has left: until then the run would feed an instance whose part is lost
+    with it.  Counted, as a death is; a worker outside the run, or a run already over,
+    is left alone."""
+    m = machine(max_restarts=1)
+    need(m)
+    assert m.handle(run_events.WorkerRetiring("tcp://other:1")) == []
+    actions = m.handle(run_events.WorkerRetiring(WORKERS[1], stimulus_id="retire-1"))
+    assert kinds(actions) == ["StopInstances", "Log", "RescheduleServiceTask"]
+    assert "worker " + WORKERS[1] + " is being retired" in actions[-1].reason
+    assert {a.stimulus_id for a in actions} == {"retire-1"}
+    assert m.run is None and m.restarts == 1
+    # it leaves later: the run it took part in is over, nothing more to do
+    assert m.handle(run_events.WorkerLost(WORKERS[1])) == []
+    need(m, run_id=2, workers=WORKERS[:1])
+    start_all(m, run_id=2)
+    for k in INPUTS:
+        m.handle(run_events.InputHandedOff(2, k))
+    m.handle(run_events.OutputProduced(2, "o0", WORKERS[0]))
+    m.handle(run_events.OutputProduced(2, "o1", WORKERS[0]))
+    assert m.run.phase is run_model.Phase.FINISHED
+    assert m.handle(run_events.WorkerRetiring(WORKERS[0])) == []  # finished: nothing live
+    # retired again and again, faster than a run finishes: a clear error, not endless runs
+    m2 = machine(max_restarts=1)
+    need(m2)
+    m2.handle(run_events.WorkerRetiring(WORKERS[0]))
+    need(m2, run_id=2, workers=WORKERS[1:])
+    actions = m2.handle(run_events.WorkerRetiring(WORKERS[1]))
+    assert kinds(actions) == ["StopInstances", "Log", "ErrWaitingServiceTask"]
+    assert isinstance(m2.pending_outcome[0], TooManyRestarts)
+    assert "is being retired" in str(m2.pending_outcome[0])
+    m.validate()
+    m2.validate()
+
+
 def test_the_worker_that_took_an_input_is_that_of_its_instance_in_the_live_run():
     """Where a hand-off run again goes: its instance ignores an input it took."""
     m = machine()
@@ -352,6 +387,7 @@ EVENTS = st.one_of(
     st.builds(run_events.RunFailed, st.integers(1, 3), st.just(ValueError("x"))),
     st.builds(run_events.RestartRequested, st.integers(1, 3), st.just("r")),
     st.builds(run_events.WorkerLost, st.sampled_from(WORKERS)),
+    st.builds(run_events.WorkerRetiring, st.sampled_from(WORKERS)),
     st.builds(run_events.ServiceTaskProcessing, st.sampled_from(WORKERS)),
     st.builds(run_events.ServiceTaskReleased, st.booleans(), st.booleans(), st.booleans()),
     st.builds(run_events.RescheduleCarriedOut, st.integers(1, 3)),
