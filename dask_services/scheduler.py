@@ -819,15 +819,16 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
         service task's worker gathers every receipt) when a restart released the hand-off
         and the scheduler sent it there to run again, and distributed takes a fetched
         value for a computed one (a key's value is the same wherever it is made).  A
-        receipt's worth is its side effect, the input handed to a run: unless the live run
-        has the input, the hand-off is released to run again.  The service task released
-        with it, if it was processing, keeps its run: no input the run received is lost."""
+        receipt's worth is its side effect, the input handed to a run: unless the current
+        run has the input (another execution gave it, or the run even finished with it),
+        the hand-off is released to run again.  The service task released with it, if it
+        was processing, keeps its run: no input the run received is lost."""
         hts = self.scheduler.tasks.get(handoff_key)
         service_key = self.handoff_of.get(handoff_key)
         machine = None if service_key is None else self.machines.get(service_key)
         if hts is None or hts.state != "memory" or machine is None:
             return
-        run = machine.live_run
+        run = machine.run  # live, or over: a finished run had every input
         if run is not None and self.input_of_handoff.get(handoff_key) in run.handed_off:
             return
         logger.debug("dask_services: hand-off %r fetched, not run: it runs again",
