@@ -89,6 +89,7 @@ def test_a_participant_retired_mid_run_restarts_it_at_once(cluster):
     validate_scheduler(client)
     del futures
     poll_for(lambda: not machines(client), timeout=30)
+    poll_for(lambda: instances_left(client) == 0, timeout=30)
 
 
 def test_the_worker_running_a_task_without_inputs_killed_costs_one_restart(cluster):
