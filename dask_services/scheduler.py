@@ -56,6 +56,7 @@ from dask_services._run_log import (
     story_entries,
 )
 from dask_services._streams import flush
+from dask_services._worker_status import status_change
 from dask_services.config import setting
 from dask_services.graph import (
     ServiceDefinition,
@@ -462,13 +463,13 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
         """Worker status changes reach plugins only through the event log: a worker
         being retired (``closing_gracefully``: ``retire_workers``, a worker's
         ``lifetime``) restarts the live runs it takes part in at once."""
-        if (isinstance(msg, dict) and msg.get("action") == "worker-status-change"
-                and msg.get("status") == Status.closing_gracefully.name
-                and isinstance(topic, str)):
-            stimulus_id = msg.get("stimulus_id") or run_model.new_stimulus_id(
-                "worker-retiring")
-            for key in list(self.machines):
-                self._event(key, run_events.WorkerRetiring(topic, stimulus_id=stimulus_id))
+        change = status_change(topic, msg)
+        if change is None or change[1] != Status.closing_gracefully.name:
+            return
+        worker, _, stimulus_id = change
+        stimulus_id = stimulus_id or run_model.new_stimulus_id("worker-retiring")
+        for key in list(self.machines):
+            self._event(key, run_events.WorkerRetiring(worker, stimulus_id=stimulus_id))
 
     def valid_workers_downscaling(self, scheduler: Scheduler,
                                   workers: list[WorkerState]) -> list[WorkerState]:

@@ -27,6 +27,7 @@ from distributed.protocol.pickle import dumps
 from tornado.ioloop import PeriodicCallback
 
 from dask_services._run_model import new_stimulus_id
+from dask_services._worker_status import status_change
 from dask_services.config import setting
 from dask_services.replicated import _adaptive, _placement
 from dask_services.replicated import _lifecycle as lc
@@ -218,9 +219,9 @@ class Deployments(Scaling, SchedulerPlugin):
     def log_event(self, topic: Any, msg: Any) -> None:
         """Worker status changes reach plugins only through the event log; retiring a
         worker (``closing_gracefully``) moves its replicas."""
-        if isinstance(msg, dict) and msg.get("action") == "worker-status-change" \
-                and isinstance(topic, str):
-            self.worker_status(topic, msg.get("status", ""))
+        change = status_change(topic, msg)
+        if change is not None:
+            self.worker_status(*change[:2])
 
     # ------------------------------------------------------------ handlers
 
