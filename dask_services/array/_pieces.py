@@ -156,7 +156,7 @@ def copy_pieces(shape: tuple[float, ...], dtype: np.dtype,
 
 
 def assembled_apart(assemble: Any, shape: tuple[float, ...], dtype: np.dtype, layout: Any,
-              blocks: tuple[np.ndarray, ...]) -> np.ma.MaskedArray:
+                    blocks: tuple[np.ndarray, ...]) -> np.ma.MaskedArray:
     """An output chunk of a copy or a merge (``assemble``) with masked input chunks among
     ``blocks``: the values assembled, then the masks (``False`` where a block has none),
     each copied once as ``tasks`` copies them; the fill value of the first masked block
