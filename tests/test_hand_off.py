@@ -415,5 +415,6 @@ async def test_a_receipt_fetched_instead_of_run_again_hands_its_input_off_again(
         (machine,) = s.extensions["dask_services"].machines.values()
         assert machine.restarts == 1
         b.status = Status.running
+        x.validate_state()  # a worker of the test's own, which gen_cluster does not check
         del outs, futs
         await assert_nothing_left(s, [x, b])
