@@ -59,6 +59,7 @@ from dask_services._streams import flush
 from dask_services._worker_status import status_change
 from dask_services.config import setting
 from dask_services.graph import (
+    ConsumingClaimSpec,
     ServiceDefinition,
     install_order,
 )
@@ -138,6 +139,7 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
             "service-started": self._guard(self._on_started),
             "service-handed-off": self._guard(self._on_handed_off),
             "service-produced": self._guard(self._on_produced),
+            "service-landed": self._guard(self._on_landed),
             "service-failed": self._guard(self._on_failed),
             "service-restart": self._guard(self._on_restart),
             "service-hooks-returned": self._guard(self._on_hooks_returned),
@@ -470,6 +472,43 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
         stimulus_id = stimulus_id or run_model.new_stimulus_id("worker-retiring")
         for key in list(self.machines):
             self._event(key, run_events.WorkerRetiring(worker, stimulus_id=stimulus_id))
+        self._land_outputs_of_retiring(worker, stimulus_id)
+
+    def _land_outputs_of_retiring(self, worker: str, stimulus_id: str) -> None:
+        """Take into memory on ``worker``, which is being retired, the outputs finished
+        runs produced there whose claims have not run: a retiring worker starts no task,
+        so they would wait until it left, and a new run would then make them again.  In
+        memory, they are data the retirement moves to other workers before the worker
+        leaves.  Called as distributed logs the status change, before the retirement
+        looks at what the worker holds (in the same call).  A claim that runs the
+        output's consumer (``ConsumingClaimSpec``) has no value of its own to take: it
+        still waits, as do the outputs of a run the retirement restarted."""
+        ws = self.scheduler.workers.get(worker)
+        tasks = self.scheduler.tasks
+        landing = []
+        for key, producer in self.cut.items():
+            ts = tasks.get(key)
+            if (producer != worker or ts is None or ts.processing_on is not ws
+                    or isinstance(ts.run_spec, ConsumingClaimSpec)):
+                continue
+            machine = self.machines.get(self.output_of[key])
+            if machine is not None and not machine.rescheduling and machine.live_run is None:
+                landing.append(ts)
+        if ws is None or not landing:
+            return
+        # distributed takes the worker out of ``running`` right after logging the change:
+        # the outputs' dependents, made ready below, must not be sent to it
+        self.scheduler.running.discard(ws)
+        for ts in landing:
+            self._send(worker, {"op": "service-land-output", "key": ts.key,
+                                "stimulus_id": stimulus_id})
+        flush(self.scheduler.stream_comms.get(worker))
+        for ts in landing:
+            # as if the claim had run there; the worker reports the value's size and type
+            self.scheduler.handle_task_finished(
+                key=ts.key, worker=worker, stimulus_id=stimulus_id, run_id=ts.run_id,
+                metadata={}, nbytes=ts.get_nbytes(), type=None,
+                typename=ts.type or "object", startstops=[], thread=None)
 
     def valid_workers_downscaling(self, scheduler: Scheduler,
                                   workers: list[WorkerState]) -> list[WorkerState]:
@@ -590,6 +629,15 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
             return
         self._event(service_key, run_events.OutputProduced(
             run_id, key, worker, stimulus_id=run_model.new_stimulus_id("service-produced")))
+
+    def _on_landed(self, key: Key, nbytes: int, typename: str, worker: str = "") -> None:
+        """The size and type of an output taken into memory on a retiring worker
+        (:meth:`_land_outputs_of_retiring`), as the worker measured them."""
+        ts = self.scheduler.tasks.get(key)
+        ws = self.scheduler.workers.get(worker)
+        if ts is not None and ts.state == "memory" and ws in (ts.who_has or ()):
+            ts.set_nbytes(nbytes)
+            ts.type = typename
 
     def _on_failed(self, service_key: Key, run_id: int, exception: bytes,
                    worker: str = "") -> None:

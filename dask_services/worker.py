@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import dask.config
 from dask.typing import Key
-from dask.utils import parse_bytes, parse_timedelta
+from dask.utils import parse_bytes, parse_timedelta, typename
 from distributed.core import Status
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import pickle
 from distributed.protocol.serialize import to_serialize
 from distributed.utils import sync
+from distributed.worker_state_machine import UpdateDataEvent
 from tornado.ioloop import PeriodicCallback
 
 from dask_services._buffers import IncomingBuffers, put_slot
@@ -76,6 +77,7 @@ _STREAM_OPS = (
     "service-stop",
     "service-task-outcome",
     "service-drop-output",
+    "service-land-output",
 )
 _RPC_OPS = ("service_rpc", "service_add_key", "service_lane")
 COLLECT_EVERY_S = 1.0  # at most one garbage collection a second after runs that failed
@@ -88,6 +90,8 @@ TRIM_WHILE_PAUSED_EVERY_S = 1.0
 # waiting PUSH_RETRY_DELAY seconds, doubled each time up to a second, in between
 PUSH_ATTEMPTS = 8
 PUSH_RETRY_DELAY = 0.05
+# Worker task states of a claim that has not started (its value still held as produced).
+_CLAIM_NOT_STARTED = frozenset({"released", "waiting", "ready", "constrained"})
 # Worker task states in which a service task cannot be waiting for its outcome.
 _NOT_RUNNING = frozenset({"cancelled", "released", "forgotten", "memory", "error"})
 
@@ -325,6 +329,26 @@ class ServiceWorkerPlugin(WorkerPlugin):
 
     def _service_drop_output(self, key: Key, **_: Any) -> None:
         self.produced.drop(key)
+
+    def _service_land_output(self, key: Key, stimulus_id: str, **_: Any) -> None:
+        """This worker is being retired and runs no task, so the claim of output ``key``,
+        produced here, will not run: the scheduler took the output into memory here, and
+        the produced value becomes the key's data, which the retirement moves to another
+        worker (``ServiceSchedulerPlugin._land_outputs_of_retiring``)."""
+        ts = self.worker.state.tasks.get(key)
+        if ts is not None and ts.state not in _CLAIM_NOT_STARTED:
+            return  # its claim started before the retirement: it reports as it ends
+        try:
+            value = self.produced.take(key)
+        except KeyError:
+            return  # let go of meanwhile: the scheduler finds it missing and makes it again
+        self.worker.handle_stimulus(UpdateDataEvent(data={key: value},
+                                                    stimulus_id=stimulus_id))
+        landed = self.worker.state.tasks.get(key)
+        if landed is not None and landed.state == "memory":
+            self.worker.batched_stream.send({"op": "service-landed", "key": key,
+                                             "nbytes": landed.nbytes,
+                                             "typename": typename(type(value))})
 
     def _outcome(self, key: Key) -> asyncio.Future:
         fut = self.outcomes.get(key)

@@ -7,6 +7,7 @@ these are the versions it was written and tested against.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 from importlib.metadata import version
 
@@ -61,6 +62,21 @@ def test_scheduler_internals_we_use():
     from distributed.broker import Broker
 
     assert "plugin.log_event(name, msg)" in inspect.getsource(Broker.publish)
+    # outputs produced on a retiring worker are taken into memory there as the change is
+    # logged (``_land_outputs_of_retiring``): before the worker leaves ``running``, which
+    # the plugin does itself, and before the retirement's first look at what it holds
+    assert status_change.index("self.log_event(") < status_change.index(
+        "self.running.discard(ws)")
+    assert retire.index("self.handle_worker_status_change(") < retire.index(
+        "amm.run_once()")
+    # ... as a worker's task-finished message takes a task into memory: the handler, and
+    # the fields the processing -> memory transition reads
+    src = inspect.getsource(Scheduler.handle_task_finished)
+    assert "self.stimulus_task_finished(" in src and "self.send_all(" in src
+    assert "elif ts.state == \"memory\":" in inspect.getsource(Scheduler.stimulus_task_finished)
+    assert {"nbytes", "type", "typename", "worker", "startstops"} <= set(
+        inspect.signature(Scheduler._transition_processing_memory).parameters)
+    assert callable(TaskState.set_nbytes) and callable(TaskState.get_nbytes)
     params = inspect.signature(SchedulerPlugin.update_graph).parameters
     assert {"scheduler", "keys", "tasks"} <= set(params)
     assert "stimulus_id" in inspect.signature(SchedulerPlugin.transition).parameters
@@ -132,6 +148,18 @@ def test_worker_internals_we_use():
         Worker.gather_dep)
     close = inspect.getsource(Worker.close)
     assert close.index("plugin_remove") < close.index("_stop_listeners")
+    # an output taken into memory on a retiring worker: the produced value becomes the
+    # key's data through the stimulus scatter uses, which tells the scheduler nothing
+    # (it took the key into memory itself), for a claim not started (through released);
+    # a retiring worker still serves its data to the workers the retirement moves it to
+    from distributed.worker_state_machine import UpdateDataEvent, WorkerState
+
+    assert {"data", "stimulus_id"} <= {f.name for f in dataclasses.fields(UpdateDataEvent)}
+    released_memory = inspect.getsource(WorkerState._transition_released_memory)
+    assert "self._transition_to_memory(\n            ts, value, False," in released_memory
+    assert 'elif "released" not in (start, finish):' in inspect.getsource(
+        WorkerState._transition)
+    assert "if self.status == Status.paused:" in inspect.getsource(Worker.get_data)
 
 
 def test_workers_measure_results_with_dask_sizeof_dispatch():
