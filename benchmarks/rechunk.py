@@ -1,7 +1,7 @@
 """Array rechunk: the "service" method against dask.distributed's "p2p" and "tasks".
 
     dask-services bench rechunk [--sizes 0.5GB,2GB] [--local-size 0.5GB] [--chunks 40000]
-                                [--pieces 1000] [--masked]
+                                [--pieces 1000] [--time-series 1GB] [--masked]
                                 [--consumer none,sum] [--repeat 3] [--reuse-workers]
                                 [--memory-limit 0.5GB]
 
@@ -17,7 +17,11 @@ alternating:
   inputs, each input feeds 20 outputs);
 * many pieces (``--pieces N``): an all-to-all of a square float32 array from N chunks of 10
   rows to N chunks of 10 columns, N x N pieces of 400 bytes (N = 1,000: a million pieces,
-  400 MB), where the cost is per piece, not per byte.
+  400 MB), where the cost is per piece, not per byte;
+* time series (``--time-series SIZE``): a float32 array of 1,000 time steps on a square
+  grid, one chunk per time step, to whole time series in 20 x 20 tiles of the grid (what
+  a reduction over time needs; 1 GB: 1,000 chunks of 500 x 500 to 400 chunks of
+  1,000 x 25 x 25, 400,000 pieces of 2.5 kB).
 
 With ``--masked`` every case's array is a masked array (``numpy.ma``), a tenth of its
 elements masked (a mask of one byte per element besides the values).
@@ -95,6 +99,18 @@ def many_pieces(per_side: int) -> tuple[str, tuple[int, int], tuple, tuple]:
     """The many-pieces case: ``(label, shape, old chunks, new chunks)``."""
     n = per_side * PIECE_SIDE
     return (f"{per_side ** 2:,} pieces of 400 B", (n, n), (PIECE_SIDE, n), (n, PIECE_SIDE))
+
+
+TIME_STEPS = 1000  # time series: steps, one chunk each
+TILES_PER_SIDE = 20  # time series: the grid cut into 20 x 20 tiles
+
+
+def time_series(nbytes: int) -> tuple[tuple[int, int, int], tuple, tuple]:
+    """The time-series case: ``(shape, old chunks, new chunks)`` of a float32 array of
+    about ``nbytes``."""
+    tile = max(1, round(math.sqrt(nbytes / 4 / TIME_STEPS) / TILES_PER_SIDE))
+    side = tile * TILES_PER_SIDE
+    return (TIME_STEPS, side, side), (1, side, side), (TIME_STEPS, tile, tile)
 
 
 def graph_size(array: Any) -> int:
@@ -205,7 +221,7 @@ def run(client: Any, sizes: list[str], local_size: str | None, repeat: int,
         methods: tuple[str, ...] = ("service", "p2p", "tasks"),
         show_progress: bool = True, fresh: bool = True, chunks: int = 0,
         consumers: tuple[str, ...] = ("none", "sum"), pieces: int = 0,
-        masked: bool = False) -> list[Measurement]:
+        masked: bool = False, series_size: str | None = None) -> list[Measurement]:
     import dask_services
 
     dask_services.install(client)
@@ -228,6 +244,10 @@ def run(client: Any, sizes: list[str], local_size: str | None, repeat: int,
         label, shape, old, new = many_pieces(pieces)
         out += run_case(client, label, shape, old, new, list(methods), repeat,
                         dtype="float32", **common)
+    if series_size:
+        shape, old, new = time_series(parse_size(series_size))
+        out += run_case(client, f"time series {series_size}", shape, old, new,
+                        list(methods), repeat, dtype="float32", **common)
     return out
 
 

@@ -362,6 +362,7 @@ def bench_rechunk(args: argparse.Namespace) -> int:
                               methods=tuple(args.methods.split(",")),
                               show_progress=show_progress(args), fresh=not args.reuse_workers,
                               chunks=args.chunks, pieces=args.pieces, masked=args.masked,
+                              series_size=args.time_series or None,
                               consumers=tuple(c for c in args.consumer.split(",") if c))
         columns = ("failed", "restarts", "paused_s", "first_output_s", "tasks",
                    "update_graph_s", "order_s", "first_task_s",
@@ -450,6 +451,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="rechunk: also the many-pieces case, a float32 all-to-all from "
                               "this many 10-row chunks to as many 10-column chunks (pieces "
                               "of 400 bytes; e.g. 1000; default 0: skipped)")
+    p_bench.add_argument("--time-series", default="",
+                         help="rechunk: also the time-series case of this size, a float32 "
+                              "array of 1,000 time steps on a square grid, one chunk per "
+                              "step, to whole time series in 20 x 20 tiles of the grid "
+                              "(e.g. 1GB; default: skipped)")
     p_bench.add_argument("--masked", action="store_true",
                          help="rechunk: every case's array masked (numpy.ma, a tenth of "
                               "its elements masked)")
@@ -518,7 +524,8 @@ BENCH_OPTIONS = {
     "overhead": _COMMON,
     "shuffle": (*_COMMON, "threads", "sizes", "partitions", "input_partitions", "input",
                 "no_tiny", "consumer", "memory_limit", "methods", "reuse_workers"),
-    "rechunk": (*_COMMON, "threads", "sizes", "local_size", "chunks", "pieces", "masked",
+    "rechunk": (*_COMMON, "threads", "sizes", "local_size", "chunks", "pieces",
+                "time_series", "masked",
                 "consumer", "memory_limit", "methods", "reuse_workers"),
     "queries": (*_COMMON, "threads", "memory_limit", "scale", "queries", "methods"),
     "replicated": ("workers", "json", "quiet", "threads", "calls", "cases"),
@@ -579,12 +586,12 @@ def _bad_argument(args: argparse.Namespace) -> str | None:
             return (f"--consumer of bench {args.what} takes a comma-separated list of "
                     f"{', '.join(CONSUMERS[args.what])}; got {args.consumer!r}")
         sizes = [t for t in args.sizes.split(",") if t]
-        if args.what == "rechunk" and args.local_size:
-            sizes.append(args.local_size)
+        if args.what == "rechunk":
+            sizes += [t for t in (args.local_size, args.time_series) if t]
         for text in sizes:
             if _size(text) is None:
-                return (f"--sizes and --local-size take sizes such as 512MB or 2GB, "
-                        f"comma-separated; got {text!r}")
+                return (f"--sizes, --local-size and --time-series take sizes such as 512MB "
+                        f"or 2GB (--sizes comma-separated); got {text!r}")
     if args.what == "shuffle":
         try:
             if any(int(n) < 1 for n in args.partitions.split(",") if n):

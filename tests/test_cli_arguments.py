@@ -33,7 +33,9 @@ pytestmark = pytest.mark.timeout(60)
      "--no-tiny, --methods do not apply to bench overhead"),
     (["bench", "replicated", "--calls", "0"], "--calls must be at least 1"),
     (["bench", "rechunk", "--chunks", "-5"], "--chunks must be 0"),
-    (["bench", "shuffle", "--sizes", "abc"], "--sizes and --local-size take sizes"),
+    (["bench", "shuffle", "--sizes", "abc"], "--sizes, --local-size and --time-series take"),
+    (["bench", "rechunk", "--sizes", "", "--time-series", "big"], "got 'big'"),
+    (["bench", "shuffle", "--time-series", "1GB"], "--time-series does not apply"),
     (["bench", "rechunk", "--sizes", "", "--local-size", "0"], "got '0'"),
     (["bench", "shuffle", "--methods", "bogus"], "--methods takes a comma-separated list "
                                                  "of service, p2p, tasks, noop; got "

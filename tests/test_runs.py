@@ -317,6 +317,31 @@ def test_cli_bench_rechunk_of_masked_arrays(capsys):
         assert row["median_s"] > 0 and row["failed"] == 0
 
 
+def test_the_time_series_case_cuts_the_grid_into_twenty_by_twenty_tiles():
+    from benchmarks.rechunk import time_series
+
+    assert time_series(10**9) == ((1000, 500, 500), (1, 500, 500), (1000, 25, 25))
+    shape, old, new = time_series(10**6)  # small: tiles of one element at the least
+    assert shape == (1000, 20, 20) and old == (1, 20, 20) and new == (1000, 1, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_cli_bench_rechunk_of_a_time_series(capsys):
+    from dask_services.cli import main
+
+    args = ["bench", "rechunk", "--sizes", "", "--local-size", "", "--time-series", "4MB",
+            "--consumer", "none,sum", "--repeat", "1", "--methods", "service,tasks",
+            "--json", "--reuse-workers"]
+    assert main(args) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {(row["case"], row["method"]) for row in rows} == {
+        (case, method) for case in ("time series 4MB", "time series 4MB +sum")
+        for method in ("service", "tasks")}
+    for row in rows:
+        assert row["median_s"] > 0 and row["failed"] == 0
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_cli_bench_shuffle_of_an_input_made_in_the_measured_graph(capsys):
