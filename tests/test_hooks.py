@@ -77,6 +77,8 @@ def test_scheduler_internals_we_use():
     assert {"nbytes", "type", "typename", "worker", "startstops"} <= set(
         inspect.signature(Scheduler._transition_processing_memory).parameters)
     assert callable(TaskState.set_nbytes) and callable(TaskState.get_nbytes)
+    assert "run_id" in TaskState.__slots__ and "type" in TaskState.__slots__
+    assert "elif ts.run_id != run_id:" in inspect.getsource(Scheduler.stimulus_task_finished)
     params = inspect.signature(SchedulerPlugin.update_graph).parameters
     assert {"scheduler", "keys", "tasks"} <= set(params)
     assert "stimulus_id" in inspect.signature(SchedulerPlugin.transition).parameters
