@@ -30,57 +30,93 @@ def hold_the_thread() -> int:
     return 1
 
 
+async def outputs_waiting_on(c, s, a):
+    """A run of ``Recorder`` over inputs on both workers, finished, two of its outputs
+    produced on ``a`` and their claims queued behind a task holding ``a``'s only thread:
+    ``(outputs, inputs, the busy task, the service key, the run id, the waiting keys)``."""
+    futs = c.map(block, range(4), workers=[a.address, *(w for w in s.workers
+                                                        if w != a.address)])
+    await c.gather(futs)
+    outs = dask_services.submit(Recorder, futs, outputs=4, gate="retire", client=c)
+    await async_poll_for(lambda: sum(e[0] == "all_inputs_done" for e in Recorder.events)
+                         == 2, timeout=30)
+    busy = c.submit(hold_the_thread, workers=[a.address], allow_other_workers=True,
+                    pure=False)
+    await async_poll_for(lambda: a.state.executing_count == 1, timeout=30)
+    Recorder.gates["retire"].set()  # the run finishes: two outputs produced on each
+    plugin = s.extensions["dask_services"]
+    (service_key,) = plugin.machines
+    machine = plugin.machines[service_key]
+    # finished: every output produced; not concluded: not every one taken yet
+    await async_poll_for(lambda: machine.run is not None and not machine.run.live,
+                         timeout=30)
+    assert not machine.run.concluded
+    waiting = [k for k, w in plugin.cut.items() if w == a.address]
+    assert waiting  # produced on a, their claims queued behind the busy task
+    assert all(s.tasks[k].state == "processing" for k in waiting)
+    return outs, futs, busy, service_key, machine.run.run_id, waiting
+
+
+def runs_started(s, service_key) -> list[int]:
+    return [m["run_id"] for _, m in s.get_events("dask_services")
+            if m.get("action") == "started" and m.get("key") == service_key]
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    Recorder.reset()
+    _busy.clear()
+    yield
+    _busy.set()
+    Recorder.reset()
+
+
 @service_cluster()
 async def test_outputs_waiting_for_their_claims_move_with_the_retirement(c, s, a, b):
     """A retiring worker runs no task, so the claims of outputs produced there and not
     yet taken (queued behind a task that was running) would never run: the run that had
     finished produced them again once the worker left.  They are taken into the worker's
     memory when the retirement starts, and the retirement moves them like any data."""
-    Recorder.reset()
-    _busy.clear()
-    try:
-        futs = c.map(block, range(4), workers=[a.address, b.address])
-        await c.gather(futs)
-        outs = dask_services.submit(Recorder, futs, outputs=4, gate="retire", client=c)
-        await async_poll_for(lambda: sum(e[0] == "all_inputs_done" for e in Recorder.events)
-                             == 2, timeout=30)
-        busy = c.submit(hold_the_thread, workers=[a.address], allow_other_workers=True,
-                        pure=False)
-        await async_poll_for(lambda: a.state.executing_count == 1, timeout=30)
-        Recorder.gates["retire"].set()  # the run finishes: two outputs produced on each
-        plugin = s.extensions["dask_services"]
-        (service_key,) = plugin.machines
-        machine = plugin.machines[service_key]
-        # finished: every output produced; not concluded: not every one taken yet
-        await async_poll_for(lambda: machine.run is not None and not machine.run.live,
-                             timeout=30)
-        assert not machine.run.concluded
-        waiting = [k for k, w in plugin.cut.items() if w == a.address]
-        assert waiting  # produced on a, their claims queued behind the busy task
-        assert all(s.tasks[k].state == "processing" for k in waiting)
-        run_id = machine.run.run_id
+    outs, futs, busy, service_key, run_id, waiting = await outputs_waiting_on(c, s, a)
+    retiring = asyncio.create_task(c.retire_workers([a.address]))
+    await async_poll_for(lambda: a.address not in s.workers
+                         or s.workers[a.address].status == Status.closing_gracefully,
+                         timeout=10)
+    _busy.set()  # the task that held the thread ends; a retiring worker starts none
+    assert a.address in await retiring
+    assert a.address not in s.workers
 
-        retiring = asyncio.create_task(c.retire_workers([a.address]))
-        await async_poll_for(lambda: a.address not in s.workers
-                             or s.workers[a.address].status == Status.closing_gracefully,
-                             timeout=10)
-        _busy.set()  # the task that held the thread ends; a retiring worker starts none
-        assert a.address in await retiring
-        assert a.address not in s.workers
+    expected = np.sum([block(i) for i in range(4)], axis=0)
+    for got in await c.gather(outs):
+        np.testing.assert_array_equal(got, expected)
+    assert runs_started(s, service_key) == [run_id]  # no new run made them again
+    for k in waiting:  # moved to b, with the size a measured
+        assert {ws.address for ws in s.tasks[k].who_has} == {b.address}
+        assert s.tasks[k].nbytes == sizeof(expected)
+        assert s.tasks[k].type == "numpy.ndarray"
+    await busy
+    del outs, futs, busy
+    await assert_nothing_left(s, [b])
 
-        expected = np.sum([block(i) for i in range(4)], axis=0)
-        for got in await c.gather(outs):
-            np.testing.assert_array_equal(got, expected)
-        started = [m["run_id"] for _, m in s.get_events("dask_services")
-                   if m.get("action") == "started" and m.get("key") == service_key]
-        assert started == [run_id]  # no new run made them again
-        for k in waiting:  # moved to b, with the size a measured
-            assert {ws.address for ws in s.tasks[k].who_has} == {b.address}
-            assert s.tasks[k].nbytes == sizeof(expected)
-            assert s.tasks[k].type == "numpy.ndarray"
-        await busy
-        del outs, futs, busy
-        await assert_nothing_left(s, [b])
-    finally:
-        _busy.set()
-        Recorder.reset()
+
+@service_cluster()
+async def test_outputs_taken_into_memory_stay_where_a_retirement_is_given_up(c, s, a, b):
+    """Retiring every worker is given up (no worker to move the data to): the outputs
+    taken into memory as it started stay on their worker, which runs tasks again."""
+    outs, futs, busy, service_key, run_id, waiting = await outputs_waiting_on(c, s, a)
+    assert await c.retire_workers([a.address, b.address]) == {}  # neither could be
+    # (the busy task still holds a's thread: only the retirement took them into memory)
+    assert all(s.tasks[k].state == "memory" for k in waiting)
+    await async_poll_for(lambda: all(ws.status == Status.running
+                                     for ws in s.workers.values()), timeout=10)
+    _busy.set()
+
+    expected = np.sum([block(i) for i in range(4)], axis=0)
+    for got in await c.gather(outs):
+        np.testing.assert_array_equal(got, expected)
+    assert runs_started(s, service_key) == [run_id]
+    for k in waiting:
+        assert {ws.address for ws in s.tasks[k].who_has} == {a.address}
+    await busy
+    del outs, futs, busy
+    await assert_nothing_left(s, [a, b])
