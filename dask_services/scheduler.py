@@ -481,15 +481,16 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
         memory, they are data the retirement moves to other workers before the worker
         leaves.  Called as distributed logs the status change, before the retirement
         looks at what the worker holds (in the same call).  A claim that runs the
-        output's consumer (``ConsumingClaimSpec``) has no value of its own to take: it
-        still waits, as do the outputs of a run the retirement restarted."""
+        output's only consumer (``ConsumingClaimSpec``) is taken in as well, the worker
+        running the consumer itself (a retirement fetching it before it is done finds it
+        missing and asks again).  The outputs of a run the retirement restarted are not
+        taken: that run makes them again."""
         ws = self.scheduler.workers.get(worker)
         tasks = self.scheduler.tasks
         landing = []
         for key, producer in self.cut.items():
             ts = tasks.get(key)
-            if (producer != worker or ts is None or ts.processing_on is not ws
-                    or isinstance(ts.run_spec, ConsumingClaimSpec)):
+            if producer != worker or ts is None or ts.processing_on is not ws:
                 continue
             machine = self.machines.get(self.output_of[key])
             if machine is not None and not machine.rescheduling and machine.live_run is None:
@@ -501,7 +502,8 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
         self.scheduler.running.discard(ws)
         for ts in landing:
             self._send(worker, {"op": "service-land-output", "key": ts.key,
-                                "stimulus_id": stimulus_id})
+                                "stimulus_id": stimulus_id,
+                                "consumer": isinstance(ts.run_spec, ConsumingClaimSpec)})
         flush(self.scheduler.stream_comms.get(worker))
         for ts in landing:
             # as if the claim had run there; the worker reports the value's size and type

@@ -55,6 +55,7 @@ from dask_services._worker_environment import (
     _traffic,
 )
 from dask_services.config import setting
+from dask_services.graph import ConsumingClaimSpec
 from dask_services.service import (
     OutputLostError,
     PeerCallError,
@@ -330,18 +331,48 @@ class ServiceWorkerPlugin(WorkerPlugin):
     def _service_drop_output(self, key: Key, **_: Any) -> None:
         self.produced.drop(key)
 
-    def _service_land_output(self, key: Key, stimulus_id: str, **_: Any) -> None:
+    def _service_land_output(self, key: Key, stimulus_id: str, consumer: bool = False,
+                             **_: Any) -> None:
         """This worker is being retired and runs no task, so the claim of output ``key``,
         produced here, will not run: the scheduler took the output into memory here, and
         the produced value becomes the key's data, which the retirement moves to another
-        worker (``ServiceSchedulerPlugin._land_outputs_of_retiring``)."""
+        worker (``ServiceSchedulerPlugin._land_outputs_of_retiring``).  A claim that runs
+        the output's only consumer (``consumer``) has the consumer's result as its data:
+        the consumer runs in a service thread (the retirement waits for the key)."""
         ts = self.worker.state.tasks.get(key)
         if ts is not None and ts.state not in _CLAIM_NOT_STARTED:
             return  # its claim started before the retirement: it reports as it ends
+        if consumer:
+            if ts is not None and isinstance(ts.run_spec, ConsumingClaimSpec):
+                self._spawn(self._land_consumed(key, ts.run_spec.args[2], stimulus_id))
+            return  # (no claim here to say what its consumer is: made again, if lost)
         try:
             value = self.produced.take(key)
         except KeyError:
             return  # let go of meanwhile: the scheduler finds it missing and makes it again
+        self._landed(key, value, stimulus_id)
+
+    async def _land_consumed(self, key: Key, consumer: Callable[[Any], Any],
+                             stimulus_id: str) -> None:
+        try:
+            value = self.produced.take(key, keep=True)
+        except KeyError:
+            return
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(self.executor,
+                                                                      consumer, value)
+        except Exception as e:  # its claim, run again by a new run, raises it to the user
+            logger.warning("dask_services: the consumer of output %r failed on a worker "
+                           "being retired (%r); a new run makes the output again", key, e)
+            return
+        del value
+        ts = self.worker.state.tasks.get(key)
+        if ts is None or ts.state not in _CLAIM_NOT_STARTED:
+            return  # the retirement was given up and the claim ran, or it was let go of
+        self.produced.drop(key)
+        self._landed(key, result, stimulus_id)
+
+    def _landed(self, key: Key, value: Any, stimulus_id: str) -> None:
         self.worker.handle_stimulus(UpdateDataEvent(data={key: value},
                                                     stimulus_id=stimulus_id))
         landed = self.worker.state.tasks.get(key)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import dask.array as da
 import numpy as np
 import pytest
 from dask.sizeof import sizeof
+from distributed import wait
 from distributed.core import Status
 from distributed.utils_test import async_poll_for
 from services import Recorder
@@ -18,6 +20,13 @@ import dask_services
 pytestmark = pytest.mark.timeout(90)
 
 _busy = threading.Event()
+_gate = threading.Event()
+
+
+def held_then_doubled(block: np.ndarray) -> np.ndarray:
+    """A consumer that waits for ``_gate``, then doubles its block."""
+    _gate.wait(timeout=60)
+    return block * 2
 
 
 def block(i: int) -> np.ndarray:
@@ -66,8 +75,10 @@ def runs_started(s, service_key) -> list[int]:
 def _reset():
     Recorder.reset()
     _busy.clear()
+    _gate.clear()
     yield
     _busy.set()
+    _gate.set()
     Recorder.reset()
 
 
@@ -120,3 +131,42 @@ async def test_outputs_taken_into_memory_stay_where_a_retirement_is_given_up(c, 
     await busy
     del outs, futs, busy
     await assert_nothing_left(s, [a, b])
+
+
+@service_cluster()
+async def test_outputs_whose_claims_run_their_consumer_move_with_the_retirement(c, s, a, b):
+    """A rechunk's output whose only consumer runs in its claim (``_claim_fusion``) has no
+    value of its own to take: the retiring worker runs the consumer itself, in a service
+    thread (its task threads start nothing), and the result moves with its other data."""
+    values = np.arange(400 * 300.0).reshape(400, 300)
+    x = c.persist(da.from_array(values, chunks=(50, 300)))
+    await wait(x)
+    y = x.rechunk((400, 30), method="service").map_blocks(held_then_doubled,
+                                                          meta=np.empty((0, 0)))
+    out = c.persist(y)
+    plugin = s.extensions["dask_services"]
+    await async_poll_for(lambda: len(plugin.machines) == 1, timeout=30)
+    (service_key,) = plugin.machines
+    machine = plugin.machines[service_key]
+    # every output produced; one claim per worker runs its consumer, held at the gate,
+    # the others wait for the thread
+    await async_poll_for(lambda: machine.run is not None and not machine.run.live
+                         and a.state.executing_count == 1, timeout=30)
+    waiting = [k for k, w in plugin.cut.items()
+               if w == a.address and a.state.tasks[k].state == "ready"]
+    assert waiting
+    run_id = machine.run.run_id
+
+    retiring = asyncio.create_task(c.retire_workers([a.address]))
+    await async_poll_for(lambda: a.address not in s.workers
+                         or s.workers[a.address].status == Status.closing_gracefully,
+                         timeout=10)
+    _gate.set()
+    assert a.address in await retiring
+    np.testing.assert_array_equal(await c.compute(out), values * 2)
+    assert runs_started(s, service_key) == [run_id]
+    for k in waiting:  # moved to b, with the size of the consumer's result
+        assert {ws.address for ws in s.tasks[k].who_has} == {b.address}
+        assert s.tasks[k].nbytes == 400 * 30 * 8
+    del out, x, y
+    await assert_nothing_left(s, [b])
