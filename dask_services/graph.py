@@ -330,6 +330,10 @@ class ConsumingClaimSpec(OutputClaimSpec):
     def is_coro(self) -> bool:
         return False
 
+    @property
+    def consumer(self) -> Consumer:
+        return self.args[2]
+
 
 def build_service_graph(
     definition: ServiceDefinition, service_key: Key, input_keys: Sequence[Key],

@@ -91,8 +91,10 @@ TRIM_WHILE_PAUSED_EVERY_S = 1.0
 # waiting PUSH_RETRY_DELAY seconds, doubled each time up to a second, in between
 PUSH_ATTEMPTS = 8
 PUSH_RETRY_DELAY = 0.05
-# Worker task states of a claim that has not started (its value still held as produced).
+# Worker task states of a claim that has not started (its value still held as produced),
+# and those of one that has ended
 _CLAIM_NOT_STARTED = frozenset({"released", "waiting", "ready", "constrained"})
+_CLAIM_ENDED = frozenset({"memory", "error", "released", "forgotten"})
 # Worker task states in which a service task cannot be waiting for its outcome.
 _NOT_RUNNING = frozenset({"cancelled", "released", "forgotten", "memory", "error"})
 
@@ -165,6 +167,9 @@ class ServiceWorkerPlugin(WorkerPlugin):
         self.host = ServiceHost(WorkerEnvironment(self))
         self.produced = ProducedOutputs(self.host.env.local_directory)
         self.outcomes: dict[Key, asyncio.Future] = {}
+        # claims running when the scheduler took their outputs into memory here (a
+        # retirement), until they end (``_service_land_output``)
+        self.claims_after_landing: set[Key] = set()
         self._background: set[asyncio.Task] = set()
         self.executor = self.threads.executor
         self.counter_reports = CounterReports()
@@ -338,37 +343,43 @@ class ServiceWorkerPlugin(WorkerPlugin):
         the produced value becomes the key's data, which the retirement moves to another
         worker (``ServiceSchedulerPlugin._land_outputs_of_retiring``).  A claim that runs
         the output's only consumer (``consumer``) has the consumer's result as its data:
-        the consumer runs in a service thread (the retirement waits for the key)."""
+        the consumer runs in a service thread (the retirement waits for the key).  Where
+        the key cannot be made here, the scheduler is told (``_not_landed``)."""
         ts = self.worker.state.tasks.get(key)
         if ts is not None and ts.state not in _CLAIM_NOT_STARTED:
-            return  # its claim started before the retirement: it reports as it ends
+            self.claims_after_landing.add(key)  # it started before: it reports as it ends
+            return
         if consumer:
             if ts is not None and isinstance(ts.run_spec, ConsumingClaimSpec):
-                self._spawn(self._land_consumed(key, ts.run_spec.args[2], stimulus_id))
-            return  # (no claim here to say what its consumer is: made again, if lost)
+                self._spawn(self._land_consumed(key, ts.run_spec.consumer, stimulus_id))
+            else:  # no claim here to say what its consumer is
+                self._not_landed(key, stimulus_id)
+            return
         try:
             value = self.produced.take(key)
-        except KeyError:
-            return  # let go of meanwhile: the scheduler finds it missing and makes it again
+        except KeyError:  # let go of meanwhile
+            self._not_landed(key, stimulus_id)
+            return
         self._landed(key, value, stimulus_id)
 
     async def _land_consumed(self, key: Key, consumer: Callable[[Any], Any],
                              stimulus_id: str) -> None:
         try:
             value = self.produced.take(key, keep=True)
-        except KeyError:
-            return
-        try:
             result = await asyncio.get_running_loop().run_in_executor(self.executor,
                                                                       consumer, value)
         except Exception as e:  # its claim, run again by a new run, raises it to the user
-            logger.warning("dask_services: the consumer of output %r failed on a worker "
-                           "being retired (%r); a new run makes the output again", key, e)
+            logger.warning("dask_services: the output %r cannot be made on a worker being "
+                           "retired (%r); a new run makes it again", key, e)
+            self._not_landed(key, stimulus_id)
             return
         del value
         ts = self.worker.state.tasks.get(key)
-        if ts is None or ts.state not in _CLAIM_NOT_STARTED:
-            return  # the retirement was given up and the claim ran, or it was let go of
+        if ts is None:
+            return  # let go of meanwhile (the scheduler released it)
+        if ts.state not in _CLAIM_NOT_STARTED:  # the retirement was given up: it ran
+            self.claims_after_landing.add(key)
+            return
         self.produced.drop(key)
         self._landed(key, result, stimulus_id)
 
@@ -380,6 +391,14 @@ class ServiceWorkerPlugin(WorkerPlugin):
             self.worker.batched_stream.send({"op": "service-landed", "key": key,
                                              "nbytes": landed.nbytes,
                                              "typename": typename(type(value))})
+
+    def _not_landed(self, key: Key, stimulus_id: str) -> None:
+        """The scheduler took output ``key`` into memory here and this worker has no value
+        for it: distributed's message of a worker letting go of a key, after which the
+        scheduler makes it again (a new run).  Without it a retirement would wait for
+        ever to move data the worker does not have."""
+        self.worker.batched_stream.send({"op": "release-worker-data", "key": key,
+                                         "stimulus_id": stimulus_id})
 
     def _outcome(self, key: Key) -> asyncio.Future:
         fut = self.outcomes.get(key)
@@ -394,6 +413,12 @@ class ServiceWorkerPlugin(WorkerPlugin):
             fut = self.outcomes.pop(key)
             if not fut.done():
                 fut.set_result(("cancelled", None))
+        # a claim that ran after the scheduler took its output into memory here reports
+        # a failure the scheduler ignores (the key is in memory): it is told instead
+        if finish in _CLAIM_ENDED and key in getattr(self, "claims_after_landing", ()):
+            self.claims_after_landing.discard(key)
+            if finish == "error":
+                self._not_landed(key, f"claim-failed-after-landing-{key}")
 
     # ------------------------------------------------------------- peer -> worker
 

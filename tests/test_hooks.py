@@ -79,6 +79,15 @@ def test_scheduler_internals_we_use():
     assert callable(TaskState.set_nbytes) and callable(TaskState.get_nbytes)
     assert "run_id" in TaskState.__slots__ and "type" in TaskState.__slots__
     assert "elif ts.run_id != run_id:" in inspect.getsource(Scheduler.stimulus_task_finished)
+    # ... and where the worker cannot make one, distributed's message of a worker letting
+    # go of a key: the scheduler drops the replica and releases a key left with none (a
+    # failure the claim reports once its key is in memory is not taken: the task is not
+    # processing any more)
+    assert '"release-worker-data": self.release_worker_data' in inspect.getsource(
+        Scheduler.__init__)
+    src = inspect.getsource(Scheduler.release_worker_data)
+    assert "self.remove_replica(ts, ws)" in src and '{key: "released"}' in src
+    assert 'ts.state != "processing"' in inspect.getsource(Scheduler.stimulus_task_erred)
     params = inspect.signature(SchedulerPlugin.update_graph).parameters
     assert {"scheduler", "keys", "tasks"} <= set(params)
     assert "stimulus_id" in inspect.signature(SchedulerPlugin.transition).parameters

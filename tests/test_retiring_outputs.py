@@ -13,7 +13,7 @@ from distributed import wait
 from distributed.core import Status
 from distributed.utils_test import async_poll_for
 from services import Recorder
-from utils import assert_nothing_left, service_cluster
+from utils import assert_errs, assert_nothing_left, service_cluster
 
 import dask_services
 
@@ -27,6 +27,12 @@ def held_then_doubled(block: np.ndarray) -> np.ndarray:
     """A consumer that waits for ``_gate``, then doubles its block."""
     _gate.wait(timeout=60)
     return block * 2
+
+
+def held_then_raises(block: np.ndarray) -> np.ndarray:
+    """A consumer that waits for ``_gate``, then fails."""
+    _gate.wait(timeout=60)
+    raise ValueError("the consumer fails")
 
 
 def block(i: int) -> np.ndarray:
@@ -169,4 +175,37 @@ async def test_outputs_whose_claims_run_their_consumer_move_with_the_retirement(
         assert {ws.address for ws in s.tasks[k].who_has} == {b.address}
         assert s.tasks[k].nbytes == 400 * 30 * 8
     del out, x, y
+    await assert_nothing_left(s, [b])
+
+
+@service_cluster()
+async def test_a_consumer_failing_on_a_retiring_worker_leaves_the_retirement_free(c, s, a, b):
+    """The outputs taken in as a retirement starts are the scheduler's data on that worker:
+    where the worker cannot make one (its consumer raises, in the service thread or in the
+    claim that had started), it tells the scheduler, which lets go of it; else the
+    retirement would wait for ever for data the worker does not have.  The error reaches
+    the user through the new run that makes the output again."""
+    values = np.arange(400 * 300.0).reshape(400, 300)
+    x = c.persist(da.from_array(values, chunks=(50, 300)))
+    await wait(x)
+    y = x.rechunk((400, 30), method="service").map_blocks(held_then_raises,
+                                                          meta=np.empty((0, 0)))
+    out = c.persist(y)
+    plugin = s.extensions["dask_services"]
+    await async_poll_for(lambda: len(plugin.machines) == 1, timeout=30)
+    (service_key,) = plugin.machines
+    machine = plugin.machines[service_key]
+    await async_poll_for(lambda: machine.run is not None and not machine.run.live
+                         and a.state.executing_count == 1, timeout=30)
+    assert any(w == a.address for w in plugin.cut.values())
+
+    retiring = asyncio.create_task(c.retire_workers([a.address]))
+    await async_poll_for(lambda: a.address not in s.workers
+                         or s.workers[a.address].status == Status.closing_gracefully,
+                         timeout=10)
+    _gate.set()
+    assert a.address in await asyncio.wait_for(retiring, 30)
+    total = c.compute(out)
+    await assert_errs(total, ValueError, "the consumer fails")
+    del out, x, y, total
     await assert_nothing_left(s, [b])
