@@ -347,7 +347,7 @@ class ServiceWorkerPlugin(WorkerPlugin):
         the key cannot be made here, the scheduler is told (``_not_landed``)."""
         ts = self.worker.state.tasks.get(key)
         if ts is not None and ts.state not in _CLAIM_NOT_STARTED:
-            self.claims_after_landing.add(key)  # it started before: it reports as it ends
+            self._claim_started(key, ts.state, stimulus_id)
             return
         if consumer:
             if ts is not None and isinstance(ts.run_spec, ConsumingClaimSpec):
@@ -378,10 +378,19 @@ class ServiceWorkerPlugin(WorkerPlugin):
         if ts is None:
             return  # let go of meanwhile (the scheduler released it)
         if ts.state not in _CLAIM_NOT_STARTED:  # the retirement was given up: it ran
-            self.claims_after_landing.add(key)
+            self._claim_started(key, ts.state, stimulus_id)
             return
         self.produced.drop(key)
         self._landed(key, result, stimulus_id)
+
+    def _claim_started(self, key: Key, state: str, stimulus_id: str) -> None:
+        """The claim of output ``key``, which the scheduler took into memory here, started
+        on its own: it reports as it ends (``transition``), or it ended already (a failure
+        the scheduler ignores once the key is in memory: it is told here)."""
+        if state == "error":
+            self._not_landed(key, stimulus_id)
+        elif state not in _CLAIM_ENDED:
+            self.claims_after_landing.add(key)
 
     def _landed(self, key: Key, value: Any, stimulus_id: str) -> None:
         self.worker.handle_stimulus(UpdateDataEvent(data={key: value},

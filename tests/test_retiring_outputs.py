@@ -209,3 +209,36 @@ async def test_a_consumer_failing_on_a_retiring_worker_leaves_the_retirement_fre
     await assert_errs(total, ValueError, "the consumer fails")
     del out, x, y, total
     await assert_nothing_left(s, [b])
+
+
+class _Stream:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, msg):
+        self.sent.append(msg)
+
+
+def test_a_claim_that_started_by_itself_is_followed_to_its_end():
+    """A claim that was running (or had ended) when the scheduler took its output in
+    reports its success itself; a failure, which the scheduler no longer takes, is told
+    as the key being let go of, whether it came before or after the landing."""
+    from types import SimpleNamespace
+
+    from dask_services.worker import ServiceWorkerPlugin
+
+    ext = ServiceWorkerPlugin.__new__(ServiceWorkerPlugin)
+    ext.worker = SimpleNamespace(batched_stream=_Stream())
+    ext.claims_after_landing = set()
+    ext._claim_started("done", "memory", "s")  # ended well: its report is taken
+    ext._claim_started("failed", "error", "s")  # ended badly before the landing
+    ext._claim_started("running", "executing", "s")
+    assert ext.claims_after_landing == {"running"}
+    assert ext.worker.batched_stream.sent == [
+        {"op": "release-worker-data", "key": "failed", "stimulus_id": "s"}]
+    ext.transition("running", "executing", "error")  # ... and badly after it
+    assert not ext.claims_after_landing
+    assert [m["key"] for m in ext.worker.batched_stream.sent] == ["failed", "running"]
+    ext._claim_started("again", "executing", "s")
+    ext.transition("again", "executing", "memory")
+    assert not ext.claims_after_landing and len(ext.worker.batched_stream.sent) == 2
