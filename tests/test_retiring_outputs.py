@@ -95,12 +95,8 @@ async def test_outputs_waiting_for_their_claims_move_with_the_retirement(c, s, a
     finished produced them again once the worker left.  They are taken into the worker's
     memory when the retirement starts, and the retirement moves them like any data."""
     outs, futs, busy, service_key, run_id, waiting = await outputs_waiting_on(c, s, a)
-    retiring = asyncio.create_task(c.retire_workers([a.address]))
-    await async_poll_for(lambda: a.address not in s.workers
-                         or s.workers[a.address].status == Status.closing_gracefully,
-                         timeout=10)
-    _busy.set()  # the task that held the thread ends; a retiring worker starts none
-    assert a.address in await retiring
+    # the task that held the thread ends; a retiring worker starts no other
+    assert a.address in await retired_then_set(c, s, a, _busy)
     assert a.address not in s.workers
 
     expected = np.sum([block(i) for i in range(4)], axis=0)
@@ -139,42 +135,54 @@ async def test_outputs_taken_into_memory_stay_where_a_retirement_is_given_up(c, 
     await assert_nothing_left(s, [a, b])
 
 
-@service_cluster()
-async def test_outputs_whose_claims_run_their_consumer_move_with_the_retirement(c, s, a, b):
-    """A rechunk's output whose only consumer runs in its claim (``_claim_fusion``) has no
-    value of its own to take: the retiring worker runs the consumer itself, in a service
-    thread (its task threads start nothing), and the result moves with its other data."""
-    values = np.arange(400 * 300.0).reshape(400, 300)
-    x = c.persist(da.from_array(values, chunks=(50, 300)))
+VALUES = np.arange(400 * 300.0).reshape(400, 300)
+
+
+async def rechunk_consumed_by(c, s, a, consumer):
+    """A service rechunk of ``VALUES`` whose outputs' only consumer (``consumer``, held
+    at ``_gate``) runs in their claims, persisted, once its run finished with one claim
+    on each worker running its consumer and the others waiting for the thread:
+    ``(the input, the output, the service key, the run id, the claims waiting on a)``."""
+    x = c.persist(da.from_array(VALUES, chunks=(50, 300)))
     await wait(x)
-    y = x.rechunk((400, 30), method="service").map_blocks(held_then_doubled,
-                                                          meta=np.empty((0, 0)))
-    out = c.persist(y)
+    out = c.persist(x.rechunk((400, 30), method="service").map_blocks(
+        consumer, meta=np.empty((0, 0))))
     plugin = s.extensions["dask_services"]
     await async_poll_for(lambda: len(plugin.machines) == 1, timeout=30)
     (service_key,) = plugin.machines
     machine = plugin.machines[service_key]
-    # every output produced; one claim per worker runs its consumer, held at the gate,
-    # the others wait for the thread
     await async_poll_for(lambda: machine.run is not None and not machine.run.live
                          and a.state.executing_count == 1, timeout=30)
     waiting = [k for k, w in plugin.cut.items()
                if w == a.address and a.state.tasks[k].state == "ready"]
     assert waiting
-    run_id = machine.run.run_id
+    return x, out, service_key, machine.run.run_id, waiting
 
+
+async def retired_then_set(c, s, a, event: threading.Event) -> dict:
+    """What ``retire_workers([a])`` returns, ``event`` set once the retirement started."""
     retiring = asyncio.create_task(c.retire_workers([a.address]))
     await async_poll_for(lambda: a.address not in s.workers
                          or s.workers[a.address].status == Status.closing_gracefully,
                          timeout=10)
-    _gate.set()
-    assert a.address in await retiring
-    np.testing.assert_array_equal(await c.compute(out), values * 2)
+    event.set()
+    return await asyncio.wait_for(retiring, 30)
+
+
+@service_cluster()
+async def test_outputs_whose_claims_run_their_consumer_move_with_the_retirement(c, s, a, b):
+    """A rechunk's output whose only consumer runs in its claim (``_claim_fusion``) has no
+    value of its own to take: the retiring worker runs the consumer itself, in a service
+    thread (its task threads start nothing), and the result moves with its other data."""
+    x, out, service_key, run_id, waiting = await rechunk_consumed_by(c, s, a,
+                                                                     held_then_doubled)
+    assert a.address in await retired_then_set(c, s, a, _gate)
+    np.testing.assert_array_equal(await c.compute(out), VALUES * 2)
     assert runs_started(s, service_key) == [run_id]
     for k in waiting:  # moved to b, with the size of the consumer's result
         assert {ws.address for ws in s.tasks[k].who_has} == {b.address}
         assert s.tasks[k].nbytes == 400 * 30 * 8
-    del out, x, y
+    del out, x
     await assert_nothing_left(s, [b])
 
 
@@ -185,29 +193,11 @@ async def test_a_consumer_failing_on_a_retiring_worker_leaves_the_retirement_fre
     claim that had started), it tells the scheduler, which lets go of it; else the
     retirement would wait for ever for data the worker does not have.  The error reaches
     the user through the new run that makes the output again."""
-    values = np.arange(400 * 300.0).reshape(400, 300)
-    x = c.persist(da.from_array(values, chunks=(50, 300)))
-    await wait(x)
-    y = x.rechunk((400, 30), method="service").map_blocks(held_then_raises,
-                                                          meta=np.empty((0, 0)))
-    out = c.persist(y)
-    plugin = s.extensions["dask_services"]
-    await async_poll_for(lambda: len(plugin.machines) == 1, timeout=30)
-    (service_key,) = plugin.machines
-    machine = plugin.machines[service_key]
-    await async_poll_for(lambda: machine.run is not None and not machine.run.live
-                         and a.state.executing_count == 1, timeout=30)
-    assert any(w == a.address for w in plugin.cut.values())
-
-    retiring = asyncio.create_task(c.retire_workers([a.address]))
-    await async_poll_for(lambda: a.address not in s.workers
-                         or s.workers[a.address].status == Status.closing_gracefully,
-                         timeout=10)
-    _gate.set()
-    assert a.address in await asyncio.wait_for(retiring, 30)
+    x, out, *_ = await rechunk_consumed_by(c, s, a, held_then_raises)
+    assert a.address in await retired_then_set(c, s, a, _gate)
     total = c.compute(out)
     await assert_errs(total, ValueError, "the consumer fails")
-    del out, x, y, total
+    del out, x, total
     await assert_nothing_left(s, [b])
 
 
