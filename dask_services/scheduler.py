@@ -486,6 +486,8 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
         missing and asks again).  The outputs of a run the retirement restarted are not
         taken: that run makes them again."""
         ws = self.scheduler.workers.get(worker)
+        if ws is None:
+            return
         tasks = self.scheduler.tasks
         landing = []
         for key, producer in self.cut.items():
@@ -495,7 +497,7 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
             machine = self.machines.get(self.output_of[key])
             if machine is not None and not machine.rescheduling and machine.live_run is None:
                 landing.append(ts)
-        if ws is None or not landing:
+        if not landing:
             return
         # distributed takes the worker out of ``running`` right after logging the change:
         # the outputs' dependents, made ready below, must not be sent to it
