@@ -489,14 +489,33 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
         if ws is None:
             return
         tasks = self.scheduler.tasks
-        landing = []
+        landing, unplaced = [], []
         for key, producer in self.cut.items():
             ts = tasks.get(key)
-            if producer != worker or ts is None or ts.processing_on is not ws:
+            if producer != worker or ts is None:
                 continue
             machine = self.machines.get(self.output_of[key])
-            if machine is not None and not machine.rescheduling and machine.live_run is None:
+            if machine is None or machine.rescheduling or machine.live_run is not None:
+                continue
+            if ts.processing_on is ws:
                 landing.append(ts)
+            elif ts.state == "no-worker":
+                unplaced.append(ts)
+        if unplaced:
+            # a worker paused before its retirement started none of its claims: they wait
+            # without a worker.  Placed on it as when it ran (it is still in ``running``
+            # whenever the change came from a running worker), their claims reach the
+            # worker before the landing, as a running worker's queued claims do
+            running = self.scheduler.running
+            was_running = ws in running
+            running.add(ws)
+            try:
+                self.scheduler.transitions({ts.key: "processing" for ts in unplaced},
+                                           stimulus_id)
+            finally:
+                if not was_running:
+                    running.discard(ws)
+            landing += [ts for ts in unplaced if ts.processing_on is ws]
         if not landing:
             return
         # distributed takes the worker out of ``running`` right after logging the change:

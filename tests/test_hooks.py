@@ -69,6 +69,15 @@ def test_scheduler_internals_we_use():
         "self.running.discard(ws)")
     assert retire.index("self.handle_worker_status_change(") < retire.index(
         "amm.run_once()")
+    # ... those whose claims wait without a worker (it was paused) placed on it first:
+    # the no-worker -> processing transition picks among the running workers, and the
+    # idle and saturated sets it may add the worker to are cleared after the logging
+    assert ("no-worker", "processing") in Scheduler._TRANSITIONS_TABLE
+    assert "decide_worker_non_rootish(ts)" in inspect.getsource(
+        Scheduler._transition_no_worker_processing)
+    assert status_change.index("self.log_event(") < status_change.index(
+        "self.idle.pop(ws.address, None)") < status_change.index(
+        "self.saturated.discard(ws)")
     # ... as a worker's task-finished message takes a task into memory: the handler, and
     # the fields the processing -> memory transition reads
     src = inspect.getsource(Scheduler.handle_task_finished)

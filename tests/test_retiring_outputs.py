@@ -232,3 +232,40 @@ def test_a_claim_that_started_by_itself_is_followed_to_its_end():
     ext._claim_started("again", "executing", "s")
     ext.transition("again", "executing", "memory")
     assert not ext.claims_after_landing and len(ext.worker.batched_stream.sent) == 2
+
+
+# paused by the test: the memory monitor must not resume it
+@service_cluster(config={"distributed.worker.memory.pause": False})
+async def test_outputs_of_a_paused_worker_move_with_its_retirement(c, s, a, b):
+    """A paused worker runs no task, so the claims of outputs produced there wait without
+    a worker (``no-worker``), not on it; retired while paused, the worker would leave with
+    them and a new run would make them again.  They are taken in as the retirement starts
+    like the claims queued on a running worker."""
+    futs = c.map(block, range(4), workers=[a.address, b.address])
+    await c.gather(futs)
+    outs = dask_services.submit(Recorder, futs, outputs=4, gate="retire", client=c)
+    await async_poll_for(lambda: sum(e[0] == "all_inputs_done" for e in Recorder.events)
+                         == 2, timeout=30)
+    a.status = Status.paused
+    await async_poll_for(lambda: s.workers[a.address].status == Status.paused, timeout=10)
+    Recorder.gates["retire"].set()
+    plugin = s.extensions["dask_services"]
+    (service_key,) = plugin.machines
+    machine = plugin.machines[service_key]
+    run_id = machine.run.run_id
+    # finished, its outputs produced on a waiting without a worker, not on a
+    await async_poll_for(lambda: not machine.run.live, timeout=30)
+    waiting = [k for k, w in plugin.cut.items() if w == a.address]
+    assert waiting and all(s.tasks[k].state == "no-worker" for k in waiting)
+
+    assert a.address in await c.retire_workers([a.address])
+    assert a.address not in s.workers
+    expected = np.sum([block(i) for i in range(4)], axis=0)
+    for got in await c.gather(outs):
+        np.testing.assert_array_equal(got, expected)
+    assert runs_started(s, service_key) == [run_id]  # no new run made them again
+    for k in waiting:
+        assert {ws.address for ws in s.tasks[k].who_has} == {b.address}
+        assert s.tasks[k].nbytes == sizeof(expected)
+    del outs, futs
+    await assert_nothing_left(s, [b])
