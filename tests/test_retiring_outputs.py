@@ -269,3 +269,41 @@ async def test_outputs_of_a_paused_worker_move_with_its_retirement(c, s, a, b):
         assert s.tasks[k].nbytes == sizeof(expected)
     del outs, futs
     await assert_nothing_left(s, [b])
+
+
+@service_cluster(config={"distributed.worker.memory.pause": False})
+async def test_consumed_outputs_of_a_paused_worker_move_with_its_retirement(c, s, a, b):
+    """The same for a rechunk whose outputs' only consumer runs in their claims: the
+    paused, retiring worker runs the consumer in a service thread and the results move."""
+    x = c.persist(da.from_array(VALUES, chunks=(50, 300)), workers=[b.address])
+    await wait(x)
+    plugin = s.extensions["dask_services"]
+    prepare_run = plugin._prepare_run
+
+    def prepare_run_then_pause(*args, **kwargs):
+        # a takes part in the run (it was running), then pauses: it hands off nothing
+        # (it holds no input), its instance works on, and its outputs' claims cannot start
+        prepare_run(*args, **kwargs)
+        a.status = Status.paused
+
+    plugin._prepare_run = prepare_run_then_pause
+    out = c.persist(x.rechunk((400, 30), method="service").map_blocks(
+        lambda block: block * 2, meta=np.empty((0, 0))))
+    await async_poll_for(lambda: len(plugin.machines) == 1, timeout=30)
+    (service_key,) = plugin.machines
+    machine = plugin.machines[service_key]
+    await async_poll_for(lambda: machine.run is not None and not machine.run.live,
+                         timeout=30)
+    assert s.workers[a.address].status == Status.paused
+    run_id = machine.run.run_id
+    waiting = [k for k, w in plugin.cut.items() if w == a.address]
+    assert waiting and all(s.tasks[k].state == "no-worker" for k in waiting)
+
+    assert a.address in await c.retire_workers([a.address])
+    np.testing.assert_array_equal(await c.compute(out), VALUES * 2)
+    assert runs_started(s, service_key) == [run_id]
+    for k in waiting:  # moved to b, with the size of the consumer's result
+        assert {ws.address for ws in s.tasks[k].who_has} == {b.address}
+        assert s.tasks[k].nbytes == 400 * 30 * 8
+    del out, x
+    await assert_nothing_left(s, [b])
