@@ -489,7 +489,7 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
         if ws is None:
             return
         tasks = self.scheduler.tasks
-        landing, unplaced = [], []
+        landing, without_worker = [], []
         for key, producer in self.cut.items():
             ts = tasks.get(key)
             if producer != worker or ts is None:
@@ -500,22 +500,21 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
             if ts.processing_on is ws:
                 landing.append(ts)
             elif ts.state == "no-worker":
-                unplaced.append(ts)
-        if unplaced:
-            # a worker paused before its retirement started none of its claims: they wait
-            # without a worker.  Placed on it as when it ran (it is still in ``running``
-            # whenever the change came from a running worker), their claims reach the
-            # worker before the landing, as a running worker's queued claims do
-            running = self.scheduler.running
-            was_running = ws in running
-            running.add(ws)
+                without_worker.append(ts)
+        if without_worker:
+            # a worker paused before its retirement started none of these claims: they wait
+            # without a worker (``_claim_without_worker`` watches them, and finds them
+            # placed).  Placed on it through distributed's transition, the worker in
+            # ``running`` for that call only (distributed takes it out right after the
+            # logging anyway), they reach the worker before the landing, as the claims
+            # queued on a running worker do
+            self.scheduler.running.add(ws)
             try:
-                self.scheduler.transitions({ts.key: "processing" for ts in unplaced},
-                                           stimulus_id)
+                self.scheduler.transitions(
+                    {ts.key: "processing" for ts in without_worker}, stimulus_id)
             finally:
-                if not was_running:
-                    running.discard(ws)
-            landing += [ts for ts in unplaced if ts.processing_on is ws]
+                self.scheduler.running.discard(ws)
+            landing += [ts for ts in without_worker if ts.processing_on is ws]
         if not landing:
             return
         # distributed takes the worker out of ``running`` right after logging the change:

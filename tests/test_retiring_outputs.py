@@ -77,6 +77,30 @@ def runs_started(s, service_key) -> list[int]:
             if m.get("action") == "started" and m.get("key") == service_key]
 
 
+def assert_moved_by_the_one_run(s, service_key, run_id, waiting, to, nbytes) -> None:
+    """No new run made the outputs ``waiting``: they are on worker ``to`` alone, with the
+    size the worker they were produced on measured."""
+    assert runs_started(s, service_key) == [run_id]
+    for k in waiting:
+        assert {ws.address for ws in s.tasks[k].who_has} == {to.address}
+        assert s.tasks[k].nbytes == nbytes
+
+
+async def finished_with_claims_without_worker(s, a):
+    """Once the only run has finished, its outputs produced on the paused worker ``a``
+    wait without a worker: ``(the service key, the run id, those outputs)``."""
+    plugin = s.extensions["dask_services"]
+    await async_poll_for(lambda: len(plugin.machines) == 1, timeout=30)
+    (service_key,) = plugin.machines
+    machine = plugin.machines[service_key]
+    await async_poll_for(lambda: machine.run is not None and not machine.run.live,
+                         timeout=30)
+    assert s.workers[a.address].status == Status.paused
+    waiting = [k for k, w in plugin.cut.items() if w == a.address]
+    assert waiting and all(s.tasks[k].state == "no-worker" for k in waiting)
+    return service_key, machine.run.run_id, waiting
+
+
 @pytest.fixture(autouse=True)
 def _reset():
     Recorder.reset()
@@ -102,11 +126,8 @@ async def test_outputs_waiting_for_their_claims_move_with_the_retirement(c, s, a
     expected = np.sum([block(i) for i in range(4)], axis=0)
     for got in await c.gather(outs):
         np.testing.assert_array_equal(got, expected)
-    assert runs_started(s, service_key) == [run_id]  # no new run made them again
-    for k in waiting:  # moved to b, with the size a measured
-        assert {ws.address for ws in s.tasks[k].who_has} == {b.address}
-        assert s.tasks[k].nbytes == sizeof(expected)
-        assert s.tasks[k].type == "numpy.ndarray"
+    assert_moved_by_the_one_run(s, service_key, run_id, waiting, b, sizeof(expected))
+    assert all(s.tasks[k].type == "numpy.ndarray" for k in waiting)
     await busy
     del outs, futs, busy
     await assert_nothing_left(s, [b])
@@ -178,10 +199,8 @@ async def test_outputs_whose_claims_run_their_consumer_move_with_the_retirement(
                                                                      held_then_doubled)
     assert a.address in await retired_then_set(c, s, a, _gate)
     np.testing.assert_array_equal(await c.compute(out), VALUES * 2)
-    assert runs_started(s, service_key) == [run_id]
-    for k in waiting:  # moved to b, with the size of the consumer's result
-        assert {ws.address for ws in s.tasks[k].who_has} == {b.address}
-        assert s.tasks[k].nbytes == 400 * 30 * 8
+    # moved to b, with the size of the consumer's result
+    assert_moved_by_the_one_run(s, service_key, run_id, waiting, b, 400 * 30 * 8)
     del out, x
     await assert_nothing_left(s, [b])
 
@@ -249,24 +268,14 @@ async def test_outputs_of_a_paused_worker_move_with_its_retirement(c, s, a, b):
     a.status = Status.paused
     await async_poll_for(lambda: s.workers[a.address].status == Status.paused, timeout=10)
     Recorder.gates["retire"].set()
-    plugin = s.extensions["dask_services"]
-    (service_key,) = plugin.machines
-    machine = plugin.machines[service_key]
-    run_id = machine.run.run_id
-    # finished, its outputs produced on a waiting without a worker, not on a
-    await async_poll_for(lambda: not machine.run.live, timeout=30)
-    waiting = [k for k, w in plugin.cut.items() if w == a.address]
-    assert waiting and all(s.tasks[k].state == "no-worker" for k in waiting)
+    service_key, run_id, waiting = await finished_with_claims_without_worker(s, a)
 
     assert a.address in await c.retire_workers([a.address])
     assert a.address not in s.workers
     expected = np.sum([block(i) for i in range(4)], axis=0)
     for got in await c.gather(outs):
         np.testing.assert_array_equal(got, expected)
-    assert runs_started(s, service_key) == [run_id]  # no new run made them again
-    for k in waiting:
-        assert {ws.address for ws in s.tasks[k].who_has} == {b.address}
-        assert s.tasks[k].nbytes == sizeof(expected)
+    assert_moved_by_the_one_run(s, service_key, run_id, waiting, b, sizeof(expected))
     del outs, futs
     await assert_nothing_left(s, [b])
 
@@ -289,21 +298,10 @@ async def test_consumed_outputs_of_a_paused_worker_move_with_its_retirement(c, s
     plugin._prepare_run = prepare_run_then_pause
     out = c.persist(x.rechunk((400, 30), method="service").map_blocks(
         lambda block: block * 2, meta=np.empty((0, 0))))
-    await async_poll_for(lambda: len(plugin.machines) == 1, timeout=30)
-    (service_key,) = plugin.machines
-    machine = plugin.machines[service_key]
-    await async_poll_for(lambda: machine.run is not None and not machine.run.live,
-                         timeout=30)
-    assert s.workers[a.address].status == Status.paused
-    run_id = machine.run.run_id
-    waiting = [k for k, w in plugin.cut.items() if w == a.address]
-    assert waiting and all(s.tasks[k].state == "no-worker" for k in waiting)
+    service_key, run_id, waiting = await finished_with_claims_without_worker(s, a)
 
     assert a.address in await c.retire_workers([a.address])
     np.testing.assert_array_equal(await c.compute(out), VALUES * 2)
-    assert runs_started(s, service_key) == [run_id]
-    for k in waiting:  # moved to b, with the size of the consumer's result
-        assert {ws.address for ws in s.tasks[k].who_has} == {b.address}
-        assert s.tasks[k].nbytes == 400 * 30 * 8
+    assert_moved_by_the_one_run(s, service_key, run_id, waiting, b, 400 * 30 * 8)
     del out, x
     await assert_nothing_left(s, [b])
