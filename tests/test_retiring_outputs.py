@@ -45,16 +45,23 @@ def hold_the_thread() -> int:
     return 1
 
 
-async def outputs_waiting_on(c, s, a):
-    """A run of ``Recorder`` over inputs on both workers, finished, two of its outputs
-    produced on ``a`` and their claims queued behind a task holding ``a``'s only thread:
-    ``(outputs, inputs, the busy task, the service key, the run id, the waiting keys)``."""
+async def run_held_at_its_gate(c, s, a):
+    """A run of ``Recorder`` over inputs on ``a`` and the other worker, every input handed
+    off, held at its gate ``"retire"`` before producing: ``(outputs, inputs)``."""
     futs = c.map(block, range(4), workers=[a.address, *(w for w in s.workers
                                                         if w != a.address)])
     await c.gather(futs)
     outs = dask_services.submit(Recorder, futs, outputs=4, gate="retire", client=c)
     await async_poll_for(lambda: sum(e[0] == "all_inputs_done" for e in Recorder.events)
                          == 2, timeout=30)
+    return outs, futs
+
+
+async def outputs_waiting_on(c, s, a):
+    """A run of ``Recorder`` over inputs on both workers, finished, two of its outputs
+    produced on ``a`` and their claims queued behind a task holding ``a``'s only thread:
+    ``(outputs, inputs, the busy task, the service key, the run id, the waiting keys)``."""
+    outs, futs = await run_held_at_its_gate(c, s, a)
     busy = c.submit(hold_the_thread, workers=[a.address], allow_other_workers=True,
                     pure=False)
     await async_poll_for(lambda: a.state.executing_count == 1, timeout=30)
@@ -260,11 +267,7 @@ async def test_outputs_of_a_paused_worker_move_with_its_retirement(c, s, a, b):
     a worker (``no-worker``), not on it; retired while paused, the worker would leave with
     them and a new run would make them again.  They are taken in as the retirement starts
     like the claims queued on a running worker."""
-    futs = c.map(block, range(4), workers=[a.address, b.address])
-    await c.gather(futs)
-    outs = dask_services.submit(Recorder, futs, outputs=4, gate="retire", client=c)
-    await async_poll_for(lambda: sum(e[0] == "all_inputs_done" for e in Recorder.events)
-                         == 2, timeout=30)
+    outs, futs = await run_held_at_its_gate(c, s, a)
     a.status = Status.paused
     await async_poll_for(lambda: s.workers[a.address].status == Status.paused, timeout=10)
     Recorder.gates["retire"].set()
