@@ -10,13 +10,18 @@ that have the few attributes of distributed's ``TaskState`` they read: ``state``
 
 from __future__ import annotations
 
+import logging
+import operator
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from dask.typing import Key
 
-__all__ = ["PlacementGroup", "input_holders", "near_inputs", "participants"]
+__all__ = ["PlacementGroup", "input_holders", "near_inputs", "owned_as_the_service_says",
+           "participants"]
+
+logger = logging.getLogger("dask_services")
 
 
 def participants(service_ts: Any, running: Collection[str], mode: str,
@@ -149,3 +154,31 @@ class PlacementGroup:
                 worker = participants[(self.start + i) % len(participants)]
             result[key] = worker
         return result
+
+
+def owned_as_the_service_says(definition: Any, participants: Sequence[str]
+                              ) -> dict[Key, str] | None:
+    """Output -> worker as the service class lays its outputs out over ``participants``
+    (``Service.output_owners``), or ``None`` where it does not (round robin).  An answer
+    that is not one worker number per output, or an exception, is logged and ignored:
+    the outputs are then dealt round robin, and the run goes on."""
+    hook = getattr(definition.service_class, "output_owners", None)
+    if hook is None:
+        return None
+    outputs = definition.output_keys
+    try:
+        owners = hook(dict(definition.params), len(outputs), len(participants))
+        if owners is None:
+            return None
+        owners = [operator.index(o) for o in owners]  # (numpy's integers too)
+        if len(owners) != len(outputs) or not all(
+                0 <= o < len(participants) for o in owners):
+            raise ValueError(
+                f"it returned {len(owners)} values for {len(outputs)} outputs; each must "
+                f"be an int from 0 to {len(participants) - 1}")
+    except Exception as e:
+        logger.warning("dask_services: %s.output_owners failed (%s: %s); its outputs are "
+                       "dealt round robin", definition.service_class.__name__,
+                       type(e).__name__, e)
+        return None
+    return {key: participants[o] for key, o in zip(outputs, owners, strict=True)}

@@ -18,6 +18,7 @@ from dask.typing import Key
 
 from dask_services._host import Environment, InstanceSpec, ServiceHost, stop_grace
 from dask_services._memory_share import memory_to_plan_on
+from dask_services._run_placement import owned_as_the_service_says
 from dask_services._threads import kept_until_done
 from dask_services.config import setting
 from dask_services.graph import ServiceDefinition
@@ -83,7 +84,11 @@ async def _one_run(definition: ServiceDefinition, service_key: Key, inputs: dict
         ids = [ServiceId(f"local-{run_id}.{i}") for i in range(n_instances)]
         wanted = tuple(definition.output_keys if definition.wanted_outputs is None
                        else definition.wanted_outputs)
-        owners = {k: ids[i % len(ids)] for i, k in enumerate(wanted)}
+        # as on a cluster: the service's own layout where it has one, else round robin
+        laid_out = (None if definition.placement is not None or definition.affinity
+                    else owned_as_the_service_says(definition, ids))
+        owners = {k: laid_out[k] if laid_out is not None else ids[i % len(ids)]
+                  for i, k in enumerate(wanted)}
         instances = []
         for sid in ids:
             spec = InstanceSpec(

@@ -569,6 +569,12 @@ class ServiceSchedulerPlugin(GraphIntake, SchedulerPlugin):
                 definition.output_keys, participants, self.scheduler.workers)
         elif definition.affinity and participants:
             places = placement.near_inputs(tasks, definition.affinity, participants)
+        elif participants:
+            # (rotated as the round robin would start: many small runs spread their
+            # outputs; an "involved" run's input holders come first as they are)
+            first = (self._next_owner % len(participants) if input_holders is None else 0)
+            places = placement.owned_as_the_service_says(
+                definition, [*participants[first:], *participants[:first]])
         wanted = self._wanted(service_key)
         if participants and getattr(definition.service_class, "outputs_by_position", False):
             # (only such a service's outputs run their consumers: _claim_fusion)

@@ -202,6 +202,19 @@ class Service(Deployable, abc.ABC):
     # of its lone consumer and run that consumer in the output's claim (``_claim_fusion``).
     outputs_by_position: bool = False
 
+    @classmethod
+    def output_owners(cls, params: dict[str, Any], outputs: int, workers: int
+                      ) -> Sequence[int] | None:
+        """Which of a run's ``workers`` (numbered 0 to ``workers - 1`` in the run's order)
+        owns each of the service task's ``outputs`` (one number per position in
+        ``output_keys``), where the service wants a layout of its own; ``None`` (the
+        default): the framework deals them round robin.  Called on the scheduler when a
+        run is prepared, with the ``params`` the service task was given; not called where
+        the task has a ``placement=`` group or an ``affinity``, which place its outputs.
+        Each instance sees the result through ``concierge.owner``.  The rechunk gives
+        each worker a box of neighbouring output chunks (``array/_plan.py``)."""
+        return None
+
     id: ServiceId
     key: Key
     peers: Mapping[ServiceId, PeerHandle]
