@@ -121,7 +121,7 @@ def test_write_into_writes_every_piece_where_it_goes():
     owner = {(0, j): "peer" for j in range(4)}
     batches = [pieces_by_destination(block, (0, 0), overlaps, owner, "here")["peer"]]
     outputs = {j: np.full((6, new[1][j[1]]), -1.0) for j in output_indices(batches)}
-    written, aside = write_into(outputs, batches)
+    written, aside, _ = write_into(outputs, batches)
     assert sorted(written) == [((0, j), 6 * new[1][j] * 8) for j in range(4)]
     assert aside == []
     np.testing.assert_array_equal(np.concatenate([outputs[(0, j)] for j in range(4)], axis=1),
@@ -135,7 +135,7 @@ def test_write_into_sets_aside_copies_of_the_pieces_that_do_not_fit_their_chunk(
     ints = [((0, 0), (0, 0), block[:, :5]), ((0, 1), (0, 0), block[:, 5:])]
     floats = [(j, offset, piece / 2) for j, offset, piece in ints]
     outputs = {j: np.zeros((6, 5), "i8") for j, _, _ in ints}
-    written, aside = write_into(outputs, [floats[:1], ints[1:]])
+    written, aside, _ = write_into(outputs, [floats[:1], ints[1:]])
     assert [j for j, _ in written] == [(0, 0), (0, 1)]
     assert len(aside) == 1 and aside[0][0] == (0, 0) and aside[0][2].base is None
     np.testing.assert_array_equal(aside[0][2], floats[0][2])
@@ -192,7 +192,7 @@ def assembled_in_every_order(pieces, declared):
         outputs = {(0, 0): np.zeros((2, 6), pieces[order[0]][1].dtype)}
         aside = []
         for k in order:
-            _, more = write_into(outputs, [[((0, 0), *pieces[k])]])
+            _, more, _ = write_into(outputs, [[((0, 0), *pieces[k])]])
             aside += [(offset, piece) for _, offset, piece in more]
         results[order] = (promoted(outputs[(0, 0)], aside, declared, (0, 0)) if aside
                           else outputs[(0, 0)])

@@ -8,6 +8,7 @@ fast paths (``_rechunk.py``, ``_fusion.py``).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import mmap
@@ -261,10 +262,156 @@ class PackedPieces:
         return (PackedPieces, (self.dtype, self.index, self.buffer))
 
 
+class Slab:
+    """The part of one input chunk inside the box of output chunks an instance owns
+    (``_plan.output_blocks``), for every output chunk of the box it overlaps at once.
+
+    It travels as one array, where round-robin ownership sends a piece per output chunk,
+    and the receiver writes it with one assignment into the array its box's chunks are
+    views of and counts it with one numpy operation (``BoxCount``), where pieces take
+    microseconds of Python each on both sides.  ``at``: where it starts along each axis
+    (in the service task's region of the array).  ``cut(starts)``, given where each output
+    chunk starts along each axis, gives it as the pieces it stands for (for a receiver
+    that buffers them, or whose box has another dtype)."""
+
+    __slots__ = ("at", "array", "cuts")
+
+    def __init__(self, at: tuple[int, ...], array: np.ndarray) -> None:
+        self.at = at
+        self.array = array
+        self.cuts: list[list[tuple[int, slice, int]]] | None = None
+
+    @classmethod
+    def of(cls, block: np.ndarray, block_at: tuple[int, ...],
+           extent: tuple[tuple[int, int], ...]) -> Slab | None:
+        """The slab of ``block`` (starting at ``block_at``) inside ``extent`` (a box's
+        start and end along each axis); ``None`` where the block does not reach into
+        it."""
+        slices, at = [], []
+        for a0, n, (b0, b1) in zip(block_at, block.shape, extent, strict=True):
+            lo, hi = max(a0, b0), min(a0 + n, b1)
+            if lo >= hi:
+                return None
+            slices.append(slice(lo - a0, hi - a0))
+            at.append(lo)
+        return cls(tuple(at), block[tuple(slices)])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array.nbytes)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.array.dtype
+
+    def __len__(self) -> int:
+        return math.prod(map(len, self.cuts)) if self.cuts is not None else 1
+
+    def cut(self, starts: list[list[int]]) -> Slab:
+        """Its output chunks and their pieces along each axis (``cuts``), from where each
+        output chunk starts (``starts[d]``, with the end of the last); chunks of no
+        length get no piece."""
+        cuts = []
+        for a, n, axis in zip(self.at, self.array.shape, starts, strict=True):
+            j = bisect.bisect_right(axis, a) - 1
+            along = []
+            while j < len(axis) - 1 and axis[j] < a + n:
+                lo, hi = max(axis[j], a), min(axis[j + 1], a + n)
+                if lo < hi:
+                    along.append((j, slice(lo - a, hi - a), lo - axis[j]))
+                j += 1
+            cuts.append(along)
+        self.cuts = cuts
+        return self
+
+    def outputs(self) -> list[tuple[Index, int]]:
+        """Each output chunk the slab reaches, with the bytes it gives it (after
+        ``cut``)."""
+        assert self.cuts is not None
+        itemsize = self.array.dtype.itemsize
+        return [(tuple(j for j, _, _ in combo),
+                 math.prod(s.stop - s.start for _, s, _ in combo) * itemsize)
+                for combo in itertools.product(*self.cuts)]
+
+    def pieces(self, copy: bool) -> list[Piece]:
+        """The pieces it stands for (after ``cut``)."""
+        assert self.cuts is not None
+        out = []
+        for combo in itertools.product(*self.cuts):
+            j, slices, offset = zip(*combo, strict=True)
+            piece = self.array[slices]
+            out.append((j, offset, piece.copy() if copy else piece))
+        return out
+
+    def __reduce__(self) -> tuple:
+        return (Slab, (self.at, self.array))
+
+
+class BoxCount:
+    """The pieces received and expected by each output chunk of an instance's box
+    (``box``: output chunk ranges per axis; ``counts[d][j]``: the input chunks that
+    overlap output chunk ``j`` along axis ``d``; ``starts``: where output chunks start),
+    counted a slab at a time with numpy: a slab of 500 output chunks is one operation,
+    where counting its pieces one by one was ~1 us each."""
+
+    def __init__(self, box: tuple[range, ...], counts: list[list[int]],
+                 starts: list[list[int]]) -> None:
+        self.box = box
+        self.starts = starts
+        self.expected = _outer([np.asarray(counts[d][r.start:r.stop], dtype=np.int64)
+                                for d, r in enumerate(box)])
+        self.received = np.zeros_like(self.expected)
+
+    def __contains__(self, j: Index) -> bool:
+        return all(jd in r for jd, r in zip(j, self.box, strict=True))
+
+    def add(self, slab: Slab) -> list[Index]:
+        """Count one piece for every output chunk ``slab`` reaches (of some length); the
+        output chunks that it completes."""
+        where, ones = [], []
+        for d, (a, n, axis) in enumerate(zip(slab.at, slab.array.shape, self.starts,
+                                             strict=True)):
+            j0 = bisect.bisect_right(axis, a) - 1
+            j1 = bisect.bisect_left(axis, a + n)
+            lengths = np.diff(axis[j0:j1 + 1])
+            ones.append((lengths > 0).astype(np.int64))
+            where.append(slice(j0 - self.box[d].start, j1 - self.box[d].start))
+        where = tuple(where)
+        step = _outer(ones)
+        received = self.received[where]
+        received += step
+        done = np.argwhere((received == self.expected[where]) & (step > 0))
+        return [tuple(int(x) + s.start + r.start for x, s, r in zip(row, where, self.box,
+                                                                     strict=True))
+                for row in done]
+
+    def add_one(self, j: Index) -> bool:
+        """Count one piece of output chunk ``j``; whether that completes it."""
+        at = tuple(jd - r.start for jd, r in zip(j, self.box, strict=True))
+        self.received[at] += 1
+        return bool(self.received[at] == self.expected[at])
+
+    def missing(self) -> list[Index]:
+        """The output chunks that did not receive every piece."""
+        return [tuple(int(x) + r.start for x, r in zip(row, self.box, strict=True))
+                for row in np.argwhere(self.received != self.expected)]
+
+
+def _outer(vectors: list[np.ndarray]) -> np.ndarray:
+    out = vectors[0]
+    for v in vectors[1:]:
+        out = np.multiply.outer(out, v)
+    return out
+
+
 def pieces_by_destination(block: np.ndarray, index: Index,
                           overlaps: list[list[list[tuple[int, slice, int]]]],
-                          owner: dict[Index, ServiceId], here: ServiceId
-                          ) -> dict[ServiceId, list[Piece | PackedPieces]]:
+                          owner: dict[Index, ServiceId], here: ServiceId,
+                          extents: dict[ServiceId, tuple[tuple[int, int], ...]]
+                          | None = None,
+                          block_at: tuple[int, ...] = (),
+                          unboxed: bool = True,
+                          ) -> dict[ServiceId, list[Piece | PackedPieces | Slab]]:
     """The pieces of the input chunk at ``index`` that wanted outputs need, grouped by the
     instance owning their output.  Pieces stay views of the input chunk: they are sent as
     ``Buffers``, whose strided parts the sender copies as it writes them (``_bulk.py``).
@@ -272,14 +419,34 @@ def pieces_by_destination(block: np.ndarray, index: Index,
     there is nothing to pack them with); and where the peers' share is under
     ``VIEWS_FROM_SHARE`` of the chunk (``keeps_views``), or for object arrays, which
     travel pickled, the pieces for peers are copied here, in a worker thread (pickle
-    would copy a strided one on the event loop)."""
-    out: dict[ServiceId, list[Piece | PackedPieces]] = {}
+    would copy a strided one on the event loop).
+
+    An instance whose outputs are a box (``extents``: where its box starts and ends along
+    each axis) gets one ``Slab`` of the chunk (which starts at ``block_at``) instead of
+    its pieces (not for object arrays); ``unboxed``: whether any output's owner has no box
+    (if not, no piece is cut at all)."""
+    out: dict[ServiceId, list[Piece | PackedPieces | Slab]] = {}
     small: dict[ServiceId, list[Piece]] = {}
     packs = not block.dtype.hasobject
-    pieces = [(owner[j], j, offset, piece)
-              for j, offset, piece in slice_block(block, index, overlaps) if j in owner]
+    slabs: list[tuple[ServiceId, Slab]] = []
+    if packs and extents:
+        for sid, extent in extents.items():
+            slab = Slab.of(block, block_at, extent)
+            if slab is not None:
+                slabs.append((sid, slab))
+    else:
+        extents, unboxed = {}, True
+    pieces = [] if not unboxed else [
+        (owner[j], j, offset, piece)
+        for j, offset, piece in slice_block(block, index, overlaps)
+        if j in owner and owner[j] not in extents]
     views = packs and keeps_views(
-        sum(p.nbytes for sid, _, _, p in pieces if sid != here), block.nbytes)
+        sum(p.nbytes for sid, _, _, p in pieces if sid != here)
+        + sum(slab.nbytes for sid, slab in slabs if sid != here), block.nbytes)
+    for sid, slab in slabs:
+        if sid != here and not views:
+            slab.array = slab.array.copy()
+        out[sid] = [slab]
     for sid, j, offset, piece in pieces:
         if sid != here:
             if packs and piece.nbytes < PACK_BELOW:
@@ -301,8 +468,10 @@ def keeps_views(peers_bytes: int, chunk_bytes: int) -> bool:
     return peers_bytes >= VIEWS_FROM_SHARE * chunk_bytes
 
 
-def is_view(item: Piece | PackedPieces) -> bool:
+def is_view(item: Piece | PackedPieces | Slab) -> bool:
     """Whether ``item`` (of ``pieces_by_destination``) is a view of its input chunk."""
+    if type(item) is Slab:
+        return item.array.base is not None
     return type(item) is tuple and item[2].base is not None
 
 
@@ -324,6 +493,9 @@ def as_buffers(batches: list[list[Piece | PackedPieces]]) -> tuple[list, Buffers
             if isinstance(item, PackedPieces):
                 meta.append(("packed", item.index, item.dtype))
                 arrays.append(item.buffer)
+            elif isinstance(item, Slab):
+                meta.append(("slab", item.at))
+                arrays.append(item.array)
             else:
                 meta.append(("piece", item[0], item[1]))
                 arrays.append(item[2])
@@ -334,12 +506,13 @@ def as_buffers(batches: list[list[Piece | PackedPieces]]) -> tuple[list, Buffers
 
 def from_buffers(meta: list[tuple], arrays: list[np.ndarray]) -> list[Piece | PackedPieces]:
     """The batch that ``as_buffers`` sent, from its arrays as received."""
-    return [PackedPieces(m[2], m[1], a) if m[0] == "packed" else (m[1], m[2], a)
+    return [PackedPieces(m[2], m[1], a) if m[0] == "packed"
+            else Slab(m[1], a) if m[0] == "slab" else (m[1], m[2], a)
             for m, a in zip(meta, arrays, strict=True)]
 
 
-def batch_bytes(batch: list[Piece | PackedPieces]) -> int:
-    return sum(item.nbytes if isinstance(item, PackedPieces) else piece_bytes(item[2])
+def batch_bytes(batch: list[Piece | PackedPieces | Slab]) -> int:
+    return sum(piece_bytes(item[2]) if type(item) is tuple else item.nbytes
                for item in batch)
 
 
@@ -349,10 +522,10 @@ def unpacked(batches: list[list[Piece | PackedPieces]], copy: bool) -> list[Piec
     pieces: list[Piece] = []
     for batch in batches:
         for item in batch:
-            if isinstance(item, PackedPieces):
-                pieces.extend(item.pieces(copy))
-            else:
+            if type(item) is tuple:
                 pieces.append(item)
+            else:
+                pieces.extend(item.pieces(copy))
     return pieces
 
 
@@ -365,25 +538,45 @@ def output_indices(batches: list[list[Piece | PackedPieces]]) -> dict[Index, np.
             if isinstance(item, PackedPieces):
                 for j, _, _ in item.index:
                     indices.setdefault(j, item.dtype)
+            elif isinstance(item, Slab):
+                if item.cuts is not None:  # (cut: written piece by piece)
+                    for j, _ in item.outputs():
+                        indices.setdefault(j, item.dtype)
             else:
                 indices.setdefault(item[0], item[2].dtype)
     return indices
 
 
-def write_into(outputs: dict[Index, np.ndarray], batches: list[list[Piece | PackedPieces]]
-               ) -> tuple[list[tuple[Index, int]], list[Piece]]:
+def write_into(outputs: dict[Index, np.ndarray],
+               batches: list[list[Piece | PackedPieces | Slab]],
+               box: np.ndarray | None = None, box_at: tuple[int, ...] = (),
+               ) -> tuple[list[tuple[Index, int]], list[Piece], list[Slab]]:
     """Every piece of ``batches`` written at its offset into its output chunk; returns
-    each piece's output index and bytes, and (copied) the pieces whose dtype does not fit
-    their output's (``fits``), to be written once it is promoted (``promoted``)."""
-    written, aside = [], []
-    for j, offset, piece in unpacked(batches, copy=False):
+    each piece's output index and bytes, (copied) the pieces whose dtype does not fit
+    their output's (``fits``), to be written once it is promoted (``promoted``), and the
+    slabs written whole.  A ``Slab`` (``cut`` already) is written into ``box`` (the array
+    its outputs are views of, which starts at ``box_at``) at once where its dtype fits,
+    else piece by piece."""
+    written, aside, whole = [], [], []
+    rest: list[list[Piece | PackedPieces | Slab]] = []
+    for batch in batches:
+        items = []
+        for item in batch:
+            if type(item) is Slab and box is not None and fits(item.dtype, box.dtype):
+                where = tuple(a - o for a, o in zip(item.at, box_at, strict=True))
+                write(box, region(where, item.array.shape), item.array)
+                whole.append(item)
+            else:
+                items.append(item)
+        rest.append(items)
+    for j, offset, piece in unpacked(rest, copy=False):
         out = outputs[j]
         if fits(piece.dtype, out.dtype):
             write(out, region(offset, piece.shape), piece)
         else:
             aside.append((j, offset, np.array(piece, copy=True)))
         written.append((j, piece_bytes(piece)))
-    return written, aside
+    return written, aside, whole
 
 
 def output_shape(shape: tuple[float, ...], pieces: list[tuple[tuple[int, ...], np.ndarray]]

@@ -28,10 +28,12 @@ from dask_services._exchange import PeerExchange
 from dask_services._memory import TrimAfter, release_freed_memory
 from dask_services.array._masks import as_masked, has_planes, write
 from dask_services.array._pieces import (
+    BoxCount,
     Chunks,
     Index,
     PackedPieces,
     Piece,
+    Slab,
     as_buffers,
     assembles_in_place,
     batch_bytes,
@@ -53,8 +55,14 @@ from dask_services.array._pieces import (
     unpacked,
     write_into,
 )
-from dask_services.array._plan import axis_overlaps, pieces_per_output
-from dask_services.service import rpc
+from dask_services.array._plan import (
+    AFFINITY_MAX_INPUTS,
+    axis_overlaps,
+    output_blocks,
+    owned_boxes,
+    pieces_per_output,
+)
+from dask_services.service import ServiceId, rpc
 
 # a batch of at most this many bytes is written into its outputs on the event loop; a larger
 # one in a worker thread (a thread hand-over costs about as much as copying this much)
@@ -73,6 +81,14 @@ class ArrayRechunk(PeerExchange):
     # the pieces sent are mostly views into input chunks, which stay in memory until every
     # piece of theirs is sent: trimming after sends would give back little, at a cost
     trim_after_sends = False
+
+    @classmethod
+    def output_owners(cls, params: dict[str, Any], outputs: int, workers: int
+                      ) -> list[int] | None:
+        """A box of neighbouring output chunks per worker (``output_blocks``), so that an
+        input chunk's share for each is one ``Slab``."""
+        blocks = output_blocks(params["old_chunks"], params["new_chunks"], workers)
+        return blocks if blocks is not None and len(blocks) == outputs else None
 
     async def start(self, id, key, peers, input_keys, output_keys, concierge, leader, *,
                     old_chunks: Chunks, new_chunks: Chunks, dtype: np.dtype,
@@ -99,7 +115,35 @@ class ArrayRechunk(PeerExchange):
         self.owner = {output_index[k]: concierge.owner(k) for k in concierge.wanted_outputs}
         self.expected = {j: math.prod(counts[d][jd] for d, jd in enumerate(j))
                          for j, sid in self.owner.items() if sid == id}
-        self.received: dict[Index, int] = dict.fromkeys(self.expected, 0)
+        # instances whose outputs are a box (``output_owners``) take one slab of each input
+        # chunk; only where outputs need many inputs each (the placement's condition: with
+        # few, outputs are placed next to their inputs and complete early, and a box's
+        # outputs, views of one array, would keep its memory until the last is let go of)
+        boxes: dict[ServiceId, tuple[range, ...]] = {}
+        known = not any(math.isnan(c) for axis in (*old_chunks, *new_chunks) for c in axis)
+        if known and not np.dtype(dtype).hasobject and math.prod(
+                max(c, default=0) for c in counts) > AFFINITY_MAX_INPUTS:
+            boxes = owned_boxes(self.owner)
+        # where each output (input) chunk starts along each axis, with the end of the last
+        self.box_starts = [np.cumsum((0, *axis)).astype(int).tolist()
+                           for axis in new_chunks] if boxes else []
+        self.old_starts = [np.cumsum((0, *axis)).astype(int).tolist()
+                           for axis in old_chunks] if boxes else []
+        # each boxed instance's box: where it starts and ends along each axis
+        self.extents = {sid: tuple((self.box_starts[d][r.start], self.box_starts[d][r.stop])
+                                   for d, r in enumerate(box))
+                        for sid, box in boxes.items()}
+        self.unboxed = any(sid not in boxes for sid in set(self.owner.values()))
+        # this instance's box: the array its output chunks are views of (once its first
+        # piece arrives), its pieces counted a slab at a time, and how many of its chunks
+        # are still to be produced
+        self.box: np.ndarray | None = None
+        self.box_of: tuple[range, ...] | None = boxes.get(id)
+        self.box_count = (BoxCount(self.box_of, counts, self.box_starts)
+                          if self.box_of is not None else None)
+        self.box_left = len(self.expected) if self.box_of is not None else 0
+        self.received: dict[Index, int] = ({} if self.box_count is not None
+                                           else dict.fromkeys(self.expected, 0))
         self.assembling: set[asyncio.Task] = set()
         # one chunk at a time takes its pieces (perhaps from disk) and is written out, so
         # that many chunks completing together do not all come into memory at once
@@ -117,6 +161,7 @@ class ArrayRechunk(PeerExchange):
                                      self.buffer.limit) else None
         )
         self.written: dict[Index, int] = {}
+        self.box_written = 0  # bytes written into the box for chunks not yet produced
         # pieces of output chunks written in place whose dtype did not fit the chunk's
         self.aside: dict[Index, list[tuple[tuple[int, ...], np.ndarray]]] = {}
 
@@ -135,8 +180,9 @@ class ArrayRechunk(PeerExchange):
         check_block_shape(block, tuple(self.old_chunks[d][i] for d, i in enumerate(index)),
                           key)
         by_destination = await self.concierge.run_in_executor(
-            pieces_by_destination, block, self.index_of[key], self.overlaps, self.owner,
-            self.id
+            pieces_by_destination, block, index, self.overlaps, self.owner, self.id,
+            self.extents, tuple(self.old_starts[d][i] for d, i in enumerate(index))
+            if self.extents else (), self.unboxed
         )
         chunk_bytes = int(block.nbytes)
         del block
@@ -184,8 +230,13 @@ class ArrayRechunk(PeerExchange):
         # until the chunk is complete and promoted
         casts: list[tuple[np.ndarray, np.ndarray]] = []
         aside: list[Piece] = []
+        whole: list[Slab] = []  # slabs read straight into this instance's box
         for m, shape, dtype in zip(meta, incoming.shapes, incoming.dtypes, strict=True):
-            if m[0] == "piece":
+            if m[0] == "slab" and self._box(dtype) is not None \
+                    and self._box(dtype).dtype == dtype:
+                destination = self._box(dtype)[region(self._in_box(m[1]), shape)]
+                whole.append(Slab(m[1], destination))
+            elif m[0] == "piece":
                 destination = self._output(m[1], dtype)[region(m[2], shape)]
                 if destination.dtype != dtype:
                     piece = np.empty(shape, dtype)
@@ -202,26 +253,40 @@ class ArrayRechunk(PeerExchange):
         for chunk_region, piece in casts:
             write(chunk_region, ..., piece)
         self._set_aside(aside)
-        packed = [PackedPieces(m[2], m[1], a)
-                  for m, a in zip(meta, destinations, strict=True) if m[0] == "packed"]
+        # packed pieces, and slabs not read straight into this instance's box (another
+        # dtype): written from here
+        packed: list[PackedPieces | Slab] = [
+            PackedPieces(m[2], m[1], a) if m[0] == "packed" else Slab(m[1], a)
+            for m, a in zip(meta, destinations, strict=True)
+            if m[0] == "packed" or (m[0] == "slab" and a.base is None)]
         del destinations, casts
         received = direct
         if packed:
-            received = received + await self._write([packed], sum(len(p) for p in packed),
-                                                    sum(p.nbytes for p in packed))
-        self._received(received, incoming.nbytes)
+            more, slabs = await self._write([packed], sum(len(p) for p in packed),
+                                            sum(p.nbytes for p in packed))
+            received = received + more
+            whole += slabs
+        self._received(received, incoming.nbytes, whole)
 
-    async def _write(self, batches: list[list[Piece | PackedPieces]], count: int,
-                     nbytes: int) -> list[tuple[Index, int]]:
-        """``batches`` written into their outputs (in place), on the event loop if small."""
+    async def _write(self, batches: list[list[Piece | PackedPieces | Slab]], count: int,
+                     nbytes: int) -> tuple[list[tuple[Index, int]], list[Slab]]:
+        """``batches`` written into their outputs (in place), on the event loop if small:
+        each piece's output and bytes, and the slabs written whole into the box."""
+        for batch in batches:
+            for item in batch:
+                if type(item) is Slab:
+                    box = self._box(item.dtype)
+                    if box is None or not fits(item.dtype, box.dtype):
+                        item.cut(self.box_starts)  # (written piece by piece)
         outputs = {j: self._output(j, dtype) for j, dtype in output_indices(batches).items()}
+        box_at = self._in_box(None)
         if count <= WRITE_ON_LOOP_PIECES and nbytes <= WRITE_ON_LOOP_MAX:
-            written, aside = write_into(outputs, batches)
+            written, aside, whole = write_into(outputs, batches, self.box, box_at)
         else:
-            written, aside = await self.concierge.run_in_executor(write_into, outputs,
-                                                                  batches)
+            written, aside, whole = await self.concierge.run_in_executor(
+                write_into, outputs, batches, self.box, box_at)
         self._set_aside(aside)
-        return written
+        return written, whole
 
     def _set_aside(self, aside: list[Piece]) -> None:
         """Pieces whose dtype does not fit their output chunk's, kept until it is complete
@@ -238,10 +303,14 @@ class ArrayRechunk(PeerExchange):
         1,000 pieces per input chunk, writing on the event loop kept it busy most of the
         run."""
         assert self.buffer is not None
-        count = sum(len(item) if isinstance(item, PackedPieces) else 1
+        count = sum(1 if type(item) is tuple else len(item)
                     for batch in batches for item in batch)
         nbytes = sum(map(batch_bytes, batches))
         if self.outputs is None:
+            for batch in batches:
+                for item in batch:
+                    if type(item) is Slab:
+                        item.cut(self.box_starts)
             if count <= WRITE_ON_LOOP_PIECES and nbytes <= WRITE_ON_LOOP_MAX:
                 pieces = unpacked(batches, copy=True)
             else:
@@ -255,19 +324,30 @@ class ArrayRechunk(PeerExchange):
             self.received_bytes += nbytes
             self._count(received)
             return
-        received = await self._write(batches, count, nbytes)
+        received, whole = await self._write(batches, count, nbytes)
         del batches
-        self._received(received, nbytes)
+        self._received(received, nbytes, whole)
 
-    def _received(self, received: list[tuple[Index, int]], nbytes: int) -> None:
-        """Pieces written in place: ``received`` gives each one's output and bytes."""
+    def _received(self, received: list[tuple[Index, int]], nbytes: int,
+                  whole: list[Slab] = ()) -> None:
+        """Pieces written in place: ``received`` gives each one's output and bytes;
+        ``whole``: slabs written whole into this instance's box."""
         for j, n in received:
             self.written[j] = self.written.get(j, 0) + n
         self.received_bytes += nbytes
         self._count(received)
+        for slab in whole:
+            assert self.box_count is not None
+            self.box_written += slab.nbytes
+            for j in self.box_count.add(slab):
+                self._complete(j)
 
     def _count(self, received: list[tuple[Index, int]]) -> None:
         for j, _ in received:
+            if self.box_count is not None:
+                if self.box_count.add_one(j):
+                    self._complete(j)
+                continue
             self.received[j] += 1
             if self.received[j] == self.expected[j]:
                 self._complete(j)
@@ -289,15 +369,50 @@ class ArrayRechunk(PeerExchange):
         assert self.outputs is not None
         chunk = self.outputs.get(j)
         if chunk is None:
+            if self._box(dtype) is not None:
+                return self.outputs[j]
             shape = tuple(int(self.new_chunks[d][jd]) for d, jd in enumerate(j))
             chunk = self.outputs[j] = new_array(shape, self.dtype if dtype is None else dtype)
         return chunk
+
+    def _in_box(self, at: tuple[int, ...] | None) -> tuple[int, ...]:
+        """``at`` (a slab's start) from the start of this instance's box; with ``None``,
+        where the box starts (``()`` where it has none)."""
+        if self.box_of is None:
+            return ()
+        origin = tuple(self.box_starts[d][r.start] for d, r in enumerate(self.box_of))
+        return origin if at is None else tuple(
+            a - o for a, o in zip(at, origin, strict=True))
+
+    def _box(self, dtype: np.dtype | None = None) -> np.ndarray | None:
+        """This instance's box, where its outputs are one (``output_owners``) and written
+        in place: one array, allocated with the first piece to arrive (of ``dtype``, as
+        ``_output`` allocates a chunk), whose views are its output chunks; ``None``
+        otherwise."""
+        if self.box is None and self.box_left and self.outputs is not None:
+            assert self.box_of is not None
+            box = self.box_of
+            starts = self.box_starts
+            origin = [starts[d][r.start] for d, r in enumerate(box)]
+            shape = tuple(starts[d][r.stop] - o for d, (r, o) in enumerate(
+                zip(box, origin, strict=True)))
+            self.box = new_array(shape, self.dtype if dtype is None else dtype)
+            for j in itertools.product(*box):
+                where = tuple(slice(starts[d][jd] - origin[d], starts[d][jd + 1] - origin[d])
+                              for d, jd in enumerate(j))
+                self.outputs[j] = self.box[where]
+        return self.box
 
     async def _produce(self, j: Index) -> None:
         if self.outputs is not None:
             chunk = self._output(j)  # allocated here if it has no piece (an empty chunk)
             del self.outputs[j]
             self.written.pop(j, None)
+            if self.box_of is not None:
+                self.box_written -= int(chunk.nbytes)
+                self.box_left -= 1
+                if not self.box_left:  # (its outputs, views of it, hold it from here on)
+                    self.box = None
             aside = self.aside.pop(j, None)
             if aside:
                 # the chunk, its pieces set aside and its promoted copy: one at a time
@@ -342,6 +457,8 @@ class ArrayRechunk(PeerExchange):
         while self.assembling:
             await asyncio.wait(set(self.assembling))
         missing = [j for j, n in self.received.items() if n != self.expected[j]]
+        if self.box_count is not None:
+            missing += self.box_count.missing()
         if missing:
             raise RuntimeError(
                 f"rechunk instance {self.id}: output chunks {missing[:5]} did not receive "
@@ -349,12 +466,14 @@ class ArrayRechunk(PeerExchange):
             )
 
     def __sizeof__(self) -> int:
-        return super().__sizeof__() + sum(getattr(self, "written", {}).values())
+        return (super().__sizeof__() + sum(getattr(self, "written", {}).values())
+                + max(getattr(self, "box_written", 0), 0))
 
     async def stop(self) -> None:
         for task in list(getattr(self, "assembling", ())):
             task.cancel()
         if getattr(self, "outputs", None) is not None:
             self.outputs, self.written, self.aside = {}, {}, {}
+            self.box, self.box_left = None, 0
         await super().stop()
 

@@ -1,0 +1,357 @@
+"""Outputs owned in boxes: where every output chunk of a rechunk needs many input chunks,
+each worker owns a box of neighbouring output chunks (``_plan.output_blocks``), an input
+chunk's share for it travels as one ``Slab`` and is written into the box with one
+assignment and counted with one numpy operation (``BoxCount``).  numpy is the oracle."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+from unittest import mock
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from utils import assert_nothing_left, service_cluster
+
+import dask_services  # noqa: F401
+from dask_services import _run_placement as placement
+from dask_services.array import _service
+from dask_services.array._pieces import BoxCount, Slab, slice_block, write_into
+from dask_services.array._plan import (
+    axis_overlaps,
+    merge_plan,
+    output_blocks,
+    owned_boxes,
+    pieces_per_output,
+)
+from dask_services.graph import ServiceDefinition
+from dask_services.service import Service, rpc
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def chunking(draw, size: int, most: int) -> tuple[int, ...]:
+    """A random chunking of ``size`` into at most ``most`` chunks (zero-length allowed)."""
+    cuts = sorted(draw(st.lists(st.integers(0, size), max_size=most - 1)))
+    bounds = [0, *cuts, size]
+    return tuple(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def starts_of(chunks) -> list[list[int]]:
+    return [np.cumsum((0, *axis)).astype(int).tolist() for axis in chunks]
+
+
+def box_of(j: tuple[int, ...], blocks: list[int], grid: tuple[int, ...]) -> int:
+    return blocks[int(np.ravel_multi_index(j, grid))]
+
+
+# ----------------------------------------------------------------- the layout
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 12), min_size=1, max_size=4), st.integers(1, 9))
+def test_output_blocks_give_every_worker_one_box_of_neighbours(grid, parts):
+    new = tuple((1,) * n for n in grid)
+    old = tuple((n,) for n in grid)  # (one region along every axis)
+    blocks = output_blocks(old, new, parts)
+    splits = [d for d, n in enumerate(grid)
+              if n >= parts and (n % parts == 0 or n // parts >= 4)]
+    if parts < 2 or not splits:
+        assert blocks is None
+        return
+    assert blocks is not None and len(blocks) == math.prod(grid)
+    owned: dict[int, list] = {}
+    for j in itertools.product(*map(range, grid)):
+        owned.setdefault(box_of(j, blocks, tuple(grid)), []).append(j)
+    assert set(owned) == set(range(parts))  # nobody left without outputs
+    for indices in owned.values():  # a box: every index between its corners
+        corners = [range(min(x), max(x) + 1) for x in zip(*indices, strict=True)]
+        assert sorted(indices) == list(itertools.product(*corners))
+    # split along the such axis of the most chunks (the outermost of them), each worker a
+    # slice of it as even as can be
+    axis = min(splits, key=lambda d: (-grid[d], d))
+    per_slice = math.prod(grid) // grid[axis]
+    sizes = {len(indices) // per_slice for indices in owned.values()}
+    assert sizes <= {grid[axis] // parts, -(-grid[axis] // parts)}
+
+
+def test_output_blocks_split_the_outermost_axis_that_splits_evenly():
+    # 1 x 20 x 20 tiles on 2 workers: rows of tiles 0-9 and 10-19, each a box of 200
+    blocks = output_blocks(((1,) * 1000, (500,), (500,)), ((1000,), (25,) * 20, (25,) * 20), 2)
+    assert blocks == [0] * 200 + [1] * 200
+    # 3 chunks on 2 workers would be 2 and 1: round robin instead
+    assert output_blocks(((1,) * 10, (10,)), ((10,), (4, 4, 2)), 2) is None
+    # an axis of unknown size, or one worker: round robin
+    assert output_blocks(((np.nan,), (40,)), ((np.nan,), (5,) * 8), 2) is None
+    assert output_blocks(((40,),), ((5,) * 8,), 1) is None
+    # 10 chunks on 8 workers: 1 or 2 each is too uneven; the next axis, 64, is not
+    blocks = output_blocks(((10,), (64,)), ((1,) * 10, (1,) * 64), 8)
+    assert blocks is not None and blocks[:64] == [p for p in range(8) for _ in range(8)]
+    # 100-row chunks to 150 rows are regions of 300 rows (each completes as its inputs
+    # are in), column blocks to single columns one region: split the columns, though the
+    # rows have more chunks
+    blocks = output_blocks(((100,) * 6, (8,)), ((150,) * 4, (1,) * 8), 2)
+    assert blocks == [0, 0, 0, 0, 1, 1, 1, 1] * 4
+
+
+def test_owned_boxes_are_whole_boxes_of_two_or_more():
+    owner = {(0, 0): "a", (0, 1): "a", (1, 0): "a", (1, 1): "b", (2, 0): "c", (2, 1): "c"}
+    # a's outputs are an L, b's one chunk, c's a row of two
+    assert owned_boxes(owner) == {"c": (range(2, 3), range(0, 2))}
+    # a box with a hole (an output not wanted) is not a box
+    assert owned_boxes({(0, 0): "a", (0, 2): "a"}) == {}
+
+
+class LaidOut(Service):
+    answer: object = None
+
+    @classmethod
+    def output_owners(cls, params, outputs, workers):
+        if isinstance(cls.answer, Exception):
+            raise cls.answer
+        return cls.answer
+
+
+@pytest.mark.parametrize("answer, warned", [
+    ([1, 0, 1], None),
+    (np.array([1, 1, 0]), None),
+    (None, None),
+    ([0, 1], "3 outputs"),
+    ([0, 1, 2], "from 0 to 1"),
+    (["a", "b", "c"], "TypeError"),
+    (ZeroDivisionError("oops"), "ZeroDivisionError: oops"),
+])
+def test_a_services_layout_is_taken_where_it_is_one_worker_per_output(answer, warned,
+                                                                      caplog):
+    definition = ServiceDefinition(LaidOut, {}, (), (), ("x", "y", "z"))
+    with mock.patch.object(LaidOut, "answer", answer), caplog.at_level(logging.WARNING):
+        got = placement.owned_as_the_service_says(definition, ["w0", "w1"])
+    if warned is None:
+        expected = (None if answer is None
+                    else {k: f"w{o}" for k, o in zip("xyz", answer, strict=True)})
+        assert got == expected and not caplog.records
+    else:
+        assert got is None
+        assert "LaidOut.output_owners failed" in caplog.text and warned in caplog.text
+        assert "round robin" in caplog.text
+
+
+# ----------------------------------------------------------------- slabs and counts
+
+
+@st.composite
+def boxed_rechunks(draw):
+    """Old and new chunkings of a small array, a box of the new chunks, and the inputs in
+    an order of arrival."""
+    ndim = draw(st.integers(1, 3))
+    shape = tuple(draw(st.integers(1, 9)) for _ in range(ndim))
+    old = tuple(chunking(draw, s, 5) for s in shape)
+    new = tuple(chunking(draw, s, 4) for s in shape)
+    box = []
+    for axis in new:
+        lo = draw(st.integers(0, len(axis) - 1))
+        hi = draw(st.integers(lo + 1, len(axis)))
+        box.append(range(lo, hi))
+    inputs = list(itertools.product(*(range(len(c)) for c in old)))
+    order = draw(st.permutations(inputs))
+    return shape, old, new, tuple(box), order
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(boxed_rechunks())
+def test_a_slab_stands_for_the_pieces_of_its_box_and_counts_as_them(case):
+    shape, old, new, box, order = case
+    a = np.arange(math.prod(shape), dtype="f8").reshape(shape)
+    overlaps = [axis_overlaps(o, n) for o, n in zip(old, new, strict=True)]
+    counts = pieces_per_output(overlaps, new)
+    new_starts, old_starts = starts_of(new), starts_of(old)
+    extent = tuple((new_starts[d][r.start], new_starts[d][r.stop])
+                   for d, r in enumerate(box))
+    origin = tuple(lo for lo, _ in extent)
+    box_array = np.full(tuple(hi - lo for lo, hi in extent), -1.0)
+    count = BoxCount(box, counts, new_starts)
+    completed = []
+    expected_pieces = {j: math.prod(counts[d][jd] for d, jd in enumerate(j))
+                       for j in itertools.product(*box)}
+    for i in order:
+        at = tuple(old_starts[d][x] for d, x in enumerate(i))
+        block = a[tuple(slice(s, s + n) for s, n in zip(
+            at, (old[d][x] for d, x in enumerate(i)), strict=True))]
+        wanted = {(j, offset): piece for j, offset, piece in slice_block(block, i, overlaps)
+                  if j in count}
+        slab = Slab.of(block, at, extent)
+        if slab is None:
+            assert not wanted
+            continue
+        got = {(j, offset): piece for j, offset, piece in Slab(
+            slab.at, slab.array).cut(new_starts).pieces(copy=True)}
+        assert got.keys() == wanted.keys()
+        for k, piece in wanted.items():
+            np.testing.assert_array_equal(got[k], piece)
+        written, aside, whole = write_into({}, [[slab]], box_array, origin)
+        assert (written, aside, whole) == ([], [], [slab])
+        completed += count.add(slab)
+    # every output chunk of the box that has pieces completes once, when its last arrives
+    assert sorted(completed) == sorted(j for j, n in expected_pieces.items() if n)
+    assert count.missing() == []
+    np.testing.assert_array_equal(box_array, a[tuple(slice(lo, hi) for lo, hi in extent)])
+
+
+def test_a_slab_of_another_dtype_than_its_box_is_written_piece_by_piece():
+    new = ((4,), (2, 2))
+    box_array = np.zeros((4, 4), "i8")
+    slab = Slab((0, 0), np.full((4, 4), 0.5)).cut(starts_of(new))
+    outputs = {(0, 0): box_array[:, :2], (0, 1): box_array[:, 2:]}
+    written, aside, whole = write_into(outputs, [[slab]], box_array, (0, 0))
+    assert whole == [] and [j for j, _ in written] == [(0, 0), (0, 1)]
+    assert [j for j, _, _ in aside] == [(0, 0), (0, 1)]  # kept until promoted
+    assert not box_array.any()
+
+
+# ----------------------------------------------------------------- on a cluster
+
+
+def recorded_kinds(kinds: list):
+    """``receive_pieces`` of every instance, noting what kinds of items it received."""
+    receive = _service.ArrayRechunk.receive_pieces
+
+    async def noted(self, meta, incoming):
+        kinds.extend(m[0] for m in meta)
+        return await receive(self, meta, incoming)
+
+    return mock.patch.object(_service.ArrayRechunk, "receive_pieces", rpc(noted))
+
+
+@pytest.mark.parametrize("fraction", [None, 1e-9])
+@service_cluster(timeout=90)
+async def test_a_time_series_into_tiles_travels_as_one_slab_per_step_and_worker(
+        c, s, a, b, fraction):
+    """Steps of a grid into whole time series of tiles: each worker owns a box of tiles,
+    and a step's share for the other worker is one slab (it was a piece per tile: 48 per
+    step here), written into the box in place or, past the buffer budget, cut into pieces
+    and buffered; numpy's values either way, and the outputs as dask declares them."""
+    rng = np.random.default_rng(5)
+    base = rng.random((30, 24, 36)).astype("f4")
+    x = da.from_array(base, chunks=(1, 24, 36))
+    kinds: list[str] = []
+    settings = {} if fraction is None else {"dask_services.rechunk.buffer-fraction": fraction}
+    with dask.config.set(settings), recorded_kinds(kinds):
+        y = x.rechunk((30, 4, 6), method="service")
+        got = await c.compute(y)
+        np.testing.assert_array_equal(got, base)
+        assert await c.compute(y.sum()) == pytest.approx(base.sum(), rel=1e-5)
+    # 30 steps, each held by one worker: its slab for the other worker, and nothing else
+    assert set(kinds) == {"slab"} and len(kinds) == 2 * 30
+    blocks = await c.gather(c.compute(y.to_delayed().ravel().tolist()))
+    assert {blk.shape for blk in blocks} == {(30, 4, 6)} and len(blocks) == 36
+    del got, blocks
+    await assert_nothing_left(s, [a, b])
+
+
+@service_cluster(timeout=90)
+async def test_before_the_boxes_the_same_rechunk_sent_a_piece_per_tile(c, s, a, b):
+    """Without the service's layout (outputs dealt round robin), the same rechunk sends
+    its pieces packed, many to a call: what the slabs replace, and still numpy's values."""
+    base = np.random.default_rng(6).random((30, 24, 36)).astype("f4")
+    kinds: list[str] = []
+    with recorded_kinds(kinds), mock.patch.object(
+            _service.ArrayRechunk, "output_owners", classmethod(lambda *_: None)):
+        got = await c.compute(da.from_array(base, chunks=(1, 24, 36))
+                              .rechunk((30, 4, 6), method="service"))
+    np.testing.assert_array_equal(got, base)
+    assert "slab" not in kinds and "packed" in kinds
+    del got
+    await assert_nothing_left(s, [a, b])
+
+
+def _f4_where_even(block, block_info=None):
+    step = block_info[0]["chunk-location"][0]
+    return block.astype("f4") if step % 2 == 0 else block.astype("f8") / 3
+
+
+@pytest.mark.parametrize("fraction", [None, 1e-9])
+@service_cluster(timeout=90)
+async def test_steps_of_mixed_dtypes_are_promoted_in_a_box(c, s, a, b, fraction):
+    """Steps of float32 and float64 (a map_blocks that says one dtype): a box takes the
+    dtype of its first slab, and a slab that does not fit it is written piece by piece
+    and the chunk promoted; every output chunk float64, with numpy's values."""
+    base = np.arange(12 * 8 * 10, dtype="f8").reshape(12, 8, 10)
+    x = da.from_array(base, chunks=(1, 8, 10)).map_blocks(_f4_where_even, dtype="f8")
+    expected = np.concatenate([base[i:i + 1].astype("f4").astype("f8") if i % 2 == 0
+                               else base[i:i + 1] / 3 for i in range(12)])
+    settings = {} if fraction is None else {"dask_services.rechunk.buffer-fraction": fraction}
+    with dask.config.set(settings):
+        for _ in range(2):
+            blocks = await c.gather(c.compute(
+                x.rechunk((12, 2, 5), method="service").to_delayed().ravel().tolist()))
+            assert {blk.dtype for blk in blocks} == {np.dtype("f8")}
+            got = np.concatenate([np.concatenate(blocks[r * 2:(r + 1) * 2], axis=2)
+                                  for r in range(4)], axis=1)
+            np.testing.assert_array_equal(got, expected)
+    del blocks
+    await assert_nothing_left(s, [a, b])
+
+
+@service_cluster(timeout=90)
+async def test_a_masked_time_series_keeps_masks_values_and_fill_value_in_a_box(c, s, a, b):
+    values = np.random.default_rng(7).integers(0, 100, (20, 12, 12)).astype("i4")
+    base = np.ma.masked_array(values, mask=values % 7 == 0, fill_value=-3)
+    kinds: list[str] = []
+    with recorded_kinds(kinds):
+        got = await c.compute(da.from_array(base, chunks=(1, 12, 12))
+                              .rechunk((20, 3, 3), method="service"))
+    assert "slab" in kinds
+    np.testing.assert_array_equal(np.ma.getmaskarray(got), np.ma.getmaskarray(base))
+    np.testing.assert_array_equal(got.filled(0), base.filled(0))
+    assert got.fill_value == -3
+    del got
+    await assert_nothing_left(s, [a, b])
+
+
+@st.composite
+def time_series_cases(draw):
+    """Steps of a grid (a few per chunk) into whole time series of tiles of any chunking
+    (zero-length chunks too): outputs that need many inputs each, in one region (one
+    service task)."""
+    steps = draw(st.integers(5, 12))
+    grid = (draw(st.integers(1, 12)), draw(st.integers(1, 12)))
+    ones = [1] * steps
+    for at in draw(st.lists(st.integers(0, steps), max_size=2)):
+        ones.insert(at, 0)  # (a zero-length chunk here and there)
+    old = (tuple(ones), *((n,) for n in grid))
+    new = ((steps,), *(chunking(draw, n, 8) for n in grid))
+    dtype = draw(st.sampled_from(["f4", "i8", "u1", "c16", "M8[ns]"]))
+    return (steps, *grid), old, new, dtype
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(time_series_cases(), st.booleans())
+def test_property_boxed_rechunks_match_numpy_in_process(case, in_place):
+    """Under dask's local scheduler too (the same layout), written in place or buffered."""
+    shape, old, new, dtype = case
+    a = (np.arange(math.prod(shape)) % 251).astype(dtype).reshape(shape)
+    with dask.config.set({"dask_services.rechunk.merge-region-max": 0,
+                          "dask_services.rechunk.copy-max-inputs": 0}):
+        y = da.from_array(a, chunks=old).rechunk(new, method="service")
+    buffered = mock.patch.object(_service, "assembles_in_place", return_value=False)
+    slabs = mock.patch.object(Slab, "of", wraps=Slab.of)
+    with contextlib.nullcontext() if in_place else buffered, slabs as made:
+        got = y.compute(scheduler="sync")
+    assert got.dtype == a.dtype
+    np.testing.assert_array_equal(got, a)
+    # slabs where the rechunk is a service task (not a merge of whole input chunks), and
+    # the layout gives a worker a box of two or more outputs that need more than four
+    # inputs each
+    overlaps = [axis_overlaps(o, n) for o, n in zip(old, new, strict=True)]
+    blocks = output_blocks(old, new, 2)
+    grid = tuple(map(len, new))
+    boxes = {} if blocks is None else owned_boxes(
+        {j: box_of(j, blocks, grid) for j in itertools.product(*map(range, grid))})
+    many = math.prod(max(c) for c in pieces_per_output(overlaps, new)) > 4
+    assert made.called == bool(boxes and many and merge_plan(old, new) is None)
