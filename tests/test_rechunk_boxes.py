@@ -21,8 +21,16 @@ from utils import assert_nothing_left, service_cluster
 
 import dask_services  # noqa: F401
 from dask_services import _run_placement as placement
-from dask_services.array import _service
-from dask_services.array._pieces import BoxCount, Slab, slice_block, write_into
+from dask_services.array import _pieces, _service
+from dask_services.array._pieces import (
+    BoxCount,
+    Slab,
+    TiledBox,
+    TileLayout,
+    slabs_of,
+    slice_block,
+    write_into,
+)
 from dask_services.array._plan import (
     axis_overlaps,
     merge_plan,
@@ -165,53 +173,85 @@ def boxed_rechunks(draw):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(boxed_rechunks())
-def test_a_slab_stands_for_the_pieces_of_its_box_and_counts_as_them(case):
+def test_slabs_stand_for_the_pieces_of_their_box_and_count_as_them(case):
+    """An input chunk's slabs for a box (at most a few, cut where the box's chunks change
+    size or the input chunk ends inside one) are the pieces its output chunks need from
+    it; written in, every output chunk of the box is a C-ordered tile with numpy's
+    values, and completes once, when its last piece arrives."""
     shape, old, new, box, order = case
     a = np.arange(math.prod(shape), dtype="f8").reshape(shape)
     overlaps = [axis_overlaps(o, n) for o, n in zip(old, new, strict=True)]
     counts = pieces_per_output(overlaps, new)
     new_starts, old_starts = starts_of(new), starts_of(old)
-    extent = tuple((new_starts[d][r.start], new_starts[d][r.stop])
-                   for d, r in enumerate(box))
-    origin = tuple(lo for lo, _ in extent)
-    box_array = np.full(tuple(hi - lo for lo, hi in extent), -1.0)
-    count = BoxCount(box, counts, new_starts)
+    layout = TileLayout(box, new_starts)
+    tiles = TiledBox(layout, np.dtype("f8"))
+    count = BoxCount(box, counts)
+    in_box = set(itertools.product(*box))
     completed = []
-    expected_pieces = {j: math.prod(counts[d][jd] for d, jd in enumerate(j))
-                       for j in itertools.product(*box)}
     for i in order:
         at = tuple(old_starts[d][x] for d, x in enumerate(i))
         block = a[tuple(slice(s, s + n) for s, n in zip(
             at, (old[d][x] for d, x in enumerate(i)), strict=True))]
         wanted = {(j, offset): piece for j, offset, piece in slice_block(block, i, overlaps)
-                  if j in count}
-        slab = Slab.of(block, at, extent)
-        if slab is None:
-            assert not wanted
-            continue
-        got = {(j, offset): piece for j, offset, piece in Slab(
-            slab.at, slab.array).cut(new_starts).pieces(copy=True)}
+                  if j in in_box}
+        slabs = slabs_of(block, at, layout)
+        assert len(slabs) <= 3 ** len(shape) * math.prod(map(len, layout.runs))
+        got = {}
+        for slab in slabs:
+            for j, offset, piece in Slab(slab.at, slab.array).placed(
+                    layout, whole=False).pieces(copy=True):
+                assert (j, offset) not in got
+                got[j, offset] = piece
         assert got.keys() == wanted.keys()
         for k, piece in wanted.items():
             np.testing.assert_array_equal(got[k], piece)
-        written, aside, whole = write_into({}, [[slab]], box_array, origin)
-        assert (written, aside, whole) == ([], [], [slab])
-        completed += count.add(slab)
+        for slab in slabs:
+            slab.placed(layout, whole=True)
+        written, aside, whole = write_into({}, [slabs], tiles)
+        assert (written, aside, whole) == ([], [], slabs)
+        for slab in slabs:
+            completed += count.add(slab)
     # every output chunk of the box that has pieces completes once, when its last arrives
-    assert sorted(completed) == sorted(j for j, n in expected_pieces.items() if n)
+    expected = {j: math.prod(counts[d][jd] for d, jd in enumerate(j)) for j in in_box}
+    assert sorted(completed) == sorted(j for j, n in expected.items() if n)
     assert count.missing() == []
-    np.testing.assert_array_equal(box_array, a[tuple(slice(lo, hi) for lo, hi in extent)])
+    for j in in_box:
+        chunk = tiles.chunk(j)
+        where = tuple(slice(new_starts[d][jd], new_starts[d][jd + 1]) for d, jd in enumerate(j))
+        assert chunk.flags.c_contiguous and chunk.flags.writeable
+        assert chunk.shape == a[where].shape
+        if expected[j]:
+            np.testing.assert_array_equal(chunk, a[where])
+
+
+def test_a_regular_box_is_one_array_and_a_smaller_last_chunk_makes_a_few_more():
+    starts = starts_of(((1000,), (25,) * 20, (25,) * 20))
+    layout = TileLayout((range(1), range(10), range(20)), starts)
+    assert layout.parts() == {(0, 0, 0): (1, 10, 20, 1000, 25, 25)}
+    # a time step's part for the box: one slab of 200 tiles
+    (slab,) = slabs_of(np.zeros((1, 500, 500), "f4"), (7, 0, 0), layout)
+    assert slab.at == (7, 0, 0) and slab.array.shape == (1, 10, 20, 1, 25, 25)
+    starts = starts_of(((10,), (4, 4, 4, 3)))
+    layout = TileLayout((range(1), range(4)), starts)
+    assert layout.parts() == {(0, 0): (1, 3, 10, 4), (0, 1): (1, 1, 10, 3)}
+    # a chunk of rows 2-5 of every column: a slab per run of the row chunk
+    slabs = slabs_of(np.zeros((4, 15)), (2, 0), layout)
+    assert [(s.at, s.array.shape) for s in slabs] == [((2, 0), (1, 3, 4, 4)),
+                                                      ((2, 12), (1, 1, 4, 3))]
 
 
 def test_a_slab_of_another_dtype_than_its_box_is_written_piece_by_piece():
-    new = ((4,), (2, 2))
-    box_array = np.zeros((4, 4), "i8")
-    slab = Slab((0, 0), np.full((4, 4), 0.5)).cut(starts_of(new))
-    outputs = {(0, 0): box_array[:, :2], (0, 1): box_array[:, 2:]}
-    written, aside, whole = write_into(outputs, [[slab]], box_array, (0, 0))
+    starts = starts_of(((4,), (2, 2)))
+    layout = TileLayout((range(1), range(2)), starts)
+    tiles = TiledBox(layout, np.dtype("i8"))
+    tiles.parts[(0, 0)][...] = 0
+    (slab,) = slabs_of(np.full((4, 4), 0.5), (0, 0), layout)
+    slab.placed(layout, whole=False)
+    outputs = {(0, 0): tiles.chunk((0, 0)), (0, 1): tiles.chunk((0, 1))}
+    written, aside, whole = write_into(outputs, [[slab]], tiles)
     assert whole == [] and [j for j, _ in written] == [(0, 0), (0, 1)]
     assert [j for j, _, _ in aside] == [(0, 0), (0, 1)]  # kept until promoted
-    assert not box_array.any()
+    assert not tiles.parts[(0, 0)].any()
 
 
 # ----------------------------------------------------------------- on a cluster
@@ -340,7 +380,7 @@ def test_property_boxed_rechunks_match_numpy_in_process(case, in_place):
                           "dask_services.rechunk.copy-max-inputs": 0}):
         y = da.from_array(a, chunks=old).rechunk(new, method="service")
     buffered = mock.patch.object(_service, "assembles_in_place", return_value=False)
-    slabs = mock.patch.object(Slab, "of", wraps=Slab.of)
+    slabs = mock.patch.object(_pieces, "slabs_of", wraps=slabs_of)
     with contextlib.nullcontext() if in_place else buffered, slabs as made:
         got = y.compute(scheduler="sync")
     assert got.dtype == a.dtype

@@ -262,39 +262,132 @@ class PackedPieces:
         return (PackedPieces, (self.dtype, self.index, self.buffer))
 
 
+class TileLayout:
+    """How an instance holds its box of output chunks (``box``: chunk ranges per axis;
+    ``starts[d][k]``: where chunk ``k`` starts along axis ``d``, with the end of the
+    last): along each axis the box's chunks fall in runs of one size, and every
+    combination of runs (a ``part``) is one array of shape (chunks along each axis...,
+    chunk size along each axis...), in which each output chunk is one C-ordered tile.
+    A regular grid is one part; its last, smaller chunks make a few more.
+
+    The part of an input chunk for the box, cut at the runs' and chunks' boundaries
+    (``segments``), is a few blocks of whole or partial tiles; each, viewed in tile
+    order, is a ``Slab`` that goes into its part with one assignment (or one read from
+    the socket)."""
+
+    def __init__(self, box: tuple[range, ...], starts: list[list[int]]) -> None:
+        self.box = box
+        self.starts = starts
+        self.runs: list[list[tuple[int, int, int]]] = []  # per axis: (first, end, size)
+        for d, r in enumerate(box):
+            runs: list[tuple[int, int, int]] = []
+            for k in r:
+                size = starts[d][k + 1] - starts[d][k]
+                if runs and runs[-1][2] == size:
+                    runs[-1] = (runs[-1][0], k + 1, size)
+                else:
+                    runs.append((k, k + 1, size))
+            self.runs.append(runs)
+        self.run_firsts = [[first for first, _, _ in runs] for runs in self.runs]
+        self.extent = tuple((starts[d][r.start], starts[d][r.stop])
+                            for d, r in enumerate(box))
+
+    def parts(self) -> dict[tuple[int, ...], tuple[int, ...]]:
+        """Every part (run index per axis) and its array's shape."""
+        return {part: (*(self.runs[d][i][1] - self.runs[d][i][0] for d, i in enumerate(part)),
+                       *(self.runs[d][i][2] for d, i in enumerate(part)))
+                for part in itertools.product(*(range(len(r)) for r in self.runs))}
+
+    def tile(self, j: Index) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The part that output chunk ``j`` is in, and its index there."""
+        part, at = [], []
+        for d, jd in enumerate(j):
+            i = bisect.bisect_right(self.run_firsts[d], jd) - 1
+            part.append(i)
+            at.append(jd - self.runs[d][i][0])
+        return tuple(part), tuple(at)
+
+    def locate(self, at: tuple[int, ...]) -> tuple[tuple[int, ...], Index, tuple[int, ...]]:
+        """For a slab starting at ``at`` (of the box's chunk sizes there): its part, the
+        output chunk it starts in, and where in that chunk."""
+        part, first, offset = [], [], []
+        for d, a in enumerate(at):
+            k = bisect.bisect_right(self.starts[d], a) - 1
+            while self.starts[d][k + 1] == self.starts[d][k]:  # (past chunks of no length)
+                k += 1
+            i = bisect.bisect_right(self.run_firsts[d], k) - 1
+            part.append(i)
+            first.append(k)
+            offset.append(a - self.starts[d][k])
+        return tuple(part), tuple(first), tuple(offset)
+
+    def segments(self, at: tuple[int, ...], shape: tuple[int, ...]
+                 ) -> list[tuple[tuple[int, ...], tuple[slice, ...], tuple[int, ...]]]:
+        """The block of the array starting at ``at`` of ``shape`` (inside the box) cut at
+        the runs' and chunks' boundaries: for each segment, where it starts, the slices
+        of the block it is, and its shape in tile order (chunks..., lengths...)."""
+        per_axis = []
+        for d, (a0, n) in enumerate(zip(at, shape, strict=True)):
+            a1, along = a0 + n, []
+            for first, end, size in self.runs[d]:
+                if not size:
+                    continue
+                base = self.starts[d][first]
+                lo, hi = max(a0, base), min(a1, self.starts[d][end])
+                while lo < hi:
+                    offset = (lo - base) % size
+                    if offset or hi - lo < size:  # a part of one chunk
+                        length = min(size - offset, hi - lo)
+                        along.append((lo, length, 1, length))
+                    else:  # whole chunks
+                        count = (hi - lo) // size
+                        length = count * size
+                        along.append((lo, length, count, size))
+                    lo += length
+            per_axis.append(along)
+        out = []
+        for combo in itertools.product(*per_axis):
+            out.append((tuple(lo for lo, _, _, _ in combo),
+                        tuple(slice(lo - a0, lo - a0 + length)
+                              for (lo, length, _, _), a0 in zip(combo, at, strict=True)),
+                        (*(c for _, _, c, _ in combo), *(s for _, _, _, s in combo))))
+        return out
+
+
+def in_tile_order(block: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """``block`` (chunks x lengths along each axis) viewed as ``shape`` (chunks...,
+    lengths...): each tile one index of the first half (a view; no copy)."""
+    ndim = block.ndim
+    split = [n for pair in zip(shape[:ndim], shape[ndim:], strict=True) for n in pair]
+    return block.reshape(split).transpose(*range(0, 2 * ndim, 2), *range(1, 2 * ndim, 2))
+
+
 class Slab:
-    """The part of one input chunk inside the box of output chunks an instance owns
-    (``_plan.output_blocks``), for every output chunk of the box it overlaps at once.
+    """The part of one input chunk for a block of whole or partial output chunks of the
+    same size in an instance's box (``TileLayout.segments``), in tile order: travels as
+    one array and goes into its part of the box with one assignment (or is read into it
+    from the socket), and is counted with one numpy operation (``BoxCount``), where a
+    piece per output chunk took microseconds of Python each on both sides.  ``at``: where
+    it starts along each axis (in the service task's region of the array); its array has
+    the shape (chunks along each axis..., length along each axis...)."""
 
-    It travels as one array, where round-robin ownership sends a piece per output chunk,
-    and the receiver writes it with one assignment into the array its box's chunks are
-    views of and counts it with one numpy operation (``BoxCount``), where pieces take
-    microseconds of Python each on both sides.  ``at``: where it starts along each axis
-    (in the service task's region of the array).  ``cut(starts)``, given where each output
-    chunk starts along each axis, gives it as the pieces it stands for (for a receiver
-    that buffers them, or whose box has another dtype)."""
-
-    __slots__ = ("at", "array", "cuts")
+    __slots__ = ("at", "array", "first", "offset", "whole")
 
     def __init__(self, at: tuple[int, ...], array: np.ndarray) -> None:
         self.at = at
         self.array = array
-        self.cuts: list[list[tuple[int, slice, int]]] | None = None
+        self.first: Index = ()
+        self.offset: tuple[int, ...] = ()
+        # written into the receiver's box at once (else piece by piece: a box of another
+        # dtype, or a receiver that buffers its pieces)
+        self.whole = False
 
-    @classmethod
-    def of(cls, block: np.ndarray, block_at: tuple[int, ...],
-           extent: tuple[tuple[int, int], ...]) -> Slab | None:
-        """The slab of ``block`` (starting at ``block_at``) inside ``extent`` (a box's
-        start and end along each axis); ``None`` where the block does not reach into
-        it."""
-        slices, at = [], []
-        for a0, n, (b0, b1) in zip(block_at, block.shape, extent, strict=True):
-            lo, hi = max(a0, b0), min(a0 + n, b1)
-            if lo >= hi:
-                return None
-            slices.append(slice(lo - a0, hi - a0))
-            at.append(lo)
-        return cls(tuple(at), block[tuple(slices)])
+    def placed(self, layout: TileLayout, whole: bool) -> Slab:
+        """With its first output chunk and offset in it found in ``layout``, and whether
+        it is written into the box ``whole``."""
+        _, self.first, self.offset = layout.locate(self.at)
+        self.whole = whole
+        return self
 
     @property
     def nbytes(self) -> int:
@@ -304,85 +397,101 @@ class Slab:
     def dtype(self) -> np.dtype:
         return self.array.dtype
 
+    @property
+    def counts(self) -> tuple[int, ...]:
+        return self.array.shape[:self.array.ndim // 2]
+
     def __len__(self) -> int:
-        return math.prod(map(len, self.cuts)) if self.cuts is not None else 1
+        return math.prod(self.counts)
 
-    def cut(self, starts: list[list[int]]) -> Slab:
-        """Its output chunks and their pieces along each axis (``cuts``), from where each
-        output chunk starts (``starts[d]``, with the end of the last); chunks of no
-        length get no piece."""
-        cuts = []
-        for a, n, axis in zip(self.at, self.array.shape, starts, strict=True):
-            j = bisect.bisect_right(axis, a) - 1
-            along = []
-            while j < len(axis) - 1 and axis[j] < a + n:
-                lo, hi = max(axis[j], a), min(axis[j + 1], a + n)
-                if lo < hi:
-                    along.append((j, slice(lo - a, hi - a), lo - axis[j]))
-                j += 1
-            cuts.append(along)
-        self.cuts = cuts
-        return self
-
-    def outputs(self) -> list[tuple[Index, int]]:
-        """Each output chunk the slab reaches, with the bytes it gives it (after
-        ``cut``)."""
-        assert self.cuts is not None
-        itemsize = self.array.dtype.itemsize
-        return [(tuple(j for j, _, _ in combo),
-                 math.prod(s.stop - s.start for _, s, _ in combo) * itemsize)
-                for combo in itertools.product(*self.cuts)]
+    def destination(self, part: np.ndarray, tile_at: tuple[int, ...]) -> np.ndarray:
+        """Where it goes in ``part`` (the array of its part, whose tile for its first
+        output chunk is at ``tile_at``)."""
+        ndim = self.array.ndim // 2
+        lengths = self.array.shape[ndim:]
+        return part[(*(slice(t, t + c) for t, c in zip(tile_at, self.counts, strict=True)),
+                     *(slice(o, o + n) for o, n in zip(self.offset, lengths, strict=True)))]
 
     def pieces(self, copy: bool) -> list[Piece]:
-        """The pieces it stands for (after ``cut``)."""
-        assert self.cuts is not None
+        """The pieces it stands for, one per output chunk (after ``placed``)."""
+        ndim = self.array.ndim // 2
         out = []
-        for combo in itertools.product(*self.cuts):
-            j, slices, offset = zip(*combo, strict=True)
-            piece = self.array[slices]
-            out.append((j, offset, piece.copy() if copy else piece))
+        for c in itertools.product(*map(range, self.counts)):
+            piece = self.array[c]
+            j = tuple(f + x for f, x in zip(self.first, c, strict=True))
+            out.append((j, self.offset, piece.copy() if copy else piece))
+        assert all(p.ndim == ndim for _, _, p in out)
         return out
+
+    def outputs(self) -> list[tuple[Index, int]]:
+        """Each output chunk it reaches, with its bytes (after ``placed``)."""
+        each = self.nbytes // max(len(self), 1)
+        return [(tuple(f + x for f, x in zip(self.first, c, strict=True)), each)
+                for c in itertools.product(*map(range, self.counts))]
 
     def __reduce__(self) -> tuple:
         return (Slab, (self.at, self.array))
 
 
+class TiledBox:
+    """An instance's box of output chunks as ``layout`` lays it out: an array per part,
+    of ``dtype``; each output chunk a C-ordered tile of one of them."""
+
+    def __init__(self, layout: TileLayout, dtype: np.dtype) -> None:
+        self.layout = layout
+        self.dtype = np.dtype(dtype)
+        self.parts = {part: new_array(shape, self.dtype)
+                      for part, shape in layout.parts().items()}
+
+    def chunk(self, j: Index) -> np.ndarray:
+        part, at = self.layout.tile(j)
+        return self.parts[part][at]
+
+    def destination(self, slab: Slab) -> np.ndarray:
+        """Where ``slab`` (placed) goes: a view of its part, of the slab's shape."""
+        part, at = self.layout.tile(slab.first)
+        return slab.destination(self.parts[part], at)
+
+
+def slabs_of(block: np.ndarray, block_at: tuple[int, ...], layout: TileLayout
+             ) -> list[Slab]:
+    """The slabs of ``block`` (an input chunk starting at ``block_at``) for the box of
+    ``layout``: views of it, in tile order."""
+    at, shape = [], []
+    for a0, n, (b0, b1) in zip(block_at, block.shape, layout.extent, strict=True):
+        lo, hi = max(a0, b0), min(a0 + n, b1)
+        if lo >= hi:
+            return []
+        at.append(lo)
+        shape.append(hi - lo)
+    inside = block[tuple(slice(lo - a0, lo - a0 + n)
+                         for lo, n, a0 in zip(at, shape, block_at, strict=True))]
+    return [Slab(start, in_tile_order(inside[where], tiles))
+            for start, where, tiles in layout.segments(tuple(at), tuple(shape))]
+
+
 class BoxCount:
     """The pieces received and expected by each output chunk of an instance's box
     (``box``: output chunk ranges per axis; ``counts[d][j]``: the input chunks that
-    overlap output chunk ``j`` along axis ``d``; ``starts``: where output chunks start),
-    counted a slab at a time with numpy: a slab of 500 output chunks is one operation,
-    where counting its pieces one by one was ~1 us each."""
+    overlap output chunk ``j`` along axis ``d``), counted a slab at a time with numpy: a
+    slab of 200 output chunks is one operation, where counting its pieces one by one
+    took ~1 us each."""
 
-    def __init__(self, box: tuple[range, ...], counts: list[list[int]],
-                 starts: list[list[int]]) -> None:
+    def __init__(self, box: tuple[range, ...], counts: list[list[int]]) -> None:
         self.box = box
-        self.starts = starts
         self.expected = _outer([np.asarray(counts[d][r.start:r.stop], dtype=np.int64)
                                 for d, r in enumerate(box)])
         self.received = np.zeros_like(self.expected)
 
-    def __contains__(self, j: Index) -> bool:
-        return all(jd in r for jd, r in zip(j, self.box, strict=True))
-
     def add(self, slab: Slab) -> list[Index]:
-        """Count one piece for every output chunk ``slab`` reaches (of some length); the
-        output chunks that it completes."""
-        where, ones = [], []
-        for d, (a, n, axis) in enumerate(zip(slab.at, slab.array.shape, self.starts,
-                                             strict=True)):
-            j0 = bisect.bisect_right(axis, a) - 1
-            j1 = bisect.bisect_left(axis, a + n)
-            lengths = np.diff(axis[j0:j1 + 1])
-            ones.append((lengths > 0).astype(np.int64))
-            where.append(slice(j0 - self.box[d].start, j1 - self.box[d].start))
-        where = tuple(where)
-        step = _outer(ones)
+        """Count one piece for every output chunk ``slab`` reaches (after ``placed``);
+        the output chunks that it completes."""
+        where = tuple(slice(f - r.start, f - r.start + c)
+                      for f, c, r in zip(slab.first, slab.counts, self.box, strict=True))
         received = self.received[where]
-        received += step
-        done = np.argwhere((received == self.expected[where]) & (step > 0))
-        return [tuple(int(x) + s.start + r.start for x, s, r in zip(row, where, self.box,
-                                                                     strict=True))
+        received += 1
+        done = np.argwhere(received == self.expected[where])
+        return [tuple(int(x) + f for x, f in zip(row, slab.first, strict=True))
                 for row in done]
 
     def add_one(self, j: Index) -> bool:
@@ -407,8 +516,7 @@ def _outer(vectors: list[np.ndarray]) -> np.ndarray:
 def pieces_by_destination(block: np.ndarray, index: Index,
                           overlaps: list[list[list[tuple[int, slice, int]]]],
                           owner: dict[Index, ServiceId], here: ServiceId,
-                          extents: dict[ServiceId, tuple[tuple[int, int], ...]]
-                          | None = None,
+                          layouts: dict[ServiceId, TileLayout] | None = None,
                           block_at: tuple[int, ...] = (),
                           unboxed: bool = True,
                           ) -> dict[ServiceId, list[Piece | PackedPieces | Slab]]:
@@ -421,32 +529,30 @@ def pieces_by_destination(block: np.ndarray, index: Index,
     travel pickled, the pieces for peers are copied here, in a worker thread (pickle
     would copy a strided one on the event loop).
 
-    An instance whose outputs are a box (``extents``: where its box starts and ends along
-    each axis) gets one ``Slab`` of the chunk (which starts at ``block_at``) instead of
-    its pieces (not for object arrays); ``unboxed``: whether any output's owner has no box
-    (if not, no piece is cut at all)."""
+    An instance whose outputs are a box (``layouts``: how it holds its box) gets the
+    chunk's ``Slab``s for it (the chunk starts at ``block_at``) instead of its pieces (not
+    for object arrays); ``unboxed``: whether any output's owner has no box (if not, no
+    piece is cut at all)."""
     out: dict[ServiceId, list[Piece | PackedPieces | Slab]] = {}
     small: dict[ServiceId, list[Piece]] = {}
     packs = not block.dtype.hasobject
     slabs: list[tuple[ServiceId, Slab]] = []
-    if packs and extents:
-        for sid, extent in extents.items():
-            slab = Slab.of(block, block_at, extent)
-            if slab is not None:
-                slabs.append((sid, slab))
+    if packs and layouts:
+        for sid, layout in layouts.items():
+            slabs.extend((sid, slab) for slab in slabs_of(block, block_at, layout))
     else:
-        extents, unboxed = {}, True
+        layouts, unboxed = {}, True
     pieces = [] if not unboxed else [
         (owner[j], j, offset, piece)
         for j, offset, piece in slice_block(block, index, overlaps)
-        if j in owner and owner[j] not in extents]
+        if j in owner and owner[j] not in layouts]
     views = packs and keeps_views(
         sum(p.nbytes for sid, _, _, p in pieces if sid != here)
         + sum(slab.nbytes for sid, slab in slabs if sid != here), block.nbytes)
     for sid, slab in slabs:
         if sid != here and not views:
             slab.array = slab.array.copy()
-        out[sid] = [slab]
+        out.setdefault(sid, []).append(slab)
     for sid, j, offset, piece in pieces:
         if sid != here:
             if packs and piece.nbytes < PACK_BELOW:
@@ -539,7 +645,7 @@ def output_indices(batches: list[list[Piece | PackedPieces]]) -> dict[Index, np.
                 for j, _, _ in item.index:
                     indices.setdefault(j, item.dtype)
             elif isinstance(item, Slab):
-                if item.cuts is not None:  # (cut: written piece by piece)
+                if not item.whole:  # (written piece by piece)
                     for j, _ in item.outputs():
                         indices.setdefault(j, item.dtype)
             else:
@@ -549,22 +655,21 @@ def output_indices(batches: list[list[Piece | PackedPieces]]) -> dict[Index, np.
 
 def write_into(outputs: dict[Index, np.ndarray],
                batches: list[list[Piece | PackedPieces | Slab]],
-               box: np.ndarray | None = None, box_at: tuple[int, ...] = (),
+               box: TiledBox | None = None,
                ) -> tuple[list[tuple[Index, int]], list[Piece], list[Slab]]:
     """Every piece of ``batches`` written at its offset into its output chunk; returns
     each piece's output index and bytes, (copied) the pieces whose dtype does not fit
     their output's (``fits``), to be written once it is promoted (``promoted``), and the
-    slabs written whole.  A ``Slab`` (``cut`` already) is written into ``box`` (the array
-    its outputs are views of, which starts at ``box_at``) at once where its dtype fits,
-    else piece by piece."""
+    slabs written whole.  A ``Slab`` placed ``whole`` is written into ``box`` at once
+    (the caller checked that its dtype fits), any other piece by piece."""
     written, aside, whole = [], [], []
     rest: list[list[Piece | PackedPieces | Slab]] = []
     for batch in batches:
         items = []
         for item in batch:
-            if type(item) is Slab and box is not None and fits(item.dtype, box.dtype):
-                where = tuple(a - o for a, o in zip(item.at, box_at, strict=True))
-                write(box, region(where, item.array.shape), item.array)
+            if type(item) is Slab and item.whole:
+                assert box is not None
+                write(box.destination(item), ..., item.array)
                 whole.append(item)
             else:
                 items.append(item)

@@ -34,6 +34,8 @@ from dask_services.array._pieces import (
     PackedPieces,
     Piece,
     Slab,
+    TiledBox,
+    TileLayout,
     as_buffers,
     assembles_in_place,
     batch_bytes,
@@ -125,23 +127,20 @@ class ArrayRechunk(PeerExchange):
                 max(c, default=0) for c in counts) > AFFINITY_MAX_INPUTS:
             boxes = owned_boxes(self.owner)
         # where each output (input) chunk starts along each axis, with the end of the last
-        self.box_starts = [np.cumsum((0, *axis)).astype(int).tolist()
-                           for axis in new_chunks] if boxes else []
+        new_starts = [np.cumsum((0, *axis)).astype(int).tolist()
+                      for axis in new_chunks] if boxes else []
         self.old_starts = [np.cumsum((0, *axis)).astype(int).tolist()
                            for axis in old_chunks] if boxes else []
-        # each boxed instance's box: where it starts and ends along each axis
-        self.extents = {sid: tuple((self.box_starts[d][r.start], self.box_starts[d][r.stop])
-                                   for d, r in enumerate(box))
-                        for sid, box in boxes.items()}
+        # how each boxed instance holds its box
+        self.layouts = {sid: TileLayout(box, new_starts) for sid, box in boxes.items()}
         self.unboxed = any(sid not in boxes for sid in set(self.owner.values()))
-        # this instance's box: the array its output chunks are views of (once its first
-        # piece arrives), its pieces counted a slab at a time, and how many of its chunks
+        # this instance's box: its output chunks as tiles of a few arrays (allocated with
+        # its first piece), its pieces counted a slab at a time, and how many of its chunks
         # are still to be produced
-        self.box: np.ndarray | None = None
-        self.box_of: tuple[range, ...] | None = boxes.get(id)
-        self.box_count = (BoxCount(self.box_of, counts, self.box_starts)
-                          if self.box_of is not None else None)
-        self.box_left = len(self.expected) if self.box_of is not None else 0
+        self.box: TiledBox | None = None
+        self.layout: TileLayout | None = self.layouts.get(id)
+        self.box_count = BoxCount(boxes[id], counts) if id in boxes else None
+        self.box_left = len(self.expected) if id in boxes else 0
         self.received: dict[Index, int] = ({} if self.box_count is not None
                                            else dict.fromkeys(self.expected, 0))
         self.assembling: set[asyncio.Task] = set()
@@ -181,8 +180,8 @@ class ArrayRechunk(PeerExchange):
                           key)
         by_destination = await self.concierge.run_in_executor(
             pieces_by_destination, block, index, self.overlaps, self.owner, self.id,
-            self.extents, tuple(self.old_starts[d][i] for d, i in enumerate(index))
-            if self.extents else (), self.unboxed
+            self.layouts, tuple(self.old_starts[d][i] for d, i in enumerate(index))
+            if self.layouts else (), self.unboxed
         )
         chunk_bytes = int(block.nbytes)
         del block
@@ -232,10 +231,13 @@ class ArrayRechunk(PeerExchange):
         aside: list[Piece] = []
         whole: list[Slab] = []  # slabs read straight into this instance's box
         for m, shape, dtype in zip(meta, incoming.shapes, incoming.dtypes, strict=True):
-            if m[0] == "slab" and self._box(dtype) is not None \
-                    and self._box(dtype).dtype == dtype:
-                destination = self._box(dtype)[region(self._in_box(m[1]), shape)]
-                whole.append(Slab(m[1], destination))
+            box = self._box(dtype) if m[0] == "slab" else None
+            if box is not None and box.dtype == dtype:
+                assert self.layout is not None
+                slab = Slab(m[1], np.broadcast_to(np.empty((), dtype), shape))
+                destination = box.destination(slab.placed(self.layout, whole=True))
+                slab.array = destination
+                whole.append(slab)
             elif m[0] == "piece":
                 destination = self._output(m[1], dtype)[region(m[2], shape)]
                 if destination.dtype != dtype:
@@ -275,16 +277,16 @@ class ArrayRechunk(PeerExchange):
         for batch in batches:
             for item in batch:
                 if type(item) is Slab:
+                    assert self.layout is not None
                     box = self._box(item.dtype)
-                    if box is None or not fits(item.dtype, box.dtype):
-                        item.cut(self.box_starts)  # (written piece by piece)
+                    item.placed(self.layout, whole=box is not None and fits(item.dtype,
+                                                                            box.dtype))
         outputs = {j: self._output(j, dtype) for j, dtype in output_indices(batches).items()}
-        box_at = self._in_box(None)
         if count <= WRITE_ON_LOOP_PIECES and nbytes <= WRITE_ON_LOOP_MAX:
-            written, aside, whole = write_into(outputs, batches, self.box, box_at)
+            written, aside, whole = write_into(outputs, batches, self.box)
         else:
             written, aside, whole = await self.concierge.run_in_executor(
-                write_into, outputs, batches, self.box, box_at)
+                write_into, outputs, batches, self.box)
         self._set_aside(aside)
         return written, whole
 
@@ -310,7 +312,8 @@ class ArrayRechunk(PeerExchange):
             for batch in batches:
                 for item in batch:
                     if type(item) is Slab:
-                        item.cut(self.box_starts)
+                        assert self.layout is not None
+                        item.placed(self.layout, whole=False)
             if count <= WRITE_ON_LOOP_PIECES and nbytes <= WRITE_ON_LOOP_MAX:
                 pieces = unpacked(batches, copy=True)
             else:
@@ -375,32 +378,16 @@ class ArrayRechunk(PeerExchange):
             chunk = self.outputs[j] = new_array(shape, self.dtype if dtype is None else dtype)
         return chunk
 
-    def _in_box(self, at: tuple[int, ...] | None) -> tuple[int, ...]:
-        """``at`` (a slab's start) from the start of this instance's box; with ``None``,
-        where the box starts (``()`` where it has none)."""
-        if self.box_of is None:
-            return ()
-        origin = tuple(self.box_starts[d][r.start] for d, r in enumerate(self.box_of))
-        return origin if at is None else tuple(
-            a - o for a, o in zip(at, origin, strict=True))
-
     def _box(self, dtype: np.dtype | None = None) -> np.ndarray | None:
         """This instance's box, where its outputs are one (``output_owners``) and written
-        in place: one array, allocated with the first piece to arrive (of ``dtype``, as
-        ``_output`` allocates a chunk), whose views are its output chunks; ``None``
+        in place: a few arrays, allocated with the first piece to arrive (of ``dtype``, as
+        ``_output`` allocates a chunk), whose tiles are its output chunks; ``None``
         otherwise."""
         if self.box is None and self.box_left and self.outputs is not None:
-            assert self.box_of is not None
-            box = self.box_of
-            starts = self.box_starts
-            origin = [starts[d][r.start] for d, r in enumerate(box)]
-            shape = tuple(starts[d][r.stop] - o for d, (r, o) in enumerate(
-                zip(box, origin, strict=True)))
-            self.box = new_array(shape, self.dtype if dtype is None else dtype)
-            for j in itertools.product(*box):
-                where = tuple(slice(starts[d][jd] - origin[d], starts[d][jd + 1] - origin[d])
-                              for d, jd in enumerate(j))
-                self.outputs[j] = self.box[where]
+            assert self.layout is not None
+            self.box = TiledBox(self.layout, np.dtype(self.dtype if dtype is None else dtype))
+            for j in itertools.product(*self.layout.box):
+                self.outputs[j] = self.box.chunk(j)
         return self.box
 
     async def _produce(self, j: Index) -> None:
@@ -408,7 +395,7 @@ class ArrayRechunk(PeerExchange):
             chunk = self._output(j)  # allocated here if it has no piece (an empty chunk)
             del self.outputs[j]
             self.written.pop(j, None)
-            if self.box_of is not None:
+            if self.box_count is not None:
                 self.box_written -= int(chunk.nbytes)
                 self.box_left -= 1
                 if not self.box_left:  # (its outputs, views of it, hold it from here on)
