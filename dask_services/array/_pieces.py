@@ -307,19 +307,17 @@ class TileLayout:
             at.append(jd - self.runs[d][i][0])
         return tuple(part), tuple(at)
 
-    def locate(self, at: tuple[int, ...]) -> tuple[tuple[int, ...], Index, tuple[int, ...]]:
-        """For a slab starting at ``at`` (of the box's chunk sizes there): its part, the
-        output chunk it starts in, and where in that chunk."""
-        part, first, offset = [], [], []
+    def locate(self, at: tuple[int, ...]) -> tuple[Index, tuple[int, ...]]:
+        """For a slab starting at ``at``: the output chunk it starts in, and where in
+        that chunk."""
+        first, offset = [], []
         for d, a in enumerate(at):
             k = bisect.bisect_right(self.starts[d], a) - 1
             while self.starts[d][k + 1] == self.starts[d][k]:  # (past chunks of no length)
                 k += 1
-            i = bisect.bisect_right(self.run_firsts[d], k) - 1
-            part.append(i)
             first.append(k)
             offset.append(a - self.starts[d][k])
-        return tuple(part), tuple(first), tuple(offset)
+        return tuple(first), tuple(offset)
 
     def segments(self, at: tuple[int, ...], shape: tuple[int, ...]
                  ) -> list[tuple[tuple[int, ...], tuple[slice, ...], tuple[int, ...]]]:
@@ -385,7 +383,7 @@ class Slab:
     def placed(self, layout: TileLayout, whole: bool) -> Slab:
         """With its first output chunk and offset in it found in ``layout``, and whether
         it is written into the box ``whole``."""
-        _, self.first, self.offset = layout.locate(self.at)
+        self.first, self.offset = layout.locate(self.at)
         self.whole = whole
         return self
 
@@ -414,13 +412,11 @@ class Slab:
 
     def pieces(self, copy: bool) -> list[Piece]:
         """The pieces it stands for, one per output chunk (after ``placed``)."""
-        ndim = self.array.ndim // 2
         out = []
         for c in itertools.product(*map(range, self.counts)):
             piece = self.array[c]
             j = tuple(f + x for f, x in zip(self.first, c, strict=True))
             out.append((j, self.offset, piece.copy() if copy else piece))
-        assert all(p.ndim == ndim for _, _, p in out)
         return out
 
     def outputs(self) -> list[tuple[Index, int]]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -71,6 +72,9 @@ from dask_services.service import ServiceId, rpc
 WRITE_ON_LOOP_MAX = 1 << 20
 # ... and of at most this many pieces (each write costs a few microseconds of Python)
 WRITE_ON_LOOP_PIECES = 64
+# a box is held as tiles of at most this many arrays per axis (chunks of this many sizes
+# along it: a regular grid's and its last, smaller chunk's); past it, pieces are sent
+MAX_BOX_PARTS = 2
 
 
 class ArrayRechunk(PeerExchange):
@@ -131,16 +135,19 @@ class ArrayRechunk(PeerExchange):
                       for axis in new_chunks] if boxes else []
         self.old_starts = [np.cumsum((0, *axis)).astype(int).tolist()
                            for axis in old_chunks] if boxes else []
-        # how each boxed instance holds its box
-        self.layouts = {sid: TileLayout(box, new_starts) for sid, box in boxes.items()}
-        self.unboxed = any(sid not in boxes for sid in set(self.owner.values()))
+        # how each boxed instance holds its box; not where its chunks come in many sizes
+        # (slabs then cut into pieces of a frame each again)
+        self.layouts = {sid: layout for sid, layout in (
+            (sid, TileLayout(box, new_starts)) for sid, box in boxes.items())
+            if len(layout.parts()) <= MAX_BOX_PARTS ** len(new_chunks)}
+        self.unboxed = any(sid not in self.layouts for sid in set(self.owner.values()))
         # this instance's box: its output chunks as tiles of a few arrays (allocated with
         # its first piece), its pieces counted a slab at a time, and how many of its chunks
         # are still to be produced
         self.box: TiledBox | None = None
         self.layout: TileLayout | None = self.layouts.get(id)
-        self.box_count = BoxCount(boxes[id], counts) if id in boxes else None
-        self.box_left = len(self.expected) if id in boxes else 0
+        self.box_count = BoxCount(boxes[id], counts) if id in self.layouts else None
+        self.box_left = len(self.expected) if id in self.layouts else 0
         self.received: dict[Index, int] = ({} if self.box_count is not None
                                            else dict.fromkeys(self.expected, 0))
         self.assembling: set[asyncio.Task] = set()
@@ -332,7 +339,7 @@ class ArrayRechunk(PeerExchange):
         self._received(received, nbytes, whole)
 
     def _received(self, received: list[tuple[Index, int]], nbytes: int,
-                  whole: list[Slab] = ()) -> None:
+                  whole: Iterable[Slab] = ()) -> None:
         """Pieces written in place: ``received`` gives each one's output and bytes;
         ``whole``: slabs written whole into this instance's box."""
         for j, n in received:
@@ -378,7 +385,7 @@ class ArrayRechunk(PeerExchange):
             chunk = self.outputs[j] = new_array(shape, self.dtype if dtype is None else dtype)
         return chunk
 
-    def _box(self, dtype: np.dtype | None = None) -> np.ndarray | None:
+    def _box(self, dtype: np.dtype | None = None) -> TiledBox | None:
         """This instance's box, where its outputs are one (``output_owners``) and written
         in place: a few arrays, allocated with the first piece to arrive (of ``dtype``, as
         ``_output`` allocates a chunk), whose tiles are its output chunks; ``None``
@@ -394,9 +401,9 @@ class ArrayRechunk(PeerExchange):
         if self.outputs is not None:
             chunk = self._output(j)  # allocated here if it has no piece (an empty chunk)
             del self.outputs[j]
-            self.written.pop(j, None)
-            if self.box_count is not None:
-                self.box_written -= int(chunk.nbytes)
+            in_pieces = self.written.pop(j, 0)
+            if self.box_count is not None:  # (its other bytes came in slabs)
+                self.box_written -= int(chunk.nbytes) - in_pieces
                 self.box_left -= 1
                 if not self.box_left:  # (its outputs, views of it, hold it from here on)
                     self.box = None
@@ -454,7 +461,7 @@ class ArrayRechunk(PeerExchange):
 
     def __sizeof__(self) -> int:
         return (super().__sizeof__() + sum(getattr(self, "written", {}).values())
-                + max(getattr(self, "box_written", 0), 0))
+                + getattr(self, "box_written", 0))
 
     async def stop(self) -> None:
         for task in list(getattr(self, "assembling", ())):
