@@ -196,40 +196,63 @@ def merge_plan(old: Chunks, new: Chunks
     return plan
 
 
-# an axis of the output chunks is split among the workers into contiguous blocks only
-# where each gets the same number of chunks along it or at least this many: blocks of
-# 1 and 2 chunks (3 chunks on 2 workers) would leave one worker with twice the other's
-BLOCKS_MIN_PER_PART = 4
+# the output chunks are split among the workers into boxes only where the largest box
+# has at most this many times the chunks of the smallest (7 chunks on 2 workers: 4 and 3)
+MAX_BOX_IMBALANCE = 4 / 3
+
+
+def _imbalance(chunks: int, parts: int) -> float:
+    """Largest over smallest share of ``chunks`` split into ``parts`` contiguous runs."""
+    return math.inf if chunks < parts else -(-chunks // parts) / (chunks // parts)
 
 
 def output_blocks(old: Chunks, new: Chunks, parts: int) -> list[int] | None:
     """For each output chunk in C order, which of ``parts`` workers owns it, such that
-    each worker owns a box of neighbouring chunks: all of them along every axis but one,
-    a contiguous range along that one; ``None`` where no axis splits evenly enough (see
-    ``BLOCKS_MIN_PER_PART``), or an axis has an unknown size (the framework then deals
-    the outputs round robin).
+    each worker owns a box of neighbouring chunks: the grid split into contiguous ranges
+    along one axis, or along two (8 workers: 2 x 4), all chunks along the others; ``None``
+    where no such split keeps the boxes within ``MAX_BOX_IMBALANCE`` of each other, or an
+    axis has an unknown size (the framework then deals the outputs round robin).
 
-    The axis split is one along which the rechunk is one region (every output along it
-    completes at the end), so that no worker's box completes, and takes its pieces,
-    while the others' wait; among those, or where there is none, the one of the most
-    chunks, the outermost of them.
+    Preferred, in order: splitting no axis along which the rechunk has independent
+    regions (each region's outputs complete as its inputs are in: one worker would take
+    all of a region's pieces while the others wait), one axis rather than two, the
+    evener split, more chunks along the split axes, the outer axes.
 
-    An input chunk's share for a worker is then one slab of it (``Slab``), and the worker
-    writes it into its box with one assignment, where round-robin ownership cuts it into
-    a piece per output chunk it overlaps (400 pieces of 2.5 kB for a 500 x 500 time step
-    cut into 20 x 20 tiles), each costing microseconds of Python on both sides."""
+    An input chunk's share for a worker is then one slab of it, or a few (``Slab``), and
+    the worker writes it into its box with one assignment, where round-robin ownership
+    cuts it into a piece per output chunk it overlaps (400 pieces of 2.5 kB for a 500 x
+    500 time step cut into 20 x 20 tiles), each costing microseconds of Python on both
+    sides."""
     if parts < 2 or any(math.isnan(c) for axis in (*old, *new) for c in axis):
         return None
     grid = [len(axis) for axis in new]
-    splits = [d for d, n in enumerate(grid)
-              if n >= parts and (n % parts == 0 or n // parts >= BLOCKS_MIN_PER_PART)]
+    regions = [len(axis_regions(o, n)) > 1 for o, n in zip(old, new, strict=True)]
+    splits: list[tuple[tuple, dict[int, int]]] = []
+    for d, n in enumerate(grid):
+        ratio = _imbalance(n, parts)
+        if ratio <= MAX_BOX_IMBALANCE:
+            splits.append(((regions[d], 1, ratio, -n, d), {d: parts}))
+    for d1, d2 in itertools.combinations(range(len(grid)), 2):
+        for p1 in range(2, parts // 2 + 1):
+            if parts % p1:
+                continue
+            p2 = parts // p1
+            ratio = _imbalance(grid[d1], p1) * _imbalance(grid[d2], p2)
+            if ratio <= MAX_BOX_IMBALANCE:
+                splits.append(((regions[d1] + regions[d2], 2, ratio,
+                                -grid[d1] * grid[d2], d1, d2), {d1: p1, d2: p2}))
     if not splits:
         return None
-    axis = min(splits, key=lambda d: (len(axis_regions(old[d], new[d])) > 1, -grid[d], d))
-    part_of = [p * parts // grid[axis] for p in range(grid[axis])]  # contiguous, balanced
-    inner = math.prod(grid[axis + 1:])
-    return [part_of[(position // inner) % grid[axis]]
-            for position in range(math.prod(grid))]
+    split = min(splits, key=lambda s: s[0])[1]
+    # each chunk's share along each split axis (contiguous, balanced), the shares numbered
+    # across the split axes in C order
+    owner = np.zeros(grid, dtype=np.int64)
+    stride = 1
+    for d in sorted(split, reverse=True):
+        share = np.arange(grid[d]) * split[d] // grid[d] * stride
+        owner += share.reshape([-1 if e == d else 1 for e in range(len(grid))])
+        stride *= split[d]
+    return owner.ravel().tolist()
 
 
 Box = tuple[range, ...]  # output chunk indices per axis
