@@ -33,6 +33,7 @@ from dask_services.array._pieces import (
 )
 from dask_services.array._plan import (
     axis_overlaps,
+    chunk_starts,
     merge_plan,
     output_blocks,
     owned_boxes,
@@ -52,7 +53,7 @@ def chunking(draw, size: int, most: int) -> tuple[int, ...]:
 
 
 def starts_of(chunks) -> list[list[int]]:
-    return [np.cumsum((0, *axis)).astype(int).tolist() for axis in chunks]
+    return [chunk_starts(axis) for axis in chunks]
 
 
 def box_of(j: tuple[int, ...], blocks: list[int], grid: tuple[int, ...]) -> int:

@@ -9,6 +9,7 @@ fast paths (``_rechunk.py``, ``_fusion.py``).
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 import mmap
@@ -402,14 +403,6 @@ class Slab:
     def __len__(self) -> int:
         return math.prod(self.counts)
 
-    def destination(self, part: np.ndarray, tile_at: tuple[int, ...]) -> np.ndarray:
-        """Where it goes in ``part`` (the array of its part, whose tile for its first
-        output chunk is at ``tile_at``)."""
-        ndim = self.array.ndim // 2
-        lengths = self.array.shape[ndim:]
-        return part[(*(slice(t, t + c) for t, c in zip(tile_at, self.counts, strict=True)),
-                     *(slice(o, o + n) for o, n in zip(self.offset, lengths, strict=True)))]
-
     def pieces(self, copy: bool) -> list[Piece]:
         """The pieces it stands for, one per output chunk (after ``placed``)."""
         out = []
@@ -443,10 +436,15 @@ class TiledBox:
         part, at = self.layout.tile(j)
         return self.parts[part][at]
 
-    def destination(self, slab: Slab) -> np.ndarray:
-        """Where ``slab`` (placed) goes: a view of its part, of the slab's shape."""
-        part, at = self.layout.tile(slab.first)
-        return slab.destination(self.parts[part], at)
+    def destination(self, at: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
+        """Where a slab starting at ``at`` of ``shape`` (in tile order) goes: a view of
+        its part, of that shape."""
+        first, offset = self.layout.locate(at)
+        part, tile_at = self.layout.tile(first)
+        ndim = len(at)
+        return self.parts[part][
+            (*(slice(t, t + c) for t, c in zip(tile_at, shape[:ndim], strict=True)),
+             *(slice(o, o + n) for o, n in zip(offset, shape[ndim:], strict=True)))]
 
 
 def slabs_of(block: np.ndarray, block_at: tuple[int, ...], layout: TileLayout
@@ -475,8 +473,8 @@ class BoxCount:
 
     def __init__(self, box: tuple[range, ...], counts: list[list[int]]) -> None:
         self.box = box
-        self.expected = _outer([np.asarray(counts[d][r.start:r.stop], dtype=np.int64)
-                                for d, r in enumerate(box)])
+        self.expected = functools.reduce(np.multiply.outer, (
+            np.asarray(counts[d][r.start:r.stop], dtype=np.int64) for d, r in enumerate(box)))
         self.received = np.zeros_like(self.expected)
 
     def add(self, slab: Slab) -> list[Index]:
@@ -500,13 +498,6 @@ class BoxCount:
         """The output chunks that did not receive every piece."""
         return [tuple(int(x) + r.start for x, r in zip(row, self.box, strict=True))
                 for row in np.argwhere(self.received != self.expected)]
-
-
-def _outer(vectors: list[np.ndarray]) -> np.ndarray:
-    out = vectors[0]
-    for v in vectors[1:]:
-        out = np.multiply.outer(out, v)
-    return out
 
 
 def pieces_by_destination(block: np.ndarray, index: Index,
@@ -665,7 +656,7 @@ def write_into(outputs: dict[Index, np.ndarray],
         for item in batch:
             if type(item) is Slab and item.whole:
                 assert box is not None
-                write(box.destination(item), ..., item.array)
+                write(box.destination(item.at, item.array.shape), ..., item.array)
                 whole.append(item)
             else:
                 items.append(item)

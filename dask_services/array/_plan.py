@@ -17,6 +17,11 @@ import numpy as np
 from dask_services.array._pieces import Chunks, Index
 
 
+def chunk_starts(sizes: Sequence[float]) -> list[int]:
+    """Where every chunk along an axis starts, and (last) the axis's length."""
+    return [0, *itertools.accumulate(int(c) for c in sizes)]
+
+
 def axis_overlaps(old: Sequence[float], new: Sequence[float]
                   ) -> list[list[tuple[int, slice, int]]]:
     """For each old chunk along one axis: ``[(new index, slice of the old chunk, offset in

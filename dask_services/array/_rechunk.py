@@ -106,6 +106,7 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> RechunkLaye
     """
     from dask_services.array._plan import (
         axis_overlaps,
+        chunk_starts,
         inputs_by_output,
         max_inputs_per_output,
         most_needed_inputs,
@@ -140,7 +141,7 @@ def _region_graph(x: Array, chunks: tuple, name: str, token: str) -> RechunkLaye
         # many service runs, each moving little (every region's data fits one task): merge
         # each region in a task and cut its outputs out of it instead, as ``tasks`` does;
         # the runs' fixed costs (hand-offs, barrier, claims) outweighed the data
-        starts = ([_starts(c) for c in x.chunks], [_starts(c) for c in chunks])
+        starts = ([chunk_starts(c) for c in x.chunks], [chunk_starts(c) for c in chunks])
         result.split_region = functools.partial(_merge_and_split_tasks, x.name, x.dtype,
                                                 name, starts)
         for r, (old_box, new_box) in enumerate(region_boxes(x.chunks, chunks, 0)):
@@ -293,11 +294,6 @@ def _merge_and_split_tasks(input_name: str, dtype: np.dtype, name: str,
                      for d, jd in enumerate(j))
         tasks[(name, *j)] = Task((name, *j), copy_part, TaskRef(region_key), part)
     return tasks
-
-
-def _starts(sizes: tuple[int, ...]) -> list[int]:
-    """Where every chunk along an axis starts, and (last) the axis's length."""
-    return [0, *itertools.accumulate(int(c) for c in sizes)]
 
 
 def _shift(index: tuple, offset: tuple) -> tuple:

@@ -61,6 +61,7 @@ from dask_services.array._pieces import (
 from dask_services.array._plan import (
     AFFINITY_MAX_INPUTS,
     axis_overlaps,
+    chunk_starts,
     output_blocks,
     owned_boxes,
     pieces_per_output,
@@ -131,10 +132,8 @@ class ArrayRechunk(PeerExchange):
                 max(c, default=0) for c in counts) > AFFINITY_MAX_INPUTS:
             boxes = owned_boxes(self.owner)
         # where each output (input) chunk starts along each axis, with the end of the last
-        new_starts = [np.cumsum((0, *axis)).astype(int).tolist()
-                      for axis in new_chunks] if boxes else []
-        self.old_starts = [np.cumsum((0, *axis)).astype(int).tolist()
-                           for axis in old_chunks] if boxes else []
+        new_starts = [chunk_starts(axis) for axis in new_chunks] if boxes else []
+        self.old_starts = [chunk_starts(axis) for axis in old_chunks] if boxes else []
         # how each boxed instance holds its box; not where its chunks come in many sizes
         # (slabs then cut into pieces of a frame each again)
         self.layouts = {sid: layout for sid, layout in (
@@ -241,10 +240,8 @@ class ArrayRechunk(PeerExchange):
             box = self._box(dtype) if m[0] == "slab" else None
             if box is not None and box.dtype == dtype:
                 assert self.layout is not None
-                slab = Slab(m[1], np.broadcast_to(np.empty((), dtype), shape))
-                destination = box.destination(slab.placed(self.layout, whole=True))
-                slab.array = destination
-                whole.append(slab)
+                destination = box.destination(m[1], shape)
+                whole.append(Slab(m[1], destination).placed(self.layout, whole=True))
             elif m[0] == "piece":
                 destination = self._output(m[1], dtype)[region(m[2], shape)]
                 if destination.dtype != dtype:
