@@ -159,11 +159,12 @@ class PlacementGroup:
 def owned_as_the_service_says(definition: Any, participants: Sequence[str]
                               ) -> dict[Key, str] | None:
     """Output -> worker as the service class lays its outputs out over ``participants``
-    (``Service.output_owners``), or ``None`` where it does not (round robin).  An answer
-    that is not one worker number per output, or an exception, is logged and ignored:
-    the outputs are then dealt round robin, and the run goes on."""
+    (``Service.output_owners``), or ``None`` where it does not (round robin), or where the
+    service task has a placement group or an affinity, which place its outputs instead.
+    An answer that is not one worker number per output, or an exception, is logged and
+    ignored: the outputs are then dealt round robin, and the run goes on."""
     hook = getattr(definition.service_class, "output_owners", None)
-    if hook is None:
+    if hook is None or definition.placement is not None or definition.affinity:
         return None
     outputs = definition.output_keys
     try:

@@ -85,8 +85,7 @@ async def _one_run(definition: ServiceDefinition, service_key: Key, inputs: dict
         wanted = tuple(definition.output_keys if definition.wanted_outputs is None
                        else definition.wanted_outputs)
         # as on a cluster: the service's own layout where it has one, else round robin
-        laid_out = (None if definition.placement is not None or definition.affinity
-                    else owned_as_the_service_says(definition, ids))
+        laid_out = owned_as_the_service_says(definition, ids)
         owners = {k: laid_out[k] if laid_out is not None else ids[i % len(ids)]
                   for i, k in enumerate(wanted)}
         instances = []
