@@ -578,14 +578,20 @@ async def test_outputs_are_written_in_place_when_they_fit_the_buffer_budget(c, s
     arr = np.random.default_rng(0).random((96, 96))
     x = da.from_array(arr, chunks=(8, 96))
     assembled = []
-    fill = _service.fill
+    fill, assemble_band = _service.fill, _service.assemble_band
 
     def counted_fill(out, pieces):
         assembled.append(out.shape)
         return fill(out, pieces)
 
+    def counted_band(*args):  # (a worker's columns are a box: kept in bands)
+        chunks = assemble_band(*args)
+        assembled.extend(chunk.shape for chunk in chunks.values())
+        return chunks
+
     settings = {} if fraction is None else {"dask_services.rechunk.buffer-fraction": fraction}
-    with dask.config.set(settings), mock.patch.object(_service, "fill", counted_fill):
+    with dask.config.set(settings), mock.patch.object(_service, "fill", counted_fill), \
+            mock.patch.object(_service, "assemble_band", counted_band):
         y = x.rechunk((96, 8), method="service")
         np.testing.assert_array_equal(await c.compute(y), arr)
     assert assembled == ([] if fraction is None else [(96, 8)] * 12)

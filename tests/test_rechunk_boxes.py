@@ -21,7 +21,9 @@ from utils import assert_nothing_left, service_cluster
 
 import dask_services  # noqa: F401
 from dask_services import _run_placement as placement
+from dask_services import _spill
 from dask_services.array import _pieces, _service
+from dask_services.array._bands import Bands, assemble_band, band_parts
 from dask_services.array._pieces import (
     BoxCount,
     Slab,
@@ -385,9 +387,10 @@ def time_series_cases(draw):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(time_series_cases(), st.booleans())
-def test_property_boxed_rechunks_match_numpy_in_process(case, in_place):
-    """Under dask's local scheduler too (the same layout), written in place or buffered."""
+@given(time_series_cases(), st.booleans(), st.sampled_from([1, 100, 1 << 26]))
+def test_property_boxed_rechunks_match_numpy_in_process(case, in_place, band_bytes):
+    """Under dask's local scheduler too (the same layout), written in place or buffered
+    (in bands of one chunk, a few, or the whole box)."""
     shape, old, new, dtype = case
     a = (np.arange(math.prod(shape)) % 251).astype(dtype).reshape(shape)
     with dask.config.set({"dask_services.rechunk.merge-region-max": 0,
@@ -395,7 +398,8 @@ def test_property_boxed_rechunks_match_numpy_in_process(case, in_place):
         y = da.from_array(a, chunks=old).rechunk(new, method="service")
     buffered = mock.patch.object(_service, "assembles_in_place", return_value=False)
     slabs = mock.patch.object(_pieces, "slabs_of", wraps=slabs_of)
-    with contextlib.nullcontext() if in_place else buffered, slabs as made:
+    with contextlib.nullcontext() if in_place else buffered, slabs as made, \
+            mock.patch.object(_service, "MAX_BAND_BYTES", band_bytes):
         got = y.compute(scheduler="sync")
     assert got.dtype == a.dtype
     np.testing.assert_array_equal(got, a)
@@ -425,3 +429,174 @@ def test_a_box_of_chunks_of_many_sizes_takes_pieces():
         with mock.patch.object(_pieces, "slabs_of", wraps=slabs_of) as made:
             np.testing.assert_array_equal(y.compute(scheduler="sync"), a)
         assert made.called == boxed, new
+
+
+# ----------------------------------------------------------------- buffered: bands
+
+
+@st.composite
+def boxes_and_limits(draw):
+    ndim = draw(st.integers(1, 3))
+    new = tuple(chunking(draw, draw(st.integers(1, 12)), 6) for _ in range(ndim))
+    box = []
+    for axis in new:
+        lo = draw(st.integers(0, len(axis) - 1))
+        box.append(range(lo, draw(st.integers(lo + 1, len(axis)))))
+    return new, tuple(box), draw(st.sampled_from([1, 2, 8])), draw(st.integers(1, 4000))
+
+
+@settings(max_examples=300, deadline=None)
+@given(boxes_and_limits())
+def test_bands_cover_the_box_once_each_within_its_limit(case):
+    """Every output chunk of the box is in one band, which is a sub-box of at most the
+    limit (one chunk where a chunk is larger), the innermost axes whole where they fit."""
+    new, box, itemsize, limit = case
+    starts = starts_of(new)
+    bands = Bands(TileLayout(box, starts), itemsize, limit)
+    biggest = itemsize * math.prod(max((starts[d][k + 1] - starts[d][k] for k in r),
+                                       default=0) for d, r in enumerate(box))
+    seen: list[tuple[int, ...]] = []
+    for band, left in bands.left.items():
+        chunks = list(itertools.product(*bands.box(band)))
+        assert chunks and left == len(chunks)
+        assert all(bands.of(j) == band for j in chunks)
+        assert len(chunks) == 1 or len(chunks) * biggest <= limit
+        seen += chunks
+    assert sorted(seen) == sorted(itertools.product(*box))
+    # an axis is cut only where every axis inside it is whole
+    cut = [d for d, (step, r) in enumerate(zip(bands.steps, box, strict=True))
+           if step < len(r)]
+    if cut:
+        assert all(bands.steps[d] == len(box[d]) for d in range(max(cut) + 1, len(box)))
+        assert all(bands.steps[d] == 1 for d in range(max(cut)))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(boxed_rechunks(), st.integers(1, 600))
+def test_parts_of_slabs_for_bands_make_numpys_chunks_when_the_band_completes(case, limit):
+    """A buffering instance keeps each slab as its parts for the bands it reaches (one
+    part per band); a band completes once, when its last chunk has all its pieces, and
+    assembled then from the parts kept so far, each chunk is a C-ordered tile with
+    numpy's values."""
+    shape, old, new, box, order = case
+    a = np.arange(math.prod(shape), dtype="f8").reshape(shape)
+    overlaps = [axis_overlaps(o, n) for o, n in zip(old, new, strict=True)]
+    counts = pieces_per_output(overlaps, new)
+    new_starts, old_starts = starts_of(new), starts_of(old)
+    layout = TileLayout(box, new_starts)
+    bands = Bands(layout, 8, limit)
+    count = BoxCount(box, counts)
+    kept: dict[tuple[int, ...], list] = {}
+    assembled: dict[tuple[int, ...], np.ndarray] = {}
+
+    def completed(j):
+        band = bands.completes(j)
+        if band is not None:
+            assert not set(bands.box(band)) & set(assembled)
+            assembled.update(assemble_band(TileLayout(bands.box(band), new_starts),
+                                           kept.pop(band, []), np.dtype("f8"), {}))
+
+    for j in itertools.product(*box):  # (no piece to wait for: complete at the start)
+        if not math.prod(counts[d][jd] for d, jd in enumerate(j)):
+            completed(j)
+    for i in order:
+        at = tuple(old_starts[d][x] for d, x in enumerate(i))
+        block = a[tuple(slice(s, s + n) for s, n in zip(
+            at, (old[d][x] for d, x in enumerate(i)), strict=True))]
+        slabs = [slab.placed(layout, whole=False) for slab in slabs_of(block, at, layout)]
+        for slab in slabs:
+            parts = band_parts(bands, [slab])
+            assert len({band for band, _, _ in parts}) == len(parts)
+            assert sum(n for _, _, n in parts) == slab.nbytes
+            for band, part, _ in parts:
+                assert part[1].base is None  # (a copy of its own)
+                kept.setdefault(band, []).append(part)
+        for slab in slabs:
+            for j in count.add(slab):
+                completed(j)
+    assert not kept and set(bands.left.values()) == {0}
+    assert sorted(assembled) == sorted(itertools.product(*box))
+    for j, chunk in assembled.items():
+        where = tuple(slice(new_starts[d][jd], new_starts[d][jd + 1]) for d, jd in enumerate(j))
+        assert chunk.flags.c_contiguous and chunk.shape == a[where].shape
+        np.testing.assert_array_equal(chunk, a[where])
+
+
+def test_a_band_of_mixed_dtypes_or_loose_pieces_is_filled_chunk_by_chunk():
+    """Parts of several dtypes, or pieces that came as pieces: each chunk filled from its
+    own pieces, its dtype promoted from theirs alone, as buffered pieces are."""
+    starts = starts_of(((2,), (2, 2)))
+    layout = TileLayout((range(1), range(2)), starts)
+    parts = [((0, 0), np.array([[[[1, 2]], [[3, 4]]]], "f4")),  # row 0 of both chunks
+             ((1, 0), np.array([[[[5.5, 6.5]]]], "f8")),  # row 1 of chunk 0
+             ((1, 2), np.array([[[[7, 8]]]], "f4"))]  # row 1 of chunk 1
+    got = assemble_band(layout, parts, np.dtype("f8"), {})
+    assert got[0, 0].dtype == np.dtype("f8") and got[0, 1].dtype == np.dtype("f4")
+    np.testing.assert_array_equal(got[0, 0], [[1, 2], [5.5, 6.5]])
+    np.testing.assert_array_equal(got[0, 1], [[3, 4], [7, 8]])
+    loose = {(0, 1): [((1, 0), np.array([[7, 8]], "i8"))]}
+    got = assemble_band(layout, parts[:2], np.dtype("f8"), loose)
+    assert got[0, 1].dtype == np.dtype("f8")
+    np.testing.assert_array_equal(got[0, 1], [[3, 4], [7, 8]])
+
+
+def test_a_band_missing_elements_says_which_chunks_and_why():
+    starts = starts_of(((2,), (2, 2)))
+    layout = TileLayout((range(1), range(2)), starts)
+    with pytest.raises(ValueError, match=r"output chunks \(0, 0\) to \(0, 1\) together got "
+                                         r"4 elements .* instead of 8.*chunks="):
+        assemble_band(layout, [((0, 0), np.zeros((1, 2, 1, 2), "f4"))], np.dtype("f4"), {})
+
+
+def recorded_buffered(partitions: list):
+    """``SpillBuffer.add_batch`` of every instance, noting the partitions kept."""
+    add_batch = _spill.SpillBuffer.add_batch
+
+    async def noted(self, pieces):
+        pieces = list(pieces)
+        partitions.extend(p for p, _, _ in pieces)
+        return await add_batch(self, pieces)
+
+    return mock.patch.object(_spill.SpillBuffer, "add_batch", noted)
+
+
+@pytest.mark.parametrize("spilled", [False, True])
+@service_cluster(timeout=90)
+async def test_a_buffered_time_series_keeps_a_part_per_band_not_a_piece_per_tile(
+        c, s, a, b, spilled):
+    """Outputs that do not fit the buffer budget together: each worker keeps a step's
+    slab as its part for each band of its box (three tiles here), not a piece per tile
+    (it kept 24 per step and worker before), in memory or spilled to disk; numpy's values,
+    and nothing left on the workers."""
+    base = np.random.default_rng(8).random((30, 24, 36)).astype("f4")
+    partitions: list = []
+    tile_bytes = 30 * 4 * 6 * 4
+    settings = {"dask_services.rechunk.buffer-fraction": 1e-9} if spilled else {}
+    with dask.config.set(settings), recorded_buffered(partitions), \
+            mock.patch.object(_service, "assembles_in_place", return_value=False), \
+            mock.patch.object(_service, "MAX_BAND_BYTES", 3 * tile_bytes):
+        y = da.from_array(base, chunks=(1, 24, 36)).rechunk((30, 4, 6), method="service")
+        got = await c.compute(y)
+        np.testing.assert_array_equal(got, base)
+        assert await c.compute(y.sum()) == pytest.approx(base.sum(), rel=1e-5)
+    # (6 x 6 tiles, a box of 18 per worker, in bands of one chunk when every byte spills)
+    per_step = 36 if spilled else 36 // 3
+    assert all(p[0] == "band" for p in partitions)
+    assert len(partitions) == 2 * 30 * per_step
+    del got
+    await assert_nothing_left(s, [a, b])
+
+
+@service_cluster(timeout=90)
+async def test_a_buffered_masked_time_series_keeps_masks_values_and_fill_value(c, s, a, b):
+    values = np.random.default_rng(9).integers(0, 100, (20, 12, 12)).astype("i4")
+    base = np.ma.masked_array(values, mask=values % 7 == 0, fill_value=-3)
+    with mock.patch.object(_service, "assembles_in_place", return_value=False), \
+            mock.patch.object(_service, "MAX_BAND_BYTES", 2 * 20 * 3 * 3 * 5):
+        got = await c.compute(da.from_array(base, chunks=(1, 12, 12))
+                              .rechunk((20, 3, 3), method="service"))
+    np.testing.assert_array_equal(np.ma.getmaskarray(got), np.ma.getmaskarray(base))
+    np.testing.assert_array_equal(got.filled(0), base.filled(0))
+    assert got.fill_value == -3
+    del got
+    await assert_nothing_left(s, [a, b])

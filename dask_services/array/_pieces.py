@@ -684,17 +684,23 @@ def output_shape(shape: tuple[float, ...], pieces: list[tuple[tuple[int, ...], n
 def fill(out: np.ndarray, pieces: list[tuple[tuple[int, ...], np.ndarray]]) -> np.ndarray:
     """``out`` with every piece written at its offset; the pieces must cover it exactly
     (they cannot overlap: each is the part of one input chunk that the output takes)."""
-    covered = sum(piece.size for _, piece in pieces)
-    if covered != out.size:
+    check_covered(f"an output chunk of shape {out.shape}", out.size,
+                  sum(piece.size for _, piece in pieces))
+    write_pieces([(out, offset, piece) for offset, piece in pieces])
+    return out
+
+
+def check_covered(what: str, size: int, covered: int) -> None:
+    """A clear error where the pieces of an output chunk (or of several, ``what``) of
+    ``size`` elements have ``covered`` elements instead."""
+    if covered != size:
         raise ValueError(
-            f"rechunk: an output chunk of shape {out.shape} got {covered} elements from "
-            f"its input chunks instead of {out.size}: an input chunk has another shape "
+            f"rechunk: {what} got {covered} elements from "
+            f"its input chunks instead of {size}: an input chunk has another shape "
             "than the array's chunks say (a map_blocks returning blocks of other shapes "
             "than its chunks= declares?). Make the blocks match their chunks, or give "
             "map_blocks the right chunks="
         )
-    write_pieces([(out, offset, piece) for offset, piece in pieces])
-    return out
 
 
 def check_block_shape(block: np.ndarray, declared: tuple[float, ...], key: Any) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 from dask_services._buffers import ArraysInMemory, IncomingBuffers
 from dask_services._exchange import PeerExchange
 from dask_services._memory import TrimAfter, release_freed_memory
+from dask_services.array._bands import Band, BandPart, Bands, assemble_band, band_parts
 from dask_services.array._masks import as_masked, has_planes, write
 from dask_services.array._pieces import (
     BoxCount,
@@ -76,6 +77,9 @@ WRITE_ON_LOOP_PIECES = 64
 # a box is held as tiles of at most this many arrays per axis (chunks of this many sizes
 # along it: a regular grid's and its last, smaller chunk's); past it, pieces are sent
 MAX_BOX_PARTS = 2
+# a buffering instance assembles its box in bands of at most this many bytes (and at most
+# a quarter of its buffer budget; one chunk at least)
+MAX_BAND_BYTES = 64 << 20
 
 
 class ArrayRechunk(PeerExchange):
@@ -165,6 +169,12 @@ class ArrayRechunk(PeerExchange):
             {} if assembles_in_place(new_chunks, self.expected, np.dtype(dtype),
                                      self.buffer.limit) else None
         )
+        # buffered, a box is kept as the parts of its slabs for bands of it, each
+        # assembled once complete (``_bands.py``)
+        self.bands: Bands | None = (
+            Bands(self.layout, np.dtype(dtype).itemsize,
+                  min(MAX_BAND_BYTES, max(1, self.buffer.limit // 4)))
+            if self.outputs is None and self.layout is not None else None)
         self.written: dict[Index, int] = {}
         self.box_written = 0  # bytes written into the box for chunks not yet produced
         # pieces of output chunks written in place whose dtype did not fit the chunk's
@@ -313,27 +323,48 @@ class ArrayRechunk(PeerExchange):
                     for batch in batches for item in batch)
         nbytes = sum(map(batch_bytes, batches))
         if self.outputs is None:
+            slabs: list[Slab] = []
             for batch in batches:
                 for item in batch:
                     if type(item) is Slab:
                         assert self.layout is not None
-                        item.placed(self.layout, whole=False)
+                        slabs.append(item.placed(self.layout, whole=False))
+            if self.bands is not None and slabs:  # kept as parts for bands, not pieces
+                batches = [[item for item in batch if type(item) is not Slab]
+                           for batch in batches]
+                count -= sum(map(len, slabs))
             if count <= WRITE_ON_LOOP_PIECES and nbytes <= WRITE_ON_LOOP_MAX:
-                pieces = unpacked(batches, copy=True)
+                pieces, parts = self._buffered(batches, slabs)
             else:
-                pieces = await self.concierge.run_in_executor(unpacked, batches, True)
+                pieces, parts = await self.concierge.run_in_executor(
+                    self._buffered, batches, slabs)
             received = [(j, piece_bytes(piece)) for j, _, piece in pieces]
             await self.buffer.add_batch(
                 [(j, (offset, piece), n)
-                 for (j, offset, piece), (_, n) in zip(pieces, received, strict=True)])
-            del pieces
+                 for (j, offset, piece), (_, n) in zip(pieces, received, strict=True)]
+                + [(("band", band), part, n) for band, part, n in parts])
+            del pieces, parts
             del batches
             self.received_bytes += nbytes
             self._count(received)
+            if self.bands is not None:
+                assert self.box_count is not None
+                for slab in slabs:
+                    for j in self.box_count.add(slab):
+                        self._complete(j)
             return
         received, whole = await self._write(batches, count, nbytes)
         del batches
         self._received(received, nbytes, whole)
+
+    def _buffered(self, batches: list[list[Piece | PackedPieces | Slab]], slabs: list[Slab]
+                  ) -> tuple[list[Piece], list[tuple[Band, BandPart, int]]]:
+        """What a buffering instance keeps of ``batches``: their pieces, copied, and
+        (with bands: ``slabs`` not in ``batches`` then) the parts of ``slabs`` for
+        bands."""
+        if self.bands is None:
+            return unpacked(batches, copy=True), []
+        return unpacked(batches, copy=True), band_parts(self.bands, slabs)
 
     def _received(self, received: list[tuple[Index, int]], nbytes: int,
                   whole: Iterable[Slab] = ()) -> None:
@@ -360,7 +391,13 @@ class ArrayRechunk(PeerExchange):
                 self._complete(j)
 
     def _complete(self, j: Index) -> None:
-        task = asyncio.create_task(self._produce(j))
+        if self.bands is not None:
+            band = self.bands.completes(j)
+            if band is None:  # (produced with the last of its band)
+                return
+            task = asyncio.create_task(self._produce_band(band))
+        else:
+            task = asyncio.create_task(self._produce(j))
         self.assembling.add(task)
         task.add_done_callback(self._assembled)
 
@@ -431,6 +468,26 @@ class ArrayRechunk(PeerExchange):
                     and self.buffer.spilled_total:
                 await self.concierge.run_in_executor(release_freed_memory)
             await self.concierge.produce_key(self.key_of[j], await self._handed_out(j, chunk))
+
+    async def _produce_band(self, band: Band) -> None:
+        """Every output chunk of ``band`` (all complete), assembled from the parts of
+        slabs kept for it and any pieces of its chunks, one band at a time."""
+        assert self.bands is not None and self.buffer is not None
+        async with self.one_at_a_time:
+            held = self.buffer.memory_bytes
+            parts = await self.buffer.take(("band", band))
+            layout = TileLayout(self.bands.box(band), self.bands.layout.starts)
+            loose = {j: await self.buffer.take(j)
+                     for j in itertools.product(*layout.box) if self.buffer.holds(j)}
+            chunks = await self.concierge.run_in_executor(
+                assemble_band, layout, parts, np.dtype(self.dtype), loose)
+            del parts, loose
+            if self.trim.freed_bytes(held - self.buffer.memory_bytes) \
+                    and self.buffer.spilled_total:
+                await self.concierge.run_in_executor(release_freed_memory)
+            for j, chunk in chunks.items():
+                await self.concierge.produce_key(self.key_of[j],
+                                                 await self._handed_out(j, chunk))
 
     async def _handed_out(self, j: Index, chunk: np.ndarray) -> np.ndarray:
         """Output chunk ``j`` as it is produced: a masked array where it was assembled with

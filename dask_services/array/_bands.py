@@ -1,0 +1,150 @@
+"""A box of output chunks kept by an instance that buffers (its outputs do not fit its
+buffer budget together, so they cannot be written in place as they arrive).
+
+The box is cut into bands: sub-boxes of neighbouring output chunks of at most a few tens
+of megabytes, taken along the innermost axes first.  A slab received for the box (the
+part of one input chunk for it, in tile order) is kept as its part for each band it
+reaches, a slice or two of it, and a band is assembled, as tiles of a few arrays
+(``TiledBox``), once every chunk in it has all its pieces.  Cutting every slab into a
+piece per output chunk instead cost microseconds of Python for each piece on its way in,
+to disk and back (a 1 GB time series into 20 x 20 tiles is 400,000 pieces).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+
+import numpy as np
+
+from dask_services.array._masks import write
+from dask_services.array._pieces import (
+    Index,
+    Slab,
+    TiledBox,
+    TileLayout,
+    check_covered,
+    chunk_dtype,
+    fill,
+    new_array,
+    pieces_dtype,
+)
+
+Band = tuple[int, ...]
+# where a slab's part for a band starts (as ``Slab.at``), and that part in tile order
+BandPart = tuple[tuple[int, ...], np.ndarray]
+
+
+class Bands:
+    """``layout``'s box cut into bands of at most ``limit`` bytes (chunks of
+    ``itemsize``-byte elements; one chunk where a chunk is larger), counting the chunks
+    of each band still to be completed."""
+
+    def __init__(self, layout: TileLayout, itemsize: int, limit: int) -> None:
+        self.layout = layout
+        box, starts = layout.box, layout.starts
+        biggest = itemsize * math.prod(
+            max((starts[d][k + 1] - starts[d][k] for k in r), default=0)
+            for d, r in enumerate(box))
+        per_band = max(1, limit // max(biggest, 1))
+        steps = [1] * len(box)
+        inner = 1
+        for d in reversed(range(len(box))):
+            n = max(len(box[d]), 1)
+            if inner * n > per_band:
+                steps[d] = max(1, per_band // inner)
+                break
+            steps[d] = n
+            inner *= n
+        self.steps = tuple(steps)
+        self.left: dict[Band, int] = {
+            band: math.prod(map(len, self.box(band)))
+            for band in itertools.product(*(range(-(-len(r) // s))
+                                            for r, s in zip(box, self.steps, strict=True)))}
+
+    def __len__(self) -> int:
+        return len(self.left)
+
+    def of(self, j: Index) -> Band:
+        """The band of output chunk ``j``."""
+        return tuple((jd - r.start) // s
+                     for jd, r, s in zip(j, self.layout.box, self.steps, strict=True))
+
+    def box(self, band: Band) -> tuple[range, ...]:
+        """The output chunks of ``band``, as ranges per axis."""
+        return tuple(range(r.start + b * s, min(r.start + (b + 1) * s, r.stop))
+                     for b, r, s in zip(band, self.layout.box, self.steps, strict=True))
+
+    def completes(self, j: Index) -> Band | None:
+        """Count output chunk ``j`` as having all its pieces; its band if that was the
+        band's last."""
+        band = self.of(j)
+        self.left[band] -= 1
+        return band if not self.left[band] else None
+
+    def cut(self, slab: Slab) -> Iterator[tuple[Band, BandPart]]:
+        """``slab`` (placed in the layout) as its part for each band it reaches: views of
+        its array."""
+        per_axis = []
+        for d, (first, count, step) in enumerate(zip(slab.first, slab.counts, self.steps,
+                                                     strict=True)):
+            lo = self.layout.box[d].start
+            along, k = [], first
+            while k < first + count:
+                b = (k - lo) // step
+                end = min(first + count, lo + (b + 1) * step)
+                at = slab.at[d] if k == first else self.layout.starts[d][k]
+                along.append((b, slice(k - first, end - first), at))
+                k = end
+            per_axis.append(along)
+        for combo in itertools.product(*per_axis):
+            yield (tuple(b for b, _, _ in combo),
+                   (tuple(at for _, _, at in combo),
+                    slab.array[tuple(where for _, where, _ in combo)]))
+
+
+def band_parts(bands: Bands, slabs: list[Slab]) -> list[tuple[Band, BandPart, int]]:
+    """The parts of ``slabs`` for their bands, each a copy of its own (a view would keep
+    the whole received message in memory, and spill it whole), with its bytes."""
+    out = []
+    for slab in slabs:
+        for band, (at, part) in bands.cut(slab):
+            out.append((band, (at, np.array(part, copy=True)), int(part.nbytes)))
+    return out
+
+
+def assemble_band(layout: TileLayout, parts: list[BandPart], declared: np.dtype,
+                  loose: dict[Index, list[tuple[tuple[int, ...], np.ndarray]]]
+                  ) -> dict[Index, np.ndarray]:
+    """A band's output chunks (``layout``: its box) from the parts of slabs kept for it
+    (in order of arrival) and the ``loose`` pieces of its chunks (that came as pieces,
+    not in a slab).  Where all came as slabs of one dtype, the chunks are the tiles
+    of one ``TiledBox`` written a part at a time; else every chunk is filled from its
+    pieces as a chunk of buffered pieces is, its dtype promoted from theirs alone."""
+    dtypes = {part.dtype for _, part in parts}
+    chunks = list(itertools.product(*layout.box))
+
+    def shape(j: Index) -> tuple[int, ...]:
+        return tuple(layout.starts[d][jd + 1] - layout.starts[d][jd]
+                     for d, jd in enumerate(j))
+
+    if not loose and len(dtypes) <= 1:
+        box = TiledBox(layout, chunk_dtype(declared, [part.dtype for _, part in parts]))
+        check_covered(f"output chunks {chunks[0]} to {chunks[-1]} together",
+                      sum(math.prod(shape(j)) for j in chunks),
+                      sum(part.size for _, part in parts))
+        for at, part in parts:
+            write(box.destination(at, part.shape), ..., part)
+        # (a chunk of no element has no piece, and the declared dtype, as buffered)
+        return {j: box.chunk(j) if math.prod(shape(j)) else np.empty(shape(j), declared)
+                for j in chunks}
+    pieces = {j: [] for j in chunks}
+    for at, part in parts:
+        for j, offset, piece in Slab(at, part).placed(layout, whole=False).pieces(copy=False):
+            pieces[j].append((offset, piece))
+    out = {}
+    for j in chunks:
+        each = pieces[j] + loose.get(j, [])
+        out[j] = fill(new_array(shape(j), pieces_dtype(declared, each)), each)
+    return out
