@@ -11,7 +11,9 @@ Where an instance's output chunks fit its buffer budget together, each piece is 
 into its output chunk as it arrives (in place), so that a chunk is ready the moment its last
 piece is, and the copying overlaps the exchange instead of following it.  Otherwise pieces
 are buffered (spilling to disk past the budget, as the shuffle does) and a chunk is
-assembled, one at a time, once complete.
+assembled, one at a time, once complete; an instance whose outputs are a box keeps each
+slab as its parts for bands of the box instead, and assembles a band at a time
+(``_bands.py``).
 """
 
 from __future__ import annotations
