@@ -364,9 +364,8 @@ class ArrayRechunk(PeerExchange):
         """What a buffering instance keeps of ``batches``: their pieces, copied, and
         (with bands: ``slabs`` not in ``batches`` then) the parts of ``slabs`` for
         bands."""
-        if self.bands is None:
-            return unpacked(batches, copy=True), []
-        return unpacked(batches, copy=True), band_parts(self.bands, slabs)
+        return unpacked(batches, copy=True), (
+            band_parts(self.bands, slabs) if self.bands is not None else [])
 
     def _received(self, received: list[tuple[Index, int]], nbytes: int,
                   whole: Iterable[Slab] = ()) -> None:
