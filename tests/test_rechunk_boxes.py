@@ -22,7 +22,7 @@ from utils import assert_nothing_left, service_cluster
 import dask_services  # noqa: F401
 from dask_services import _run_placement as placement
 from dask_services import _spill
-from dask_services.array import _pieces, _service
+from dask_services.array import _bands, _pieces, _service
 from dask_services.array._bands import Bands, assemble_band, band_parts
 from dask_services.array._pieces import (
     BoxCount,
@@ -331,7 +331,7 @@ def _f4_where_even(block, block_info=None):
     return block.astype("f4") if step % 2 == 0 else block.astype("f8") / 3
 
 
-@pytest.mark.parametrize("fraction", [None, 1e-9])
+@pytest.mark.parametrize("fraction", [None, 1e-9, "bands in place"])
 @service_cluster(timeout=90)
 async def test_steps_of_mixed_dtypes_are_promoted_in_a_box(c, s, a, b, fraction):
     """Steps of float32 and float64 (a map_blocks that says one dtype): a box takes the
@@ -341,8 +341,12 @@ async def test_steps_of_mixed_dtypes_are_promoted_in_a_box(c, s, a, b, fraction)
     x = da.from_array(base, chunks=(1, 8, 10)).map_blocks(_f4_where_even, dtype="f8")
     expected = np.concatenate([base[i:i + 1].astype("f4").astype("f8") if i % 2 == 0
                                else base[i:i + 1] / 3 for i in range(12)])
-    settings = {} if fraction is None else {"dask_services.rechunk.buffer-fraction": fraction}
-    with dask.config.set(settings):
+    settings = ({} if fraction in (None, "bands in place")
+                else {"dask_services.rechunk.buffer-fraction": fraction})
+    # (buffering, with every band of one chunk held in place)
+    bands = (mock.patch.object(_service, "assembles_in_place", return_value=False)
+             if fraction == "bands in place" else contextlib.nullcontext())
+    with dask.config.set(settings), bands, mock.patch.object(_service, "MAX_BAND_BYTES", 1):
         for _ in range(2):
             blocks = await c.gather(c.compute(
                 x.rechunk((12, 2, 5), method="service").to_delayed().ravel().tolist()))
@@ -387,10 +391,11 @@ def time_series_cases(draw):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(time_series_cases(), st.booleans(), st.sampled_from([1, 100, 1 << 26]))
-def test_property_boxed_rechunks_match_numpy_in_process(case, in_place, band_bytes):
+@given(time_series_cases(), st.booleans(), st.sampled_from([1, 100, 1 << 26]),
+       st.sampled_from([0.0, 0.75]))
+def test_property_boxed_rechunks_match_numpy_in_process(case, in_place, band_bytes, share):
     """Under dask's local scheduler too (the same layout), written in place or buffered
-    (in bands of one chunk, a few, or the whole box)."""
+    (in bands of one chunk, a few, or the whole box; kept or written in place)."""
     shape, old, new, dtype = case
     a = (np.arange(math.prod(shape)) % 251).astype(dtype).reshape(shape)
     with dask.config.set({"dask_services.rechunk.merge-region-max": 0,
@@ -399,7 +404,8 @@ def test_property_boxed_rechunks_match_numpy_in_process(case, in_place, band_byt
     buffered = mock.patch.object(_service, "assembles_in_place", return_value=False)
     slabs = mock.patch.object(_pieces, "slabs_of", wraps=slabs_of)
     with contextlib.nullcontext() if in_place else buffered, slabs as made, \
-            mock.patch.object(_service, "MAX_BAND_BYTES", band_bytes):
+            mock.patch.object(_service, "MAX_BAND_BYTES", band_bytes), \
+            mock.patch.object(_service, "IN_PLACE_BANDS_SHARE", share):
         got = y.compute(scheduler="sync")
     assert got.dtype == a.dtype
     np.testing.assert_array_equal(got, a)
@@ -472,12 +478,14 @@ def test_bands_cover_the_box_once_each_within_its_limit(case):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(boxed_rechunks(), st.integers(1, 600))
-def test_parts_of_slabs_for_bands_make_numpys_chunks_when_the_band_completes(case, limit):
+@given(boxed_rechunks(), st.integers(1, 600), st.integers(0, 2000))
+def test_parts_of_slabs_for_bands_make_numpys_chunks_when_the_band_completes(
+        case, limit, in_place_budget):
     """A buffering instance keeps each slab as its parts for the bands it reaches (one
-    part per band); a band completes once, when its last chunk has all its pieces, and
-    assembled then from the parts kept so far, each chunk is a C-ordered tile with
-    numpy's values."""
+    part per band), but for the first bands that fit a share of its budget, whose parts
+    are written into their boxes; a band completes once, when its last chunk has all its
+    pieces, and assembled then from the parts kept so far (or its box's tiles), each
+    chunk is a C-ordered tile with numpy's values."""
     shape, old, new, box, order = case
     a = np.arange(math.prod(shape), dtype="f8").reshape(shape)
     overlaps = [axis_overlaps(o, n) for o, n in zip(old, new, strict=True)]
@@ -485,6 +493,10 @@ def test_parts_of_slabs_for_bands_make_numpys_chunks_when_the_band_completes(cas
     new_starts, old_starts = starts_of(new), starts_of(old)
     layout = TileLayout(box, new_starts)
     bands = Bands(layout, 8, limit)
+    in_place = bands.fitting(in_place_budget)
+    assert sum(map(bands.nbytes, in_place)) <= in_place_budget
+    assert in_place == list(bands.left)[:len(in_place)]
+    boxes: dict[tuple[int, ...], TiledBox] = {}
     count = BoxCount(box, counts)
     kept: dict[tuple[int, ...], list] = {}
     assembled: dict[tuple[int, ...], np.ndarray] = {}
@@ -492,9 +504,15 @@ def test_parts_of_slabs_for_bands_make_numpys_chunks_when_the_band_completes(cas
     def completed(j):
         band = bands.completes(j)
         if band is not None:
-            assert not set(bands.box(band)) & set(assembled)
-            assembled.update(assemble_band(TileLayout(bands.box(band), new_starts),
-                                           kept.pop(band, []), np.dtype("f8"), {}))
+            assert not set(itertools.product(*bands.box(band))) & set(assembled)
+            band_layout = TileLayout(bands.box(band), new_starts)
+            if band in boxes:
+                assert band not in kept
+                assembled.update((j, boxes[band].chunk(j))
+                                 for j in itertools.product(*band_layout.box))
+            else:
+                assembled.update(assemble_band(band_layout, kept.pop(band, []),
+                                               np.dtype("f8"), {}))
 
     for j in itertools.product(*box):  # (no piece to wait for: complete at the start)
         if not math.prod(counts[d][jd] for d, jd in enumerate(j)):
@@ -505,9 +523,16 @@ def test_parts_of_slabs_for_bands_make_numpys_chunks_when_the_band_completes(cas
             at, (old[d][x] for d, x in enumerate(i)), strict=True))]
         slabs = [slab.placed(layout, whole=False) for slab in slabs_of(block, at, layout)]
         for slab in slabs:
-            parts = band_parts(bands, [slab])
+            reached = set(bands.reached(slab))
+            for band in reached & set(in_place) - set(boxes):
+                boxes[band] = TiledBox(TileLayout(bands.box(band), new_starts), slab.dtype)
+            parts, aside = band_parts(bands, [slab], boxes)
+            assert aside == []
             assert len({band for band, _, _ in parts}) == len(parts)
-            assert sum(n for _, _, n in parts) == slab.nbytes
+            assert {band for band, _, _ in parts} == reached - set(in_place)
+            written = sum(math.prod(p.shape) for band, (_, p) in bands.cut(slab)
+                          if band in boxes) * 8
+            assert sum(n for _, _, n in parts) == slab.nbytes - written
             for band, part, _ in parts:
                 assert part[1].base is None  # (a copy of its own)
                 kept.setdefault(band, []).append(part)
@@ -540,6 +565,24 @@ def test_a_band_of_mixed_dtypes_or_loose_pieces_is_filled_chunk_by_chunk():
     np.testing.assert_array_equal(got[0, 1], [[3, 4], [7, 8]])
 
 
+def test_a_part_that_does_not_fit_its_band_held_in_place_is_set_aside_as_pieces():
+    starts = starts_of(((2,), (2, 2)))
+    layout = TileLayout((range(1), range(2)), starts)
+    bands = Bands(layout, 8, 32)  # one chunk per band
+    assert bands.steps == (1, 1) and bands.fitting(32) == [(0, 0)]
+    boxes = {(0, 0): TiledBox(TileLayout(bands.box((0, 0)), starts), np.dtype("i8"))}
+    (ints,) = slabs_of(np.array([[1, 2, 3, 4]], "i4"), (0, 0), layout)
+    parts, aside = band_parts(bands, [ints.placed(layout, whole=False)], boxes)
+    # the band in place: written (i4 fits i8); the other kept as a copy
+    assert aside == [] and [(b, at) for b, (at, _), _ in parts] == [((0, 1), (0, 2))]
+    np.testing.assert_array_equal(boxes[0, 0].chunk((0, 0))[0], [1, 2])
+    (floats,) = slabs_of(np.array([[0.5, 1.5, 2.5, 3.5]]), (1, 0), layout)
+    parts, aside = band_parts(bands, [floats.placed(layout, whole=False)], boxes)
+    assert [(j, offset) for j, offset, _ in aside] == [((0, 0), (1, 0))]
+    np.testing.assert_array_equal(aside[0][2], [[0.5, 1.5]])
+    assert aside[0][2].base is None
+
+
 def test_a_band_missing_elements_says_which_chunks_and_why():
     starts = starts_of(((2,), (2, 2)))
     layout = TileLayout((range(1), range(2)), starts)
@@ -560,38 +603,50 @@ def recorded_buffered(partitions: list):
     return mock.patch.object(_spill.SpillBuffer, "add_batch", noted)
 
 
-@pytest.mark.parametrize("spilled", [False, True])
+def first_half(bands, budget):
+    return list(bands.left)[:len(bands.left) // 2]
+
+
+@pytest.mark.parametrize("mode", ["spilled", "buffered", "half in place"])
 @service_cluster(timeout=90)
 async def test_a_buffered_time_series_keeps_a_part_per_band_not_a_piece_per_tile(
-        c, s, a, b, spilled):
+        c, s, a, b, mode):
     """Outputs that do not fit the buffer budget together: each worker keeps a step's
     slab as its part for each band of its box (three tiles here), not a piece per tile
-    (it kept 24 per step and worker before), in memory or spilled to disk; numpy's values,
-    and nothing left on the workers."""
+    (it kept 18 per step and worker before), in memory or spilled to disk, but for the
+    bands held in place, written into as their parts arrive (it kept every band before);
+    numpy's values, and nothing left on the workers."""
     base = np.random.default_rng(8).random((30, 24, 36)).astype("f4")
     partitions: list = []
     tile_bytes = 30 * 4 * 6 * 4
-    settings = {"dask_services.rechunk.buffer-fraction": 1e-9} if spilled else {}
-    with dask.config.set(settings), recorded_buffered(partitions), \
+    settings = {"dask_services.rechunk.buffer-fraction": 1e-9} if mode == "spilled" else {}
+    in_place = (mock.patch.object(_bands.Bands, "fitting", first_half)
+                if mode == "half in place"
+                else mock.patch.object(_service, "IN_PLACE_BANDS_SHARE", 0.0))
+    with dask.config.set(settings), recorded_buffered(partitions), in_place, \
             mock.patch.object(_service, "assembles_in_place", return_value=False), \
             mock.patch.object(_service, "MAX_BAND_BYTES", 3 * tile_bytes):
         y = da.from_array(base, chunks=(1, 24, 36)).rechunk((30, 4, 6), method="service")
         got = await c.compute(y)
         np.testing.assert_array_equal(got, base)
         assert await c.compute(y.sum()) == pytest.approx(base.sum(), rel=1e-5)
-    # (6 x 6 tiles, a box of 18 per worker, in bands of one chunk when every byte spills)
-    per_step = 36 if spilled else 36 // 3
+    # (6 x 6 tiles, a box of 18 per worker, in bands of one chunk when every byte spills;
+    # two runs, each step's slabs for both workers)
+    per_step = {"spilled": 36, "buffered": 36 // 3, "half in place": 36 // 6}[mode]
     assert all(p[0] == "band" for p in partitions)
     assert len(partitions) == 2 * 30 * per_step
     del got
     await assert_nothing_left(s, [a, b])
 
 
+@pytest.mark.parametrize("in_place_share", [0.0, 0.75])
 @service_cluster(timeout=90)
-async def test_a_buffered_masked_time_series_keeps_masks_values_and_fill_value(c, s, a, b):
+async def test_a_buffered_masked_time_series_keeps_masks_values_and_fill_value(
+        c, s, a, b, in_place_share):
     values = np.random.default_rng(9).integers(0, 100, (20, 12, 12)).astype("i4")
     base = np.ma.masked_array(values, mask=values % 7 == 0, fill_value=-3)
     with mock.patch.object(_service, "assembles_in_place", return_value=False), \
+            mock.patch.object(_service, "IN_PLACE_BANDS_SHARE", in_place_share), \
             mock.patch.object(_service, "MAX_BAND_BYTES", 2 * 20 * 3 * 3 * 5):
         got = await c.compute(da.from_array(base, chunks=(1, 12, 12))
                               .rechunk((20, 3, 3), method="service"))

@@ -21,12 +21,14 @@ import numpy as np
 from dask_services.array._masks import write
 from dask_services.array._pieces import (
     Index,
+    Piece,
     Slab,
     TiledBox,
     TileLayout,
     check_covered,
     chunk_dtype,
     fill,
+    fits,
     new_array,
     pieces_dtype,
 )
@@ -43,6 +45,7 @@ class Bands:
 
     def __init__(self, layout: TileLayout, itemsize: int, limit: int) -> None:
         self.layout = layout
+        self.itemsize = itemsize
         box, starts = layout.box, layout.starts
         biggest = itemsize * math.prod(
             max((starts[d][k + 1] - starts[d][k] for k in r), default=0)
@@ -76,12 +79,35 @@ class Bands:
         return tuple(range(r.start + b * s, min(r.start + (b + 1) * s, r.stop))
                      for b, r, s in zip(band, self.layout.box, self.steps, strict=True))
 
+    def nbytes(self, band: Band) -> int:
+        """The bytes of ``band``'s chunks together."""
+        starts = self.layout.starts
+        return self.itemsize * math.prod(starts[d][r.stop] - starts[d][r.start]
+                                         for d, r in enumerate(self.box(band)))
+
+    def fitting(self, budget: int) -> list[Band]:
+        """The first bands (in C order) whose chunks fit ``budget`` together."""
+        out, total = [], 0
+        for band in self.left:
+            total += self.nbytes(band)
+            if total > budget:
+                break
+            out.append(band)
+        return out
+
     def completes(self, j: Index) -> Band | None:
         """Count output chunk ``j`` as having all its pieces; its band if that was the
         band's last."""
         band = self.of(j)
         self.left[band] -= 1
         return band if not self.left[band] else None
+
+    def reached(self, slab: Slab) -> Iterator[Band]:
+        """The bands that ``slab`` (placed in the layout) reaches."""
+        return itertools.product(*(
+            range((first - r.start) // step, (first + count - 1 - r.start) // step + 1)
+            for first, count, step, r in zip(slab.first, slab.counts, self.steps,
+                                             self.layout.box, strict=True)))
 
     def cut(self, slab: Slab) -> Iterator[tuple[Band, BandPart]]:
         """``slab`` (placed in the layout) as its part for each band it reaches: views of
@@ -104,14 +130,26 @@ class Bands:
                     slab.array[tuple(where for _, where, _ in combo)]))
 
 
-def band_parts(bands: Bands, slabs: list[Slab]) -> list[tuple[Band, BandPart, int]]:
-    """The parts of ``slabs`` for their bands, each a copy of its own (a view would keep
-    the whole received message in memory, and spill it whole), with its bytes."""
-    out = []
+def band_parts(bands: Bands, slabs: list[Slab], boxes: dict[Band, TiledBox] | None = None,
+               ) -> tuple[list[tuple[Band, BandPart, int]], list[Piece]]:
+    """The parts of ``slabs`` for their bands: those for a band held in place (``boxes``)
+    written into its box, or where their dtype does not fit the box's, returned as the
+    pieces of its chunks (copied, to be set aside until the chunk is promoted); the others
+    returned, each a copy of its own (a view would keep the whole received message in
+    memory, and spill it whole), with its bytes."""
+    boxes = boxes or {}
+    kept: list[tuple[Band, BandPart, int]] = []
+    aside: list[Piece] = []
     for slab in slabs:
         for band, (at, part) in bands.cut(slab):
-            out.append((band, (at, np.array(part, copy=True)), int(part.nbytes)))
-    return out
+            box = boxes.get(band)
+            if box is None:
+                kept.append((band, (at, np.array(part, copy=True)), int(part.nbytes)))
+            elif fits(part.dtype, box.dtype):
+                write(box.destination(at, part.shape), ..., part)
+            else:
+                aside.extend(Slab(at, part).placed(box.layout, whole=False).pieces(copy=True))
+    return kept, aside
 
 
 def assemble_band(layout: TileLayout, parts: list[BandPart], declared: np.dtype,

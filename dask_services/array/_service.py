@@ -82,6 +82,8 @@ MAX_BOX_PARTS = 2
 # a buffering instance assembles its box in bands of at most this many bytes (and at most
 # a quarter of its buffer budget; one chunk at least)
 MAX_BAND_BYTES = 64 << 20
+# ... and writes the first bands in place, as long as they fit this share of its budget
+IN_PLACE_BANDS_SHARE = 0.75
 
 
 class ArrayRechunk(PeerExchange):
@@ -177,6 +179,15 @@ class ArrayRechunk(PeerExchange):
             Bands(self.layout, np.dtype(dtype).itemsize,
                   min(MAX_BAND_BYTES, max(1, self.buffer.limit // 4)))
             if self.outputs is None and self.layout is not None else None)
+        # ... of which the first that fit a share of the budget are written in place as
+        # their parts arrive (a box larger than the budget by a little is mostly written
+        # in place), the others kept in what is left of the buffer
+        self.band_boxes: dict[Band, TiledBox] = {}
+        self.in_place_bands: set[Band] = set()
+        if self.bands is not None:
+            fitting = self.bands.fitting(int(self.buffer.limit * IN_PLACE_BANDS_SHARE))
+            self.in_place_bands = set(fitting)
+            self.buffer.limit -= sum(map(self.bands.nbytes, fitting))
         self.written: dict[Index, int] = {}
         self.box_written = 0  # bytes written into the box for chunks not yet produced
         # pieces of output chunks written in place whose dtype did not fit the chunk's
@@ -335,11 +346,14 @@ class ArrayRechunk(PeerExchange):
                 batches = [[item for item in batch if type(item) is not Slab]
                            for batch in batches]
                 count -= sum(map(len, slabs))
+                self._allocate_bands(slabs)
             if count <= WRITE_ON_LOOP_PIECES and nbytes <= WRITE_ON_LOOP_MAX:
-                pieces, parts = self._buffered(batches, slabs)
+                pieces, parts, aside = self._buffered(batches, slabs)
             else:
-                pieces, parts = await self.concierge.run_in_executor(
+                pieces, parts, aside = await self.concierge.run_in_executor(
                     self._buffered, batches, slabs)
+            self._set_aside(aside)
+            del aside
             received = [(j, piece_bytes(piece)) for j, _, piece in pieces]
             await self.buffer.add_batch(
                 [(j, (offset, piece), n)
@@ -359,13 +373,28 @@ class ArrayRechunk(PeerExchange):
         del batches
         self._received(received, nbytes, whole)
 
+    def _allocate_bands(self, slabs: list[Slab]) -> None:
+        """The boxes of the bands held in place that ``slabs`` reach and that have none
+        yet, of the dtype of the first slab to reach them (allocated here, on the event
+        loop, so that the threads writing parts into them only write)."""
+        assert self.bands is not None
+        for slab in slabs:
+            for band in self.bands.reached(slab):
+                if band in self.in_place_bands and band not in self.band_boxes:
+                    self.band_boxes[band] = TiledBox(
+                        TileLayout(self.bands.box(band), self.bands.layout.starts),
+                        slab.dtype)
+
     def _buffered(self, batches: list[list[Piece | PackedPieces | Slab]], slabs: list[Slab]
-                  ) -> tuple[list[Piece], list[tuple[Band, BandPart, int]]]:
+                  ) -> tuple[list[Piece], list[tuple[Band, BandPart, int]], list[Piece]]:
         """What a buffering instance keeps of ``batches``: their pieces, copied, and
-        (with bands: ``slabs`` not in ``batches`` then) the parts of ``slabs`` for
-        bands."""
-        return unpacked(batches, copy=True), (
-            band_parts(self.bands, slabs) if self.bands is not None else [])
+        (with bands: ``slabs`` not in ``batches`` then) the parts of ``slabs`` for bands
+        not held in place, those for the others written into their boxes (pieces whose
+        dtype does not fit returned to be set aside)."""
+        if self.bands is None:
+            return unpacked(batches, copy=True), [], []
+        return (unpacked(batches, copy=True),
+                *band_parts(self.bands, slabs, self.band_boxes))
 
     def _received(self, received: list[tuple[Index, int]], nbytes: int,
                   whole: Iterable[Slab] = ()) -> None:
@@ -474,6 +503,10 @@ class ArrayRechunk(PeerExchange):
         """Every output chunk of ``band`` (all complete), assembled from the parts of
         slabs kept for it and any pieces of its chunks, one band at a time."""
         assert self.bands is not None and self.buffer is not None
+        box = self.band_boxes.pop(band, None)
+        if box is not None:  # held in place
+            await self._produce_in_place(box)
+            return
         async with self.one_at_a_time:
             held = self.buffer.memory_bytes
             parts = await self.buffer.take(("band", band))
@@ -489,6 +522,26 @@ class ArrayRechunk(PeerExchange):
             for j, chunk in chunks.items():
                 await self.concierge.produce_key(self.key_of[j],
                                                  await self._handed_out(j, chunk))
+
+    async def _produce_in_place(self, box: TiledBox) -> None:
+        """Every output chunk of a band held in place: the tiles of ``box``, each
+        promoted where pieces of it were set aside (another dtype; pieces that came as
+        pieces and were buffered)."""
+        assert self.buffer is not None
+        declared = np.dtype(self.dtype)
+        for j in itertools.product(*box.layout.box):
+            chunk = box.chunk(j)
+            if not chunk.size:  # (no piece: the declared dtype, as buffered)
+                chunk = np.empty(chunk.shape, declared)
+            aside = self.aside.pop(j, [])
+            if self.buffer.holds(j):
+                aside += await self.buffer.take(j)
+            if aside:
+                async with self.one_at_a_time:
+                    chunk = await self.concierge.run_in_executor(
+                        promoted, chunk, aside, declared, j)
+            del aside
+            await self.concierge.produce_key(self.key_of[j], await self._handed_out(j, chunk))
 
     async def _handed_out(self, j: Index, chunk: np.ndarray) -> np.ndarray:
         """Output chunk ``j`` as it is produced: a masked array where it was assembled with
@@ -516,7 +569,9 @@ class ArrayRechunk(PeerExchange):
 
     def __sizeof__(self) -> int:
         return (super().__sizeof__() + sum(getattr(self, "written", {}).values())
-                + getattr(self, "box_written", 0))
+                + getattr(self, "box_written", 0)
+                + sum(a.nbytes for box in getattr(self, "band_boxes", {}).values()
+                      for a in box.parts.values()))
 
     async def stop(self) -> None:
         for task in list(getattr(self, "assembling", ())):
@@ -524,5 +579,6 @@ class ArrayRechunk(PeerExchange):
         if getattr(self, "outputs", None) is not None:
             self.outputs, self.written, self.aside = {}, {}, {}
             self.box, self.box_left = None, 0
+        self.band_boxes, self.aside = {}, {}
         await super().stop()
 
