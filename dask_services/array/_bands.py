@@ -8,6 +8,10 @@ reaches, a slice or two of it, and a band is assembled, as tiles of a few arrays
 (``TiledBox``), once every chunk in it has all its pieces.  Cutting every slab into a
 piece per output chunk instead cost microseconds of Python for each piece on its way in,
 to disk and back (a 1 GB time series into 20 x 20 tiles is 400,000 pieces).
+
+The first bands that fit a share of the budget are held in place instead: their boxes
+are allocated as their first slabs arrive and their parts written into them, so that a
+box a little larger than the budget is mostly written in place rather than all spilled.
 """
 
 from __future__ import annotations
