@@ -187,6 +187,27 @@ def boxed_rechunks(draw):
     return shape, old, new, tuple(box), order
 
 
+def boxed_setup(case):
+    """For a ``boxed_rechunks`` case: the array, the overlaps along each axis, the pieces
+    each output chunk expects along each axis, where output chunks start, the box's
+    layout."""
+    shape, old, new, box, _ = case
+    overlaps = [axis_overlaps(o, n) for o, n in zip(old, new, strict=True)]
+    new_starts = starts_of(new)
+    return (np.arange(math.prod(shape), dtype="f8").reshape(shape), overlaps,
+            pieces_per_output(overlaps, new), new_starts, TileLayout(box, new_starts))
+
+
+def arriving_blocks(a, old, order):
+    """Each input chunk of ``a`` (chunked ``old``) in ``order``: its index, where it
+    starts and the chunk."""
+    old_starts = starts_of(old)
+    for i in order:
+        at = tuple(old_starts[d][x] for d, x in enumerate(i))
+        yield i, at, a[tuple(slice(s, s + n) for s, n in zip(
+            at, (old[d][x] for d, x in enumerate(i)), strict=True))]
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(boxed_rechunks())
 def test_slabs_stand_for_the_pieces_of_their_box_and_count_as_them(case):
@@ -195,19 +216,12 @@ def test_slabs_stand_for_the_pieces_of_their_box_and_count_as_them(case):
     it; written in, every output chunk of the box is a C-ordered tile with numpy's
     values, and completes once, when its last piece arrives."""
     shape, old, new, box, order = case
-    a = np.arange(math.prod(shape), dtype="f8").reshape(shape)
-    overlaps = [axis_overlaps(o, n) for o, n in zip(old, new, strict=True)]
-    counts = pieces_per_output(overlaps, new)
-    new_starts, old_starts = starts_of(new), starts_of(old)
-    layout = TileLayout(box, new_starts)
+    a, overlaps, counts, new_starts, layout = boxed_setup(case)
     tiles = TiledBox(layout, np.dtype("f8"))
     count = BoxCount(box, counts)
     in_box = set(itertools.product(*box))
     completed = []
-    for i in order:
-        at = tuple(old_starts[d][x] for d, x in enumerate(i))
-        block = a[tuple(slice(s, s + n) for s, n in zip(
-            at, (old[d][x] for d, x in enumerate(i)), strict=True))]
+    for i, at, block in arriving_blocks(a, old, order):
         wanted = {(j, offset): piece for j, offset, piece in slice_block(block, i, overlaps)
                   if j in in_box}
         slabs = slabs_of(block, at, layout)
@@ -487,11 +501,7 @@ def test_parts_of_slabs_for_bands_make_numpys_chunks_when_the_band_completes(
     pieces, and assembled then from the parts kept so far (or its box's tiles), each
     chunk is a C-ordered tile with numpy's values."""
     shape, old, new, box, order = case
-    a = np.arange(math.prod(shape), dtype="f8").reshape(shape)
-    overlaps = [axis_overlaps(o, n) for o, n in zip(old, new, strict=True)]
-    counts = pieces_per_output(overlaps, new)
-    new_starts, old_starts = starts_of(new), starts_of(old)
-    layout = TileLayout(box, new_starts)
+    a, overlaps, counts, new_starts, layout = boxed_setup(case)
     bands = Bands(layout, 8, limit)
     in_place = bands.fitting(in_place_budget)
     assert sum(map(bands.nbytes, in_place)) <= in_place_budget
@@ -517,10 +527,7 @@ def test_parts_of_slabs_for_bands_make_numpys_chunks_when_the_band_completes(
     for j in itertools.product(*box):  # (no piece to wait for: complete at the start)
         if not math.prod(counts[d][jd] for d, jd in enumerate(j)):
             completed(j)
-    for i in order:
-        at = tuple(old_starts[d][x] for d, x in enumerate(i))
-        block = a[tuple(slice(s, s + n) for s, n in zip(
-            at, (old[d][x] for d, x in enumerate(i)), strict=True))]
+    for _, at, block in arriving_blocks(a, old, order):
         slabs = [slab.placed(layout, whole=False) for slab in slabs_of(block, at, layout)]
         for slab in slabs:
             reached = set(bands.reached(slab))

@@ -471,14 +471,7 @@ class ArrayRechunk(PeerExchange):
                 self.box_left -= 1
                 if not self.box_left:  # (its outputs, views of it, hold it from here on)
                     self.box = None
-            aside = self.aside.pop(j, None)
-            if aside:
-                # the chunk, its pieces set aside and its promoted copy: one at a time
-                async with self.one_at_a_time:
-                    chunk = await self.concierge.run_in_executor(
-                        promoted, chunk, aside, np.dtype(self.dtype), j)
-                del aside
-            await self.concierge.produce_key(self.key_of[j], await self._handed_out(j, chunk))
+            await self._promoted_and_produced(j, chunk, self.aside.pop(j, []))
             return
         async with self.one_at_a_time:
             assert self.buffer is not None
@@ -528,20 +521,24 @@ class ArrayRechunk(PeerExchange):
         promoted where pieces of it were set aside (another dtype; pieces that came as
         pieces and were buffered)."""
         assert self.buffer is not None
-        declared = np.dtype(self.dtype)
         for j in itertools.product(*box.layout.box):
             chunk = box.chunk(j)
             if not chunk.size:  # (no piece: the declared dtype, as buffered)
-                chunk = np.empty(chunk.shape, declared)
-            aside = self.aside.pop(j, [])
-            if self.buffer.holds(j):
-                aside += await self.buffer.take(j)
-            if aside:
-                async with self.one_at_a_time:
-                    chunk = await self.concierge.run_in_executor(
-                        promoted, chunk, aside, declared, j)
-            del aside
-            await self.concierge.produce_key(self.key_of[j], await self._handed_out(j, chunk))
+                chunk = np.empty(chunk.shape, np.dtype(self.dtype))
+            await self._promoted_and_produced(j, chunk, self.aside.pop(j, []) + (
+                await self.buffer.take(j) if self.buffer.holds(j) else []))
+
+    async def _promoted_and_produced(self, j: Index, chunk: np.ndarray,
+                                     aside: list[tuple[tuple[int, ...], np.ndarray]]) -> None:
+        """Output chunk ``j``, written in place, produced: promoted first where pieces of
+        it were set aside (``aside``: the chunk, those pieces and its promoted copy, one
+        chunk at a time)."""
+        if aside:
+            async with self.one_at_a_time:
+                chunk = await self.concierge.run_in_executor(
+                    promoted, chunk, aside, np.dtype(self.dtype), j)
+        del aside
+        await self.concierge.produce_key(self.key_of[j], await self._handed_out(j, chunk))
 
     async def _handed_out(self, j: Index, chunk: np.ndarray) -> np.ndarray:
         """Output chunk ``j`` as it is produced: a masked array where it was assembled with
