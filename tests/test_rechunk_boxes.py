@@ -515,7 +515,7 @@ def test_parts_of_slabs_for_bands_make_numpys_chunks_when_the_band_completes(
         band = bands.completes(j)
         if band is not None:
             assert not set(itertools.product(*bands.box(band))) & set(assembled)
-            band_layout = TileLayout(bands.box(band), new_starts)
+            band_layout = bands.layout_of(band)
             if band in boxes:
                 assert band not in kept
                 assembled.update((j, boxes[band].chunk(j))
@@ -532,7 +532,7 @@ def test_parts_of_slabs_for_bands_make_numpys_chunks_when_the_band_completes(
         for slab in slabs:
             reached = set(bands.reached(slab))
             for band in reached & set(in_place) - set(boxes):
-                boxes[band] = TiledBox(TileLayout(bands.box(band), new_starts), slab.dtype)
+                boxes[band] = TiledBox(bands.layout_of(band), slab.dtype)
             parts, aside = band_parts(bands, [slab], boxes)
             assert aside == []
             assert len({band for band, _, _ in parts}) == len(parts)
@@ -577,7 +577,7 @@ def test_a_part_that_does_not_fit_its_band_held_in_place_is_set_aside_as_pieces(
     layout = TileLayout((range(1), range(2)), starts)
     bands = Bands(layout, 8, 32)  # one chunk per band
     assert bands.steps == (1, 1) and bands.fitting(32) == [(0, 0)]
-    boxes = {(0, 0): TiledBox(TileLayout(bands.box((0, 0)), starts), np.dtype("i8"))}
+    boxes = {(0, 0): TiledBox(bands.layout_of((0, 0)), np.dtype("i8"))}
     (ints,) = slabs_of(np.array([[1, 2, 3, 4]], "i4"), (0, 0), layout)
     parts, aside = band_parts(bands, [ints.placed(layout, whole=False)], boxes)
     # the band in place: written (i4 fits i8); the other kept as a copy

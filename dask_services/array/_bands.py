@@ -83,6 +83,10 @@ class Bands:
         return tuple(range(r.start + b * s, min(r.start + (b + 1) * s, r.stop))
                      for b, r, s in zip(band, self.layout.box, self.steps, strict=True))
 
+    def layout_of(self, band: Band) -> TileLayout:
+        """How ``band``'s chunks are held as tiles (its own ``TileLayout``)."""
+        return TileLayout(self.box(band), self.layout.starts)
+
     def nbytes(self, band: Band) -> int:
         """The bytes of ``band``'s chunks together."""
         starts = self.layout.starts

@@ -381,9 +381,8 @@ class ArrayRechunk(PeerExchange):
         for slab in slabs:
             for band in self.bands.reached(slab):
                 if band in self.in_place_bands and band not in self.band_boxes:
-                    self.band_boxes[band] = TiledBox(
-                        TileLayout(self.bands.box(band), self.bands.layout.starts),
-                        slab.dtype)
+                    self.band_boxes[band] = TiledBox(self.bands.layout_of(band),
+                                                     slab.dtype)
 
     def _buffered(self, batches: list[list[Piece | PackedPieces | Slab]], slabs: list[Slab]
                   ) -> tuple[list[Piece], list[tuple[Band, BandPart, int]], list[Piece]]:
@@ -503,7 +502,7 @@ class ArrayRechunk(PeerExchange):
         async with self.one_at_a_time:
             held = self.buffer.memory_bytes
             parts = await self.buffer.take(("band", band))
-            layout = TileLayout(self.bands.box(band), self.bands.layout.starts)
+            layout = self.bands.layout_of(band)
             loose = {j: await self.buffer.take(j)
                      for j in itertools.product(*layout.box) if self.buffer.holds(j)}
             chunks = await self.concierge.run_in_executor(
